@@ -1,0 +1,187 @@
+"""The backend interface: what a device must do for the probes.
+
+Every backend (CPU reference, CUDA) hands out ``Device`` objects that speak torch
+tensors living on that device. The probes never look inside a backend; they call
+``generate``, ``checked_gemm``, ``reference_checksums`` and ``fingerprint`` and compare.
+
+GEMM convention: C[M, N] = A[M, K] · B[K, N], bf16 in, fp32 accumulate, bf16 out.
+Operands are *stored* as training stores them (see ``Layout``); ``GemmOperands``
+gives the logical M×K / K×N views.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is heavy; import lazily at run time
+    import torch
+
+    from aegis_cli.inject import FaultPlan
+
+
+class Layout(str, enum.Enum):
+    """How a training GEMM stores its operands.
+
+    fwd:   Y = X·Wᵀ   A = X stored (M, K);  B = Wᵀ, stored as W (N, K)
+    dgrad: dX = dY·W  A = dY stored (M, K); B = W stored (K, N)
+    wgrad: dW = dYᵀ·X A = dYᵀ, stored as dY (K, M); B = X stored (K, N)
+    """
+
+    FWD = "fwd"
+    DGRAD = "dgrad"
+    WGRAD = "wgrad"
+
+    def a_stored_shape(self, m: int, k: int) -> tuple[int, int]:
+        return (k, m) if self is Layout.WGRAD else (m, k)
+
+    def b_stored_shape(self, k: int, n: int) -> tuple[int, int]:
+        return (n, k) if self is Layout.FWD else (k, n)
+
+
+@dataclass(frozen=True)
+class DeviceIdentity:
+    """Who a device is. ``uuid`` identifies the physical device across reboots."""
+
+    backend: str  # "cpu" | "cuda"
+    index: int
+    name: str
+    uuid: str
+    host: str
+    serial: str | None = None
+    pci_bus_id: str | None = None
+    driver: str | None = None
+    extra: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        return f"{self.backend}:{self.index}"
+
+    def to_dict(self) -> dict:
+        return {
+            "id": self.id,
+            "backend": self.backend,
+            "index": self.index,
+            "name": self.name,
+            "uuid": self.uuid,
+            "serial": self.serial,
+            "pci_bus_id": self.pci_bus_id,
+            "driver": self.driver,
+            "host": self.host,
+            **({"extra": dict(self.extra)} if self.extra else {}),
+        }
+
+
+@dataclass
+class GemmOperands:
+    """Stored operands of one GEMM plus its layout."""
+
+    a: torch.Tensor  # bf16, stored shape per layout
+    b: torch.Tensor  # bf16, stored shape per layout
+    layout: Layout
+
+    @property
+    def a_mk(self) -> torch.Tensor:  # (M, K) view
+        return self.a.t() if self.layout is Layout.WGRAD else self.a
+
+    @property
+    def b_kn(self) -> torch.Tensor:  # (K, N) view
+        return self.b.t() if self.layout is Layout.FWD else self.b
+
+    @property
+    def mnk(self) -> tuple[int, int, int]:
+        m, k = self.a_mk.shape
+        return m, self.b_kn.shape[1], k
+
+
+@dataclass
+class GemmResult:
+    """What a checked GEMM returns.
+
+    row_sums[i, t] = Σ_{j in column tile t} acc[i, j]   fp32, (M, ceil(N/tn))
+    col_sums[t, j] = Σ_{i in row tile t} acc[i, j]      fp32, (ceil(M/tm), N)
+    Both are taken from the fp32 accumulator before bf16 rounding, in a fixed order.
+    """
+
+    c: torch.Tensor  # (M, N) bf16
+    row_sums: torch.Tensor
+    col_sums: torch.Tensor
+    tile: tuple[int, int]  # (tm, tn): checksum granularity
+    tile_sm: torch.Tensor | None = None  # int32 (ceil(M/tm), ceil(N/tn)): SM that ran each tile
+    kernel: str = ""  # which kernel/variant ran, for evidence
+    injected: bool = False  # a fault plan touched this launch
+
+
+@dataclass
+class ReferenceChecksums:
+    """fp64 checksums computed on a path independent of the one that produced C.
+
+    row[i, t] = Σ_k A[i, k] · (Σ_{j in tile t} B[k, j]);  row_scale the same with |A|, |B|
+    col[t, j] = Σ_k (Σ_{i in tile t} A[i, k]) · B[k, j];  col_scale likewise
+    The scales are the magnitudes the sums are made of (DESIGN §2.1 normalisation).
+    """
+
+    row: torch.Tensor  # fp64 (M, ceil(N/tn))
+    col: torch.Tensor  # fp64 (ceil(M/tm), N)
+    row_scale: torch.Tensor  # fp64, same shape as row
+    col_scale: torch.Tensor  # fp64, same shape as col
+
+
+class Device(abc.ABC):
+    """One device a scan can run on."""
+
+    identity: DeviceIdentity
+    tile: tuple[int, int]  # checksum tile (tm, tn) of this device's checked GEMM
+
+    @abc.abstractmethod
+    def generate(self, shape: tuple[int, ...], dist: str, seed: int) -> torch.Tensor:
+        """Seeded bf16 tensor of ``shape`` drawn from ``dist`` (see numerics.DISTRIBUTIONS),
+        generated on this device. Same (shape, dist, seed) → same bits on this backend."""
+
+    @abc.abstractmethod
+    def checked_gemm(self, ops: GemmOperands, fault: FaultPlan | None = None, *, op: str = "",
+                     clean_median: float | None = None) -> GemmResult:
+        """Run C = A·B with fused fp32-accumulator checksums; apply ``fault`` where
+        the hardware fault it models would act (``op`` names the case for the fault's
+        filters, ``clean_median`` scales perturbation faults). Synchronises and checks
+        errors; raises DeviceError when the device fails."""
+
+    @abc.abstractmethod
+    def reference_checksums(self, ops: GemmOperands, tile: tuple[int, int]) -> ReferenceChecksums:
+        """fp64 reference checksums read from the stored operands (not from the
+        tiles that fed the matrix unit)."""
+
+    @abc.abstractmethod
+    def fingerprint(self, t: torch.Tensor) -> int:
+        """64-bit fingerprint of the tensor's raw bits (aegis_cli.fingerprint)."""
+
+    def synchronize(self) -> None:  # noqa: B027 - CPU needs nothing
+        """Wait for queued work; raise DeviceError on an asynchronous failure."""
+
+    def to_host(self, t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to("cpu")
+
+    def describe(self) -> dict:
+        """Backend-specific facts for ``aegis info`` and reports (versions, caches)."""
+        return {}
+
+
+class Backend(abc.ABC):
+    """A family of devices (all CPUs, all CUDA GPUs)."""
+
+    name: str
+
+    @abc.abstractmethod
+    def available(self) -> bool:
+        """True when at least one device of this backend can run (no side effects
+        beyond probing the driver)."""
+
+    @abc.abstractmethod
+    def devices(self) -> list[Device]:
+        """Every device of this backend on the node."""
+
+    @abc.abstractmethod
+    def device(self, index: int) -> Device:
+        """One device by index; DeviceError when there is no such device."""

@@ -1,0 +1,132 @@
+"""CPU reference backend (torch on the host).
+
+The "device" is the host CPU. The checked GEMM multiplies the bf16 operands exactly in
+fp32 (bf16·bf16 products are exact in fp32) with fp32 accumulation, takes row/column
+checksums from that accumulator in fp64 (exact sums of the fp32 values up to a final
+rounding), then rounds C to bf16 — the same contract as the GPU kernels.
+
+Several simulated devices (``cpu:0``, ``cpu:1`` …) can be asked for, to exercise
+node-level logic (sweeps, cross-device comparison) on one machine; each has its own id.
+Tiles are assigned to ``SIM_SMS`` simulated multiprocessors round-robin so SM-pinned
+fault models have something to pin to.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import socket
+from functools import cache
+
+import numpy as np
+import torch
+
+from aegis_cli import corrupt, fingerprint, numerics
+from aegis_cli.backends.base import Backend, Device, DeviceIdentity, GemmOperands, GemmResult, ReferenceChecksums
+from aegis_cli.errors import DeviceError
+from aegis_cli.inject import FaultPlan, LaunchContext
+
+CPU_TILE = (128, 128)
+SIM_SMS = 16
+
+
+@cache
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+@cache
+def _machine_id() -> str:
+    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+        try:
+            with open(path, encoding="utf-8") as fh:
+                mid = fh.read().strip()
+                if mid:
+                    return mid
+        except OSError:
+            continue
+    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:32]
+
+
+class CpuDevice(Device):
+    def __init__(self, index: int = 0):
+        self.tile = CPU_TILE
+        self.identity = DeviceIdentity(
+            backend="cpu",
+            index=index,
+            name=_cpu_name(),
+            uuid=f"CPU-{_machine_id()[:24]}-{index}",
+            host=socket.gethostname(),
+            extra={"threads": str(torch.get_num_threads()), "simulated": "yes" if index else "no"},
+        )
+
+    def generate(self, shape: tuple[int, ...], dist: str, seed: int) -> torch.Tensor:
+        return numerics.generate_bf16(shape, dist, seed, "cpu")
+
+    def checked_gemm(self, ops: GemmOperands, fault: FaultPlan | None = None, op: str = "",
+                     clean_median: float | None = None) -> GemmResult:
+        m, n, _ = ops.mnk
+        tm, tn = self.tile
+        a_mk, b_kn = ops.a_mk, ops.b_kn
+        ctx = None
+        if fault is not None:
+            tile_sm = _tile_sm(m, n, self.tile)
+            ctx = LaunchContext(self.identity.id, op, self.tile, tile_sm, clean_median)
+            a_mk, b_kn = corrupt.apply_operands(fault, ctx, a_mk, b_kn)
+        acc = a_mk.float() @ b_kn.float()  # (M, N) fp32 accumulator
+        if fault is not None:
+            corrupt.apply_acc(fault, ctx, acc, a_mk, b_kn)
+        acc64 = acc.double()
+        row_sums = numerics.sum_col_tiles(acc64, tn).float()
+        col_sums = numerics.sum_row_tiles(acc64, tm).float()
+        c = acc.to(torch.bfloat16)
+        if fault is not None:
+            corrupt.apply_out(fault, ctx, c)
+            fault.launches += 1
+        return GemmResult(c=c, row_sums=row_sums, col_sums=col_sums, tile=self.tile,
+                          tile_sm=torch.from_numpy(_tile_sm(m, n, self.tile)), kernel="cpu-fp32acc",
+                          injected=fault is not None)
+
+    def reference_checksums(self, ops: GemmOperands, tile: tuple[int, int]) -> ReferenceChecksums:
+        return numerics.reference_checksums(ops, tile)
+
+    def fingerprint(self, t: torch.Tensor) -> int:
+        return fingerprint.fingerprint(t)
+
+    def describe(self) -> dict:
+        return {"torch": torch.__version__, "threads": torch.get_num_threads(), "simulated_sms": SIM_SMS}
+
+
+def _tile_sm(m: int, n: int, tile: tuple[int, int]) -> np.ndarray:
+    tm_n, tn_n = -(-m // tile[0]), -(-n // tile[1])
+    return (np.arange(tm_n * tn_n, dtype=np.int32) % SIM_SMS).reshape(tm_n, tn_n)
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+
+    def __init__(self, n_devices: int | None = None):
+        env = os.environ.get("AEGIS_CPU_DEVICES", "1")
+        try:
+            self.n_devices = n_devices if n_devices is not None else max(1, int(env))
+        except ValueError:
+            raise DeviceError(f"AEGIS_CPU_DEVICES={env!r} is not a positive integer") from None
+
+    def available(self) -> bool:
+        return True
+
+    def devices(self) -> list[Device]:
+        return [CpuDevice(i) for i in range(self.n_devices)]
+
+    def device(self, index: int) -> Device:
+        if not 0 <= index < self.n_devices:
+            raise DeviceError(f"no device cpu:{index} (this node has cpu:0…cpu:{self.n_devices - 1}; set AEGIS_CPU_DEVICES to simulate more)")
+        return CpuDevice(index)

@@ -1,0 +1,103 @@
+"""The one loader for CUDA kernels: ``kernels/*.cu`` → CuPy RawModule.
+
+Kernels are real source files (never Python strings). Modules are compiled once per
+(source hash, defines, options, name expressions) in this process, and CuPy caches the
+binaries on disk (``cache_dir()``), keyed by source and options. The source hash of
+every kernel is stamped in reports (``kernel_hashes``).
+
+Importing this module does not import CuPy or touch CUDA.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from functools import cache
+from pathlib import Path
+
+_LOCK = threading.Lock()
+_MODULES: dict[tuple, object] = {}
+COMPILE_LOG: list[dict] = []  # one entry per compilation: name, seconds, options
+
+
+def kernel_dir() -> Path:
+    """``kernels/`` beside the package in a checkout, ``aegis_cli/_data/kernels`` in a wheel."""
+    here = Path(__file__).resolve().parent.parent
+    for cand in (here.parent / "kernels", here / "_data" / "kernels"):
+        if cand.is_dir():
+            return cand
+    raise FileNotFoundError("aegis kernels directory not found (broken install?)")
+
+
+def kernel_path(name: str) -> Path:
+    path = kernel_dir() / name
+    if not path.is_file():
+        raise FileNotFoundError(f"kernel source {name} not found in {kernel_dir()}")
+    return path
+
+
+@cache
+def source_hash(name: str) -> str:
+    """SHA-256 of a kernel file plus the headers of kernels/ it may include."""
+    h = hashlib.sha256()
+    h.update(kernel_path(name).read_bytes())
+    for hdr in sorted(kernel_dir().glob("*.cuh")):
+        h.update(hdr.name.encode())
+        h.update(hdr.read_bytes())
+    return h.hexdigest()
+
+
+def kernel_hashes() -> dict[str, str]:
+    """{file: sha256[:16]} for every kernel source shipped."""
+    try:
+        d = kernel_dir()
+    except FileNotFoundError:
+        return {}
+    return {p.name: source_hash(p.name)[:16] for p in sorted(d.glob("*.cu"))}
+
+
+def cache_dir() -> str:
+    """Where CuPy keeps compiled kernels on disk."""
+    return os.environ.get("CUPY_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cupy", "kernel_cache"))
+
+
+def arch_options(device_id: int, need_sm90a: bool = False) -> tuple[str, ...]:
+    """``-arch`` for the device; sm_90a (wgmma, setmaxnreg) only when asked and available."""
+    import cupy
+
+    cc = cupy.cuda.Device(device_id).compute_capability  # e.g. "90"
+    if need_sm90a:
+        if cc != "90":
+            raise RuntimeError(f"kernel needs sm_90a (Hopper), device has sm_{cc}")
+        return ("-arch=sm_90a",)
+    return (f"-arch=sm_{cc}",)
+
+
+def get_module(name: str, *, defines: dict[str, object] | None = None, options: tuple[str, ...] = (),
+               name_expressions: tuple[str, ...] = (), device_id: int = 0, need_sm90a: bool = False):
+    """Compiled RawModule for ``kernels/<name>`` with ``#define``s prepended.
+
+    Compile errors surface as the CuPy exception with NVRTC's log. The first compile of
+    each variant is timed into COMPILE_LOG.
+    """
+    import cupy
+
+    defs = tuple(sorted((defines or {}).items()))
+    arch = arch_options(device_id, need_sm90a)
+    key = (name, source_hash(name), defs, options, arch, name_expressions, device_id)
+    with _LOCK:
+        mod = _MODULES.get(key)
+        if mod is not None:
+            return mod
+        code = "".join(f"#define {k} {v}\n" for k, v in defs) + kernel_path(name).read_text(encoding="utf-8")
+        opts = ("--std=c++17", f"-I{kernel_dir()}", *arch, *options)
+        t0 = time.perf_counter()
+        with cupy.cuda.Device(device_id):
+            mod = cupy.RawModule(code=code, options=opts, name_expressions=name_expressions or None)
+            mod.compile()
+        COMPILE_LOG.append({"kernel": name, "defines": dict(defs), "seconds": round(time.perf_counter() - t0, 3),
+                            "options": list(opts)})
+        _MODULES[key] = mod
+        return mod

@@ -1,0 +1,117 @@
+"""YAML input → typed dataclasses, with errors that name the file, key and line.
+
+YAML is only an input format: ``yaml.safe_load`` semantics (composed via the safe
+loader so every key keeps its line), unknown keys rejected, values type-checked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from aegis_cli.errors import ConfigError
+
+
+class Located(dict):
+    """A mapping that remembers the line of each key (1-based)."""
+
+    lines: dict[str, int]
+    line: int
+
+
+def _construct(node: yaml.Node) -> Any:
+    if isinstance(node, yaml.MappingNode):
+        out = Located()
+        out.lines, out.line = {}, node.start_mark.line + 1
+        for k, v in node.value:
+            key = _construct(k)
+            if not isinstance(key, str):
+                raise ConfigError(f"line {k.start_mark.line + 1}: keys must be strings, got {key!r}")
+            if key in out:
+                raise ConfigError(f"line {k.start_mark.line + 1}: duplicate key {key!r}")
+            out[key] = _construct(v)
+            out.lines[key] = k.start_mark.line + 1
+        return out
+    if isinstance(node, yaml.SequenceNode):
+        return [_construct(v) for v in node.value]
+    return yaml.safe_load(yaml.serialize(node))
+
+
+def load_yaml(path: Path) -> Any:
+    """Parse a YAML file safely; ConfigError names the file and line on any problem."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read ({exc})") from None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{path}:{where}: malformed YAML: {problem}") from None
+    if node is None:
+        raise ConfigError(f"{path}: empty file")
+    try:
+        return _construct(node)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: malformed YAML: {str(exc).splitlines()[0]}") from None
+
+
+def _where(src: str, data: Any, key: str | None = None) -> str:
+    if isinstance(data, Located):
+        line = data.lines.get(key, data.line) if key else data.line
+        return f"{src}: line {line}"
+    return src
+
+
+def _coerce(value: Any, tp: Any, src: str, parent: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (tp,) = [a for a in args if a is not type(None)]
+        return _coerce(value, tp, src, parent, key)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, src)
+    if origin in (list, tuple):
+        if not isinstance(value, list):
+            raise ConfigError(f"{_where(src, parent, key)}: {key} must be a list, got {type(value).__name__}")
+        inner = args[0] if args else Any
+        items = [_coerce(v, inner, src, parent, key) for v in value]
+        return tuple(items) if origin is tuple else items
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float, str, bool) and (not isinstance(value, tp) or (tp is int and isinstance(value, bool))):
+        raise ConfigError(f"{_where(src, parent, key)}: {key} must be {tp.__name__}, got {value!r}")
+    return value
+
+
+def from_dict(cls: type, data: Any, src: str) -> Any:
+    """Build dataclass ``cls`` from a mapping; unknown or missing keys raise ConfigError."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{_where(src, data)}: expected a mapping for {cls.__name__}, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    for key in data:
+        if key not in fields:
+            raise ConfigError(f"{_where(src, data, key)}: unknown key {key!r} (allowed: {', '.join(fields)})")
+    kwargs = {k: _coerce(v, hints[k], src, data, k) for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        missing = [n for n, f in fields.items() if n not in data and f.default is dataclasses.MISSING
+                   and f.default_factory is dataclasses.MISSING]
+        raise ConfigError(f"{_where(src, data)}: missing key(s) {', '.join(missing) or '?'} for {cls.__name__}") from exc
+    except ConfigError as exc:
+        raise ConfigError(f"{_where(src, data)}: {exc}") from None

@@ -1,0 +1,179 @@
+"""Torch implementations of the fault models in ``inject`` (CPU reference path).
+
+The CPU backend calls ``apply_operands`` on the operand tiles it feeds the product,
+``apply_acc`` on the fp32 accumulator before the fused checksums, and ``apply_out`` on the
+bf16 output. The CUDA backend applies the same models inside its kernels.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from aegis_cli.inject import BIT_CLASSES, KSTEP, FaultPlan, FaultSpec, LaunchContext
+
+_INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+_BIT_RANGES = {  # element bits → {class: (lo, hi) inclusive}
+    32: {"sign": (31, 31), "exp": (23, 30), "mant": (0, 22), "hi-mant": (16, 22), "lo-mant": (0, 6)},
+    16: {"sign": (15, 15), "exp": (7, 14), "mant": (0, 6), "hi-mant": (4, 6), "lo-mant": (0, 2)},
+}
+MAX_RECORDED = 16
+
+
+def _signed(mask: int, bits: int) -> int:
+    mask &= (1 << bits) - 1
+    return mask - (1 << bits) if mask >= 1 << (bits - 1) else mask
+
+
+def _pick_bit(spec: str, bits: int, rng: np.random.Generator) -> int:
+    if spec in BIT_CLASSES:
+        lo, hi = _BIT_RANGES[bits][spec]
+        return int(rng.integers(lo, hi + 1))
+    return int(spec, 0) % bits
+
+
+def _xor_flat(x: torch.Tensor, flat_idx: torch.Tensor, masks: torch.Tensor) -> None:
+    """x.flat[idx] ^= masks (masks already as the signed int view dtype)."""
+    iv = x.view(_INT_VIEW[x.dtype]).reshape(-1)
+    iv[flat_idx] = iv[flat_idx] ^ masks
+
+
+def _positions(f: FaultSpec, shape: tuple[int, int], rng: np.random.Generator, count: int) -> np.ndarray:
+    """Flat indices of ``count`` distinct elements; row=/col= pin one coordinate."""
+    m, n = shape
+    rows = np.full(count, int(f.get("row"), 0) % m) if f.get("row") else rng.integers(0, m, count)
+    cols = np.full(count, int(f.get("col"), 0) % n) if f.get("col") else rng.integers(0, n, count)
+    return np.unique(rows * n + cols)
+
+
+def _record(plan: FaultPlan, f: FaultSpec, ctx: LaunchContext, shape, flat: np.ndarray, **what) -> None:
+    n = shape[1]
+    pos = [[int(i // n), int(i % n)] for i in flat[:MAX_RECORDED]]
+    plan.record(f, ctx, target=f.target, elements=int(flat.size), positions=pos, **what)
+
+
+def _elementwise(plan: FaultPlan, f: FaultSpec, rng: np.random.Generator, ctx: LaunchContext, x: torch.Tensor) -> None:
+    """bitflip / mask / stuck-lane / replace on a 2-D fp32 or bf16 tensor, in place."""
+    bits = x.element_size() * 8
+    numel = x.numel()
+    if f.model in ("bitflip", "mask"):
+        flat = _positions(f, tuple(x.shape), rng, int(f.get("count", "1")))
+        if f.model == "bitflip":
+            masks = [1 << _pick_bit(f.get("bit", "exp"), bits, rng) for _ in flat]
+        else:
+            masks = [int(f.get("mask"), 0)] * flat.size
+        m = torch.tensor([_signed(v, bits) for v in masks], dtype=_INT_VIEW[x.dtype])
+        _xor_flat(x, torch.from_numpy(flat), m)
+        _record(plan, f, ctx, x.shape, flat, masks=[f"0x{v & ((1 << bits) - 1):x}" for v in masks[:MAX_RECORDED]])
+    elif f.model == "stuck-lane":
+        stride, offset = int(f.get("stride", "32")), int(f.get("offset", "0"), 0)
+        flat = np.arange(offset % stride, numel, stride)
+        mask = int(f.get("mask"), 0)
+        _xor_flat(x, torch.from_numpy(flat), torch.full((flat.size,), _signed(mask, bits), dtype=_INT_VIEW[x.dtype]))
+        _record(plan, f, ctx, x.shape, flat, masks=[f"0x{mask & ((1 << bits) - 1):x}"], stride=stride)
+    elif f.model == "replace":
+        span = f.get("span", "1")
+        if span == "random":
+            start = int(rng.integers(0, numel))
+            length = int(rng.integers(1, numel - start + 1))
+        else:
+            length = int(span)
+            anchor = _positions(f, tuple(x.shape), rng, 1)[0]
+            start = int(anchor - anchor % length)
+            length = min(length, numel - start)
+        flat = np.arange(start, start + length)
+        xf = x.reshape(-1)
+        how = f.get("value", "flip")
+        idx = torch.from_numpy(flat)
+        if how == "zero":
+            xf[idx] = 0
+        elif how == "copy":
+            src = rng.integers(0, numel, flat.size)
+            xf[idx] = xf[torch.from_numpy(src)].clone()
+        elif how == "random":
+            raw = rng.integers(0, 1 << bits, flat.size, dtype=np.uint64)
+            exp_hi = 1 << (bits - 2)  # top exponent bit: clearing it keeps the value finite
+            raw = np.where((raw >> np.uint64(bits - 9 if bits == 32 else 7)) & np.uint64(0xFF) == 0xFF, raw & ~np.uint64(exp_hi), raw)
+            vals = torch.tensor([_signed(int(v), bits) for v in raw], dtype=_INT_VIEW[x.dtype])
+            x.view(_INT_VIEW[x.dtype]).reshape(-1)[idx] = vals
+        else:  # flip: one random bit in each element of the run
+            masks = torch.tensor([_signed(1 << int(b), bits) for b in rng.integers(0, bits, flat.size)], dtype=_INT_VIEW[x.dtype])
+            _xor_flat(x, idx, masks)
+        _record(plan, f, ctx, x.shape, flat, span=span, value=how)
+
+
+def apply_operands(plan: FaultPlan, ctx: LaunchContext, a_mk: torch.Tensor, b_kn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Operand faults: corrupt copies of the tiles fed to the matrix unit (A: M×K, B: K×N)."""
+    for f, rng in plan.active(ctx, "operands"):
+        if f.target == "a":
+            a_mk = a_mk.clone()
+            _elementwise(plan, f, rng, ctx, a_mk)
+        else:
+            b_kn = b_kn.clone()
+            _elementwise(plan, f, rng, ctx, b_kn)
+    return a_mk, b_kn
+
+
+def _tiles_for(f: FaultSpec, ctx: LaunchContext, tiles: tuple[int, int], rng: np.random.Generator) -> list[tuple[int, int]]:
+    tm_n, tn_n = tiles
+    total = tm_n * tn_n
+    if f.get("tile"):
+        i, j = (int(x) for x in f.get("tile").split("."))
+        return [(i % tm_n, j % tn_n)]
+    if f.get("every"):
+        return [divmod(lin, tn_n) for lin in range(0, total, int(f.get("every")))]
+    if f.get("sm") is not None:
+        if ctx.tile_sm is None:
+            return []
+        sm = int(f.get("sm"))
+        return [(int(i), int(j)) for i, j in zip(*np.nonzero(ctx.tile_sm == sm), strict=True)]
+    return [divmod(int(rng.integers(0, total)), tn_n)]
+
+
+def apply_acc(plan: FaultPlan, ctx: LaunchContext, acc: torch.Tensor, a_mk: torch.Tensor, b_kn: torch.Tensor) -> None:
+    """Accumulator faults, in place on the fp32 (M, N) accumulator, before the checksums."""
+    m, n = acc.shape
+    tm, tn = ctx.tile
+    for f, rng in plan.active(ctx, "acc"):
+        if f.model in ("bitflip", "mask", "stuck-lane", "replace"):
+            _elementwise(plan, f, rng, ctx, acc)
+        elif f.model == "perturb":
+            if ctx.clean_median is None:
+                raise RuntimeError("perturb fault needs the clean median checksum difference")
+            rate, r = float(f.get("rate", "2e-4")), float(f.get("r"))
+            # per launch: a fresh draw of which elements are hit (a transient-rate fault)
+            prng = np.random.default_rng([f.seed, plan.launches, 0x9E7])
+            hit = np.flatnonzero(prng.random(m * n) < rate)
+            signs = prng.choice([-1.0, 1.0], hit.size)
+            delta = torch.from_numpy(signs * r * ctx.clean_median).to(acc.dtype)
+            acc.reshape(-1)[torch.from_numpy(hit)] += delta
+            _record(plan, f, ctx, acc.shape, hit, magnitude=r * ctx.clean_median)
+        elif f.model == "row":
+            i = int(f.get("row"), 0) % m if f.get("row") else int(rng.integers(0, m))
+            acc[i] = 0.0 if f.get("mode", "zero") == "zero" else float(f.get("value", "1.0"))
+            _record(plan, f, ctx, acc.shape, np.arange(i * n, (i + 1) * n), row=i, mode=f.get("mode", "zero"))
+        elif f.model == "tile":
+            mode = f.get("mode", "zero")
+            tiles = _tiles_for(f, ctx, (-(-m // tm), -(-n // tn)), rng)
+            for ti, tj in tiles:
+                rs, cs = slice(ti * tm, min(m, (ti + 1) * tm)), slice(tj * tn, min(n, (tj + 1) * tn))
+                if mode == "zero":
+                    acc[rs, cs] = 0.0
+                elif mode == "stuck":
+                    acc[rs, cs] = float(f.get("value", "1.0"))
+                elif mode == "shift":  # wrong-address read: the A block one tile further down
+                    rows = (torch.arange(rs.start, rs.stop) + tm) % m
+                    acc[rs, cs] = a_mk[rows].float() @ b_kn[:, cs].float()
+                else:  # skipk: one k-block never accumulated
+                    k = a_mk.shape[1]
+                    kb = int(f.get("kstep")) if f.get("kstep") else int(rng.integers(0, -(-k // KSTEP)))
+                    ks = slice(kb * KSTEP % max(k, 1), min(k, kb * KSTEP % max(k, 1) + KSTEP))
+                    acc[rs, cs] -= a_mk[rs, ks].float() @ b_kn[ks, cs].float()
+            plan.record(f, ctx, target="acc", mode=mode, tiles=[list(t) for t in tiles[:MAX_RECORDED]], n_tiles=len(tiles),
+                        sms=sorted({int(ctx.tile_sm[t]) for t in tiles})[:MAX_RECORDED] if ctx.tile_sm is not None else None)
+
+
+def apply_out(plan: FaultPlan, ctx: LaunchContext, c: torch.Tensor) -> None:
+    """Output faults, in place on the bf16 (M, N) output after the epilogue."""
+    for f, rng in plan.active(ctx, "out"):
+        _elementwise(plan, f, rng, ctx, c)

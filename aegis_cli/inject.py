@@ -1,0 +1,220 @@
+"""Fault models for self-tests and ``aegis scan --inject`` (DESIGN §4).
+
+Grammar (docs/fault-injection.md)::
+
+    SPEC  := FAULT (';' FAULT)*
+    FAULT := MODEL [':' KEY '=' VALUE (',' KEY '=' VALUE)*]
+
+Each fault acts where the hardware fault it models would act:
+- target=acc  the fp32 accumulator, before the fused checksums (a matrix-unit fault);
+- target=out  the bf16 output after the epilogue (a store-path fault; checksums don't see it);
+- target=a|b  an operand tile as the matrix unit read it (the reference reads global memory,
+              so the error spreads along a row or column of C and the checksum sees it).
+A fault is permanent by default (fires on every launch, at positions fixed by its seed);
+``prob=p`` makes it intermittent. The backend calls ``FaultPlan`` at each stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from aegis_cli.errors import InjectSpecError
+
+MODELS = {
+    # model: (allowed keys beyond the common ones, allowed targets)
+    "bitflip": ({"bit", "count", "row", "col"}, {"acc", "out", "a", "b"}),
+    "mask": ({"mask", "count", "row", "col"}, {"acc", "out", "a", "b"}),
+    "stuck-lane": ({"mask", "stride", "offset"}, {"acc", "out"}),
+    "replace": ({"span", "value", "row", "col"}, {"acc", "out", "a", "b"}),
+    "perturb": ({"rate", "r"}, {"acc"}),
+    "tile": ({"mode", "tile", "every", "sm", "value", "kstep"}, {"acc"}),
+    "row": ({"mode", "row", "value"}, {"acc"}),
+}
+COMMON_KEYS = {"target", "prob", "seed", "device", "op"}
+BIT_CLASSES = ("sign", "exp", "mant", "hi-mant", "lo-mant")
+TILE_MODES = ("zero", "stuck", "shift", "skipk")
+SPANS = ("1", "16", "64", "random")
+VALUES = ("flip", "random", "copy", "zero")
+KSTEP = 64  # the k-block a skipped-k-step fault drops (the kernels' k tile)
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    model: str
+    params: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def target(self) -> str:
+        return self.params.get("target", "acc")
+
+    @property
+    def prob(self) -> float:
+        return float(self.params.get("prob", "1"))
+
+    @property
+    def seed(self) -> int:
+        return int(self.params.get("seed", "0"), 0)
+
+    def get(self, key: str, default: str | None = None) -> str | None:
+        return self.params.get(key, default)
+
+    def __str__(self) -> str:
+        kv = ",".join(f"{k}={v}" for k, v in self.params.items())
+        return f"{self.model}:{kv}" if kv else self.model
+
+    def applies_to(self, device_id: str, op: str) -> bool:
+        dev = self.params.get("device")
+        sub = self.params.get("op")
+        return (dev is None or dev == device_id) and (sub is None or sub in op)
+
+
+def _check_int(spec: str, key: str, value: str, lo: int = 0) -> None:
+    try:
+        v = int(value, 0)
+    except ValueError:
+        raise InjectSpecError(f"--inject {spec!r}: {key}={value!r} is not an integer") from None
+    if v < lo:
+        raise InjectSpecError(f"--inject {spec!r}: {key}={value} must be ≥ {lo}")
+
+
+def _check_float(spec: str, key: str, value: str, lo: float, hi: float) -> None:
+    try:
+        v = float(value)
+    except ValueError:
+        raise InjectSpecError(f"--inject {spec!r}: {key}={value!r} is not a number") from None
+    if not lo <= v <= hi:
+        raise InjectSpecError(f"--inject {spec!r}: {key}={value} must lie in [{lo}, {hi}]")
+
+
+def _validate(text: str, f: FaultSpec) -> None:
+    extra, targets = MODELS[f.model]
+    for key, value in f.params.items():
+        if key not in extra | COMMON_KEYS:
+            allowed = ", ".join(sorted(extra | COMMON_KEYS))
+            raise InjectSpecError(f"--inject {text!r}: unknown key {key!r} for {f.model} (allowed: {allowed})")
+        if value == "":
+            raise InjectSpecError(f"--inject {text!r}: {key} has no value")
+    if f.target not in targets:
+        raise InjectSpecError(f"--inject {text!r}: target={f.target} not valid for {f.model} (valid: {', '.join(sorted(targets))})")
+    p = f.params
+    for key in ("count", "row", "col", "stride", "offset", "every", "sm", "seed", "kstep"):
+        if key in p:
+            _check_int(text, key, p[key], lo=1 if key in ("count", "stride", "every") else 0)
+    if "prob" in p:
+        _check_float(text, "prob", p["prob"], 0.0, 1.0)
+    if "rate" in p:
+        _check_float(text, "rate", p["rate"], 0.0, 1.0)
+    if "r" in p:
+        _check_float(text, "r", p["r"], 0.0, 1e12)
+    if "value" in p and f.model in ("tile", "row"):
+        _check_float(text, "value", p["value"], -3e38, 3e38)
+    if "mask" in p:
+        _check_int(text, "mask", p["mask"], lo=1)
+    if "bit" in p and p["bit"] not in BIT_CLASSES:
+        _check_int(text, "bit", p["bit"])
+        if int(p["bit"], 0) > 31:
+            raise InjectSpecError(f"--inject {text!r}: bit={p['bit']} must be 0..31 or one of {', '.join(BIT_CLASSES)}")
+    if f.model == "tile":
+        if p.get("mode", "zero") not in TILE_MODES:
+            raise InjectSpecError(f"--inject {text!r}: mode must be one of {', '.join(TILE_MODES)}")
+        if "tile" in p:
+            parts = p["tile"].split(".")
+            if len(parts) != 2 or not all(x.isdigit() for x in parts):
+                raise InjectSpecError(f"--inject {text!r}: tile=ROW.COL expected (e.g. tile=0.1), got {p['tile']!r}")
+        if sum(k in p for k in ("tile", "every", "sm")) > 1:
+            raise InjectSpecError(f"--inject {text!r}: give at most one of tile=, every=, sm=")
+    if f.model == "row" and p.get("mode", "zero") not in ("zero", "stuck"):
+        raise InjectSpecError(f"--inject {text!r}: row mode must be zero or stuck")
+    if f.model == "replace":
+        if p.get("span", "1") not in SPANS:
+            raise InjectSpecError(f"--inject {text!r}: span must be one of {', '.join(SPANS)}")
+        if p.get("value", "flip") not in VALUES:
+            raise InjectSpecError(f"--inject {text!r}: value must be one of {', '.join(VALUES)}")
+    if f.model in ("mask", "stuck-lane") and "mask" not in p:
+        raise InjectSpecError(f"--inject {text!r}: {f.model} needs mask=0x…")
+    if f.model == "perturb" and "r" not in p:
+        raise InjectSpecError(f"--inject {text!r}: perturb needs r=… (multiple of the clean median checksum difference)")
+
+
+def parse_spec(text: str) -> list[FaultSpec]:
+    """Parse an ``--inject`` string into fault specs; InjectSpecError names the problem."""
+    faults: list[FaultSpec] = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        model, _, rest = part.partition(":")
+        model = model.strip()
+        if model not in MODELS:
+            raise InjectSpecError(f"--inject {part!r}: unknown fault model {model!r} (known: {', '.join(MODELS)})")
+        params: dict[str, str] = {}
+        for kv in filter(None, (x.strip() for x in rest.split(","))):
+            key, eq, value = kv.partition("=")
+            if not eq:
+                raise InjectSpecError(f"--inject {part!r}: expected KEY=VALUE, got {kv!r}")
+            if key.strip() in params:
+                raise InjectSpecError(f"--inject {part!r}: key {key.strip()!r} given twice")
+            params[key.strip()] = value.strip()
+        f = FaultSpec(model, params)
+        _validate(part, f)
+        faults.append(f)
+    if not faults:
+        raise InjectSpecError(f"--inject {text!r}: empty fault spec")
+    return faults
+
+
+@dataclass
+class LaunchContext:
+    """What a backend tells the plan about the launch it is corrupting."""
+
+    device_id: str
+    op: str  # case id of the GEMM (workload/op/layout/…)
+    tile: tuple[int, int]
+    tile_sm: np.ndarray | None = None  # (tiles_m, tiles_n) SM ids, when known
+    clean_median: float | None = None  # median |Δ| of the clean fp32 row checksum (perturb)
+
+
+@dataclass
+class FaultPlan:
+    """The faults to apply to launches on one device, with a record of what was done."""
+
+    faults: list[FaultSpec]
+    launches: int = 0
+    injected: list[dict] = field(default_factory=list)
+
+    @classmethod
+    def parse(cls, text: str) -> FaultPlan:
+        return cls(parse_spec(text))
+
+    def for_device(self, device_id: str) -> FaultPlan | None:
+        mine = [f for f in self.faults if f.params.get("device") in (None, device_id)]
+        return dataclasses.replace(self, faults=mine, injected=[], launches=0) if mine else None
+
+    def needs_clean_median(self) -> bool:
+        return any(f.model == "perturb" for f in self.faults)
+
+    def describe(self) -> list[str]:
+        return [str(f) for f in self.faults]
+
+    # -- per-launch ---------------------------------------------------------------
+    def active(self, ctx: LaunchContext, stage: str) -> list[tuple[FaultSpec, np.random.Generator]]:
+        """Faults that fire at ``stage`` (operands|acc|out) on this launch. Positions come
+        from a generator seeded by (fault seed, op) so a permanent fault sits still;
+        firing of an intermittent fault is drawn per launch."""
+        fired = []
+        for i, f in enumerate(self.faults):
+            st = {"a": "operands", "b": "operands", "acc": "acc", "out": "out"}[f.target]
+            if st != stage or not f.applies_to(ctx.device_id, ctx.op):
+                continue
+            if f.prob < 1.0:
+                coin = np.random.default_rng([f.seed, i, self.launches, 0xC01])
+                if coin.random() >= f.prob:
+                    continue
+            pos_rng = np.random.default_rng([f.seed, i, zlib.crc32(ctx.op.encode())])
+            fired.append((f, pos_rng))
+        return fired
+
+    def record(self, f: FaultSpec, ctx: LaunchContext, **what) -> None:
+        self.injected.append({"fault": str(f), "op": ctx.op, "launch": self.launches, **what})
+

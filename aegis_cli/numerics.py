@@ -1,0 +1,153 @@
+"""Checksums, normalisation, thresholds and power-of-two scaling (DESIGN §2.1, §2.3).
+
+Everything here is device-agnostic torch: it runs where the tensors live, so the CUDA
+backend reuses it for the comparison side. The reference side of a checksum is fp64.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from aegis_cli.backends.base import GemmOperands, GemmResult, ReferenceChecksums
+from aegis_cli.errors import ConfigError
+
+DISTRIBUTIONS = ("normal", "uniform", "heavy")
+BF16_MIN_NORMAL = 2.0**-126
+BF16_MAX = 3.3895313892515355e38
+U_BF16 = 2.0**-8  # unit roundoff of bf16 (8-bit significand, round to nearest)
+U_FP32 = 2.0**-24
+
+
+def fill_distribution(out: torch.Tensor, dist: str, gen: torch.Generator) -> torch.Tensor:
+    """Fill fp32 ``out`` in place from ``dist`` with unit-ish spread; returns ``out``.
+
+    normal: N(0, 1); uniform: U(-√3, √3) (unit variance); heavy: Student-t, 3 degrees
+    of freedom (rare large values, like activation outliers).
+    """
+    if dist == "normal":
+        out.normal_(generator=gen)
+    elif dist == "uniform":
+        out.uniform_(-math.sqrt(3.0), math.sqrt(3.0), generator=gen)
+    elif dist == "heavy":
+        out.normal_(generator=gen)
+        chi = torch.empty((3, *out.shape), dtype=out.dtype, device=out.device)
+        chi.normal_(generator=gen)
+        out.div_(chi.square().sum(0).div_(3.0).sqrt_().clamp_(min=1e-3))
+    else:
+        raise ConfigError(f"unknown input distribution {dist!r} (known: {', '.join(DISTRIBUTIONS)})")
+    return out
+
+
+def generate_bf16(shape: tuple[int, ...], dist: str, seed: int, device: str | torch.device) -> torch.Tensor:
+    """Seeded bf16 tensor on ``device``; bits depend on (shape, dist, seed, backend RNG)."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed & 0x7FFF_FFFF_FFFF_FFFF)
+    x = torch.empty(shape, dtype=torch.float32, device=device)
+    return fill_distribution(x, dist, gen).to(torch.bfloat16)
+
+
+def n_tiles(n: int, t: int) -> int:
+    return -(-n // t)
+
+
+def sum_col_tiles(x: torch.Tensor, tn: int) -> torch.Tensor:
+    """(M, N) → (M, ceil(N/tn)): Σ over each tile of tn columns (zero-padded)."""
+    m, n = x.shape
+    nt = n_tiles(n, tn)
+    if nt * tn != n:
+        x = torch.nn.functional.pad(x, (0, nt * tn - n))
+    return x.reshape(m, nt, tn).sum(-1)
+
+
+def sum_row_tiles(x: torch.Tensor, tm: int) -> torch.Tensor:
+    """(M, N) → (ceil(M/tm), N): Σ over each tile of tm rows (zero-padded)."""
+    return sum_col_tiles(x.t(), tm).t()
+
+
+def reference_checksums(ops: GemmOperands, tile: tuple[int, int]) -> ReferenceChecksums:
+    """fp64 row/column checksum references and their magnitudes, from the stored operands.
+
+    Cost O(K·(M+N)·tiles), far below the GEMM; runs on the operands' device in fp64,
+    a path the bf16 matrix unit never touches.
+    """
+    tm, tn = tile
+    a = ops.a_mk.to(torch.float64)  # (M, K)
+    b = ops.b_kn.to(torch.float64)  # (K, N)
+    b_tiles = sum_col_tiles(b, tn)  # (K, nt_n)
+    a_tiles = sum_row_tiles(a, tm)  # (nt_m, K)
+    row = a @ b_tiles
+    col = a_tiles @ b
+    a_abs, b_abs = a.abs(), b.abs()
+    row_scale = a_abs @ sum_col_tiles(b_abs, tn)
+    col_scale = sum_row_tiles(a_abs, tm) @ b_abs
+    return ReferenceChecksums(row=row, col=col, row_scale=row_scale, col_scale=col_scale)
+
+
+def normalised_diff(observed: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """|observed − ref| / scale in fp64; a zero scale (all-zero operands) divides by the
+    smallest normal so any nonzero difference is flagged. NaN/Inf observed → inf."""
+    d = (observed.to(torch.float64) - ref).abs()
+    d = d / scale.clamp(min=2.0**-1022)
+    return torch.nan_to_num(d, nan=math.inf, posinf=math.inf)
+
+
+def output_rowsum_diff(res: GemmResult, tn: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16-output check: Σ over each column tile of the rounded output against the
+    fp32-accumulator row sums. Returns (|Σ c − Σ acc|, Σ|c|·u_bf16) in fp64: the second is
+    a rigorous rounding bound (each element is off its accumulator by ≤ u·|c|), so a
+    difference above it cannot be rounding."""
+    c = res.c.to(torch.float64)
+    out_sum = sum_col_tiles(c, tn)
+    bound = sum_col_tiles(c.abs(), tn) * U_BF16 * (1 + U_BF16)
+    # the fp32 tile sum itself carries rounding of order tn·u32·Σ|acc|
+    bound = bound + sum_col_tiles(c.abs(), tn) * (tn * U_FP32 * 2)
+    d = (out_sum - res.row_sums.to(torch.float64)).abs()
+    return torch.nan_to_num(d, nan=math.inf, posinf=math.inf), bound
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Normalised-difference thresholds: a checksum is flagged when |Δ|/s > tau.
+
+    The values are calibrated (docs/calibration.md): clean fp32-accumulator noise on the
+    CPU reference path sits near 1e-8·s, so tau = 1e-6 keeps a margin well over 10×.
+    ``tau_bf16`` is the bf16-output comparison mode used for the sensitivity study only.
+    """
+
+    tau: float = 1e-6
+    tau_bf16: float = 3e-3
+    confirm_margin: float = 4.0  # a reproducible flag this far over tau is FAULTY, below it SUSPECT
+
+    def __post_init__(self) -> None:
+        if not (0 < self.tau < 1 and 0 < self.tau_bf16 < 1):
+            raise ConfigError(f"thresholds must lie in (0, 1), got tau={self.tau}, tau_bf16={self.tau_bf16}")
+
+
+def pow2_scale(t: torch.Tensor, e: int) -> torch.Tensor:
+    """t·2^e, exact for bf16 when nothing leaves the normal range (checked by caller)."""
+    return t if e == 0 else (t.to(torch.float32) * (2.0**e)).to(t.dtype)
+
+
+def pow2_exact_safe(ops: GemmOperands, ea: int, eb: int) -> bool:
+    """True when scaling A by 2^ea and B by 2^eb keeps every input, product, partial sum
+    and output normal in fp32 and bf16, so C(2^ea·A, 2^eb·B) = 2^(ea+eb)·C(A, B) bit for bit.
+
+    Partial sums can cancel to any small value, but cancellation to a value whose exponent
+    is below the products' lowest nonzero bit only happens at exact zero, which scales
+    exactly; so bounding products and |A|·|B| row sums suffices.
+    """
+    a, b = ops.a_mk.float(), ops.b_kn.float()
+    a_nz = a.abs()[a != 0]
+    b_nz = b.abs()[b != 0]
+    if a_nz.numel() == 0 or b_nz.numel() == 0:
+        return True
+    amin, amax = a_nz.min().item() * 2.0**ea, a_nz.max().item() * 2.0**ea
+    bmin, bmax = b_nz.min().item() * 2.0**eb, b_nz.max().item() * 2.0**eb
+    k = a.shape[1]
+    # smallest product must stay a normal fp32 (FTZ on the GPU) and survive in the sum's ulp
+    if amin < BF16_MIN_NORMAL or bmin < BF16_MIN_NORMAL or amin * bmin < 2.0**-100:
+        return False
+    return amax * bmax * k < BF16_MAX / 4
