@@ -211,7 +211,10 @@ class FaultPlan:
                 coin = np.random.default_rng([f.seed, i, self.launches, 0xC01])
                 if coin.random() >= f.prob:
                     continue
-            pos_rng = np.random.default_rng([f.seed, i, zlib.crc32(ctx.op.encode())])
+            # positions depend on the case's shape group, not on its input scale: a permanent
+            # fault sits at the same place whatever magnitudes flow through it
+            site = ctx.op.rsplit("/s", 1)[0]
+            pos_rng = np.random.default_rng([f.seed, i, zlib.crc32(site.encode())])
             fired.append((f, pos_rng))
         return fired
 

@@ -1,0 +1,3 @@
+from aegis_cli.cli import main
+
+main()

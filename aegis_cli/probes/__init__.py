@@ -1,0 +1,1 @@
+"""Probes: each runs one family of checks on one device and returns evidence."""

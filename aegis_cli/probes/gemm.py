@@ -1,0 +1,297 @@
+"""The GEMM checksum probe (DESIGN §2.1, §2.3, §3).
+
+For each training GEMM × input distribution, the probe draws seeded operands once and
+runs them at every power-of-two input scale of the plan. Each run is checked four ways:
+
+  gemm.row_checksum   fp32-accumulator row sums per column tile vs fp64 A·(B·1), |Δ|/s > τ
+  gemm.col_checksum   fp32-accumulator column sums per row tile vs fp64 (1ᵀA)·B, |Δ|/s > τ
+  gemm.output_rowsum  Σ of the bf16 output vs the accumulator row sums, beyond a rigorous
+                      rounding bound (sees store-path faults the fused sums cannot)
+  gemm.pow2_exact     C(2^a·A, 2^b·B) must equal 2^(a+b)·C(A, B) bit for bit
+  gemm.nonfinite      NaN/Inf in C from finite inputs
+
+A flagged case is re-run; the re-runs decide FAULTY vs SUSPECT (verdict.py).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from aegis_cli import fingerprint, numerics
+from aegis_cli.backends.base import Device, GemmOperands, GemmResult, ReferenceChecksums
+from aegis_cli.inject import FaultPlan
+from aegis_cli.verdict import Evidence, Verdict
+from aegis_cli.workloads import GemmShape
+
+MAX_SAMPLES = 8
+MAX_LOCALISED = 16
+RIGOROUS = ("gemm.nonfinite", "gemm.output_rowsum", "gemm.pow2_exact")
+
+
+def case_seed(seed: int, *parts: object) -> int:
+    """Stable per-case seed from the scan seed and the case's identity."""
+    key = "/".join(str(p) for p in parts).encode()
+    return (seed * 0x9E3779B1 + zlib.crc32(key)) & 0x7FFF_FFFF
+
+
+@dataclass(frozen=True)
+class GemmCase:
+    """One shape × distribution; its scale variants share operands."""
+
+    workload: str
+    shape: GemmShape
+    dist: str
+    seed: int  # the scan seed; operand seeds derive from it and the case identity
+
+    @property
+    def group_id(self) -> str:
+        s = self.shape
+        return f"{self.workload}/{s.op}/{s.layout.value}/{self.dist}/{s.m}x{s.n}x{s.k}"
+
+    def case_id(self, ea: int, eb: int) -> str:
+        return f"{self.group_id}/s{ea:+d}{eb:+d}"
+
+    def operands(self, device: Device) -> GemmOperands:
+        s = self.shape
+        sa = case_seed(self.seed, self.group_id, "A")
+        sb = case_seed(self.seed, self.group_id, "B")
+        a = device.generate(s.layout.a_stored_shape(s.m, s.k), self.dist, sa)
+        b = device.generate(s.layout.b_stored_shape(s.k, s.n), self.dist, sb)
+        return GemmOperands(a, b, s.layout)
+
+
+@dataclass
+class ProbeStats:
+    gemms: int = 0
+    flops: int = 0
+    checksums: int = 0
+    skipped_scales: int = 0
+    clean_max: float = 0.0  # largest normalised difference among unflagged checksums
+    seconds: float = 0.0
+
+    def merge(self, o: ProbeStats) -> None:
+        self.gemms += o.gemms
+        self.flops += o.flops
+        self.checksums += o.checksums
+        self.skipped_scales += o.skipped_scales
+        self.clean_max = max(self.clean_max, o.clean_max)
+        self.seconds += o.seconds
+
+
+@dataclass
+class Signal:
+    check: str
+    max_value: float  # normalised difference (checksums) or 1.0 (bitwise)
+    elements: int
+    samples: list[dict] = field(default_factory=list)
+    tiles: list[list[int]] = field(default_factory=list)
+    sms: list[int] = field(default_factory=list)
+    localised: list[list[int]] = field(default_factory=list)
+
+
+def _bits32(x: float) -> str:
+    return f"0x{torch.tensor([x], dtype=torch.float32).view(torch.int32).item() & 0xFFFFFFFF:08x}"
+
+
+def scaled(ops: GemmOperands, ea: int, eb: int) -> GemmOperands:
+    return GemmOperands(numerics.pow2_scale(ops.a, ea), numerics.pow2_scale(ops.b, eb), ops.layout)
+
+
+def scaled_reference(ref: ReferenceChecksums, e: int) -> ReferenceChecksums:
+    f = 2.0**e  # exact in fp64
+    return ReferenceChecksums(ref.row * f, ref.col * f, ref.row_scale * f, ref.col_scale * f)
+
+
+class GemmProbe:
+    """Runs GEMM cases on one device and turns what it sees into evidence."""
+
+    def __init__(self, device: Device, thresholds: numerics.Thresholds, *, reruns: int = 5,
+                 fault: FaultPlan | None = None, on_case: Callable[[str], None] | None = None):
+        self.device = device
+        self.th = thresholds
+        self.reruns = reruns
+        self.fault = fault
+        self.on_case = on_case or (lambda _cid: None)
+        self.stats = ProbeStats()
+
+    # -- one group of scale variants -----------------------------------------------
+    def run(self, case: GemmCase, scales: list[list[int]], only: str | None = None) -> list[Evidence]:
+        t0 = time.perf_counter()
+        dev = self.device
+        base_ops = case.operands(dev)
+        tile = dev.tile
+        base_ref = dev.reference_checksums(base_ops, tile)
+        clean_median = None
+        if self.fault is not None and self.fault.needs_clean_median():
+            clean = dev.checked_gemm(base_ops)
+            clean_median = float((clean.row_sums.double() - base_ref.row).abs().median())
+        evidence: list[Evidence] = []
+        base: GemmResult | None = None
+        for ea, eb in sorted(scales, key=lambda s: s != [0, 0]):  # the base runs first
+            cid = case.case_id(ea, eb)
+            if only is not None and cid != only and (ea, eb) != (0, 0):
+                continue
+            if (ea, eb) != (0, 0) and not numerics.pow2_exact_safe(base_ops, ea, eb):
+                self.stats.skipped_scales += 1
+                continue
+            ops = scaled(base_ops, ea, eb) if (ea, eb) != (0, 0) else base_ops
+            ref = scaled_reference(base_ref, ea + eb)
+            expected = numerics.pow2_scale(base.c, ea + eb) if base is not None else None
+
+            def once(ops=ops, ref=ref, expected=expected, cid=cid):
+                res = dev.checked_gemm(ops, self.fault, op=cid, clean_median=clean_median)
+                return res, self._signals(res, ref, expected)
+
+            res, signals = once()
+            self._count(case.shape, res)
+            if (ea, eb) == (0, 0):
+                base = res
+            if signals and (only is None or cid == only):
+                evidence += self._confirm(case, ea, eb, res, signals, once)
+            self.on_case(cid)
+        self.stats.seconds += time.perf_counter() - t0
+        return evidence
+
+    def _count(self, shape: GemmShape, res: GemmResult) -> None:
+        self.stats.gemms += 1
+        self.stats.flops += shape.flops
+        self.stats.checksums += res.row_sums.numel() + res.col_sums.numel()
+
+    # -- checks ----------------------------------------------------------------------
+    def _signals(self, res: GemmResult, ref: ReferenceChecksums, expected: torch.Tensor | None) -> list[Signal]:
+        tm, tn = res.tile
+        tau = self.th.tau
+        out: list[Signal] = []
+        d_row = numerics.normalised_diff(res.row_sums, ref.row, ref.row_scale)  # (M, nt_n)
+        d_col = numerics.normalised_diff(res.col_sums, ref.col, ref.col_scale)  # (nt_m, N)
+        row_flag, col_flag = d_row > tau, d_col > tau
+        clean = torch.cat([d_row[~row_flag].reshape(-1), d_col[~col_flag].reshape(-1)])
+        if clean.numel():
+            self.stats.clean_max = max(self.stats.clean_max, float(clean.max()))
+        tile_sm = res.tile_sm.cpu() if res.tile_sm is not None else None
+        loc = self._localise(row_flag, col_flag, tm, tn)
+        for check, d, flag, sums, refv, is_row in (("gemm.row_checksum", d_row, row_flag, res.row_sums, ref.row, True),
+                                                   ("gemm.col_checksum", d_col, col_flag, res.col_sums, ref.col, False)):
+            n = int(flag.sum())
+            if not n:
+                continue
+            d_h, sums_h, ref_h = d.cpu(), sums.cpu(), refv.cpu()
+            top = torch.topk(d_h.reshape(-1), min(MAX_SAMPLES, n)).indices
+            samples, tiles = [], set()
+            for flat in top.tolist():
+                r, c = divmod(flat, d_h.shape[1])
+                tile_rc = (r // tm, c) if is_row else (r, c // tn)
+                tiles.add(tile_rc)
+                obs = float(sums_h[r, c])
+                samples.append({("row" if is_row else "row_tile"): r, ("col_tile" if is_row else "col"): c,
+                                "tile": list(tile_rc), "observed": obs, "observed_bits": _bits32(obs),
+                                "expected": float(ref_h[r, c]), "normalised_diff": float(d_h[r, c]),
+                                **({"sm": int(tile_sm[tile_rc])} if tile_sm is not None else {})})
+            all_tiles = {((r // tm, c) if is_row else (r, c // tn)) for r, c in flag.nonzero().cpu().tolist()}
+            out.append(Signal(check, float(d_h.max()), n, samples, [list(t) for t in sorted(all_tiles)][:MAX_LOCALISED],
+                              sorted({int(tile_sm[t]) for t in all_tiles}) if tile_sm is not None else [], loc))
+        # rigorous, output-side checks
+        c = res.c
+        if not bool(torch.isfinite(c).all()) and bool(torch.isfinite(ref.row).all()):
+            bad = (~torch.isfinite(c)).nonzero()
+            out.append(self._bitwise_signal("gemm.nonfinite", bad.cpu(), None, c, res))
+        diff, bound = numerics.output_rowsum_diff(res, tn)
+        over = diff > bound
+        if bool(over.any()):
+            ratio = (diff / bound.clamp(min=1e-300))[over]
+            rows = over.nonzero().cpu()
+            samples = [{"row": int(r), "col_tile": int(t), "tile": [int(r) // tm, int(t)], "output_sum": float(res.c[r, t * tn:(t + 1) * tn].double().sum()),
+                        "accumulator_sum": float(res.row_sums[r, t]), "bound": float(bound[r, t])} for r, t in rows[:MAX_SAMPLES].tolist()]
+            tiles = sorted({(int(r) // tm, int(t)) for r, t in rows.tolist()})
+            out.append(Signal("gemm.output_rowsum", float(ratio.max()), int(over.sum()), samples, [list(t) for t in tiles][:MAX_LOCALISED],
+                              sorted({int(tile_sm[t]) for t in tiles}) if tile_sm is not None else []))
+        if expected is not None:
+            ci, ei = c.view(torch.int16), expected.view(torch.int16)
+            if not torch.equal(ci, ei):
+                where = (ci != ei).nonzero().cpu()
+                out.append(self._bitwise_signal("gemm.pow2_exact", where, expected, c, res))
+        return out
+
+    def _bitwise_signal(self, check: str, where: torch.Tensor, expected: torch.Tensor | None, c: torch.Tensor, res: GemmResult) -> Signal:
+        tm, tn = res.tile
+        samples = []
+        for r, col in where[:MAX_SAMPLES].tolist():
+            act = int(c[r, col].view(torch.int16).item()) & 0xFFFF
+            s = {"row": r, "col": col, "tile": [r // tm, col // tn], "actual": f"0x{act:04x}", "actual_value": float(c[r, col])}
+            if expected is not None:
+                exp = int(expected[r, col].view(torch.int16).item()) & 0xFFFF
+                s.update(expected=f"0x{exp:04x}", expected_value=float(expected[r, col]), xor=f"0x{exp ^ act:04x}")
+            samples.append(s)
+        tiles = sorted({(r // tm, col // tn) for r, col in where.tolist()})
+        tile_sm = res.tile_sm.cpu() if res.tile_sm is not None else None
+        return Signal(check, 1.0, int(where.shape[0]), samples, [list(t) for t in tiles][:MAX_LOCALISED],
+                      sorted({int(tile_sm[t]) for t in tiles}) if tile_sm is not None else [],
+                      [[int(r), int(col)] for r, col in where[:MAX_LOCALISED].tolist()])
+
+    @staticmethod
+    def _localise(row_flag: torch.Tensor, col_flag: torch.Tensor, tm: int, tn: int) -> list[list[int]]:
+        """Elements where a flagged row (within its column tile) meets a flagged column
+        (within its row tile): the candidates for a corrupted accumulator element."""
+        out = []
+        rows = row_flag.nonzero().cpu().tolist()
+        if not rows or len(rows) > 4096:
+            return out
+        cols = col_flag.nonzero().cpu().tolist()
+        by_tile: dict[tuple[int, int], list[int]] = {}
+        for ti, j in cols:
+            by_tile.setdefault((ti, j // tn), []).append(j)
+        for i, t in rows:
+            for j in by_tile.get((i // tm, t), []):
+                out.append([i, j])
+                if len(out) >= MAX_LOCALISED:
+                    return out
+        return out
+
+    # -- confirmation ------------------------------------------------------------------
+    def _confirm(self, case: GemmCase, ea: int, eb: int, res: GemmResult, signals: list[Signal], once) -> list[Evidence]:
+        fp = lambda r: (fingerprint.fingerprint(r.c), fingerprint.fingerprint(r.row_sums), fingerprint.fingerprint(r.col_sums))
+        prints = {fp(res)}
+        seen = {s.check: 0 for s in signals}
+        for _ in range(self.reruns):
+            r2, sig2 = once()
+            self._count(case.shape, r2)
+            prints.add(fp(r2))
+            for s in sig2:
+                if s.check in seen:
+                    seen[s.check] += 1
+        s = case.shape
+        evidence = []
+        for sig in signals:
+            ev = Evidence(check=sig.check, severity=Verdict.SUSPECT, case_id=case.case_id(ea, eb), summary="",
+                          op=s.op, layout=s.layout.value, shape={"m": s.m, "n": s.n, "k": s.k}, dist=case.dist,
+                          scale=[ea, eb], seed=case.seed, elements=sig.elements, samples=sig.samples, tiles=sig.tiles,
+                          sms=sig.sms, localised=sig.localised, reruns=self.reruns, reproduced=seen[sig.check],
+                          distinct_outputs=len(prints), kernel=res.kernel,
+                          injected=list(self.fault.injected[-4:]) if self.fault is not None else [])
+            if sig.check in ("gemm.row_checksum", "gemm.col_checksum"):
+                ev.threshold, ev.max_value = self.th.tau, sig.max_value
+                ev.margin = sig.max_value / self.th.tau if math.isfinite(sig.max_value) else math.inf
+            else:
+                ev.max_value = sig.max_value
+            ev.severity, why = self._judge(ev, sig.check)
+            ev.summary = f"{sig.check}: {sig.elements} element(s) flagged at scale 2^{ea}/2^{eb}; {why}"
+            evidence.append(ev)
+        return evidence
+
+    def _judge(self, ev: Evidence, check: str) -> tuple[Verdict, str]:
+        total = ev.reruns + 1
+        failed = ev.reproduced + 1
+        rate = f"failed {failed} of {total} runs"
+        if ev.distinct_outputs > 1:
+            return Verdict.FAULTY, f"{rate}; runs of a deterministic kernel gave {ev.distinct_outputs} different results"
+        if check in RIGOROUS:
+            return Verdict.FAULTY, f"{rate}; an exact expectation was broken"
+        if ev.reproduced == ev.reruns and (ev.margin or 0) >= self.th.confirm_margin:
+            return Verdict.FAULTY, f"{rate}; {ev.margin:.3g}× over threshold, bit-identical every run"
+        return Verdict.SUSPECT, f"{rate}; only {ev.margin:.3g}× over threshold (confirmation needs {self.th.confirm_margin:g}×)"

@@ -1,0 +1,245 @@
+"""Report model and machine formats: JSON (docs/report-format.md), CSV, Prometheus.
+
+The human table lives in cli.py. Every report carries what is needed to reproduce it:
+seed, command line, versions and the source hash of every kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import os
+import platform
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from aegis_cli.backends.base import DeviceIdentity
+from aegis_cli.backends.loader import kernel_hashes
+from aegis_cli.verdict import Evidence, Verdict, overall_exit
+
+if TYPE_CHECKING:
+    from aegis_cli.probes.gemm import ProbeStats
+    from aegis_cli.scan import ScanOptions
+
+SCHEMA_VERSION = "1.0"
+FORMATS = ("table", "json", "csv", "prom")
+
+
+def tool_version() -> str:
+    try:
+        return metadata.version("aegis-sdc")
+    except metadata.PackageNotFoundError:
+        return "0.1.0.dev0+checkout"
+
+
+def versions() -> dict[str, str]:
+    """Versions of what a result depends on; looked up without importing CUDA libraries."""
+    out = {"aegis": tool_version(), "python": platform.python_version()}
+    for dist in ("torch", "numpy", "cupy-cuda13x", "cupy-cuda12x", "cupy", "safetensors"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    if "torch" in sys.modules:
+        cuda = getattr(sys.modules["torch"].version, "cuda", None)
+        if cuda:
+            out["torch_cuda"] = cuda
+    return out
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+@dataclass
+class DeviceReport:
+    identity: DeviceIdentity
+    verdict: Verdict
+    workload: str = ""
+    evidence: list[Evidence] = field(default_factory=list)
+    stats: ProbeStats | None = None
+    error: str | None = None
+    seconds: float = 0.0
+
+    def to_dict(self, tau: float) -> dict:
+        s = self.stats
+        noise = None
+        if s is not None and s.checksums:
+            noise = {"threshold": tau, "clean_max": s.clean_max,
+                     "margin": (tau / s.clean_max) if s.clean_max > 0 else None}
+        return {
+            "device": self.identity.to_dict(),
+            "verdict": self.verdict.value,
+            "workload": self.workload,
+            "error": self.error,
+            "evidence": [e.to_dict() for e in self.evidence],
+            "stats": None if s is None else {"gemms": s.gemms, "checksums": s.checksums, "flops": s.flops,
+                                             "skipped_scales": s.skipped_scales},
+            "noise": noise,
+            "timings": {"seconds": round(self.seconds, 3),
+                        "gemm_tflops": round(s.flops / s.seconds / 1e12, 4) if s and s.seconds > 0 else None},
+        }
+
+
+@dataclass
+class Report:
+    kind: str  # "scan" | "replay" | "sweep"
+    command_line: list[str]
+    seed: int
+    options: dict
+    started: str
+    injected: list[str] = field(default_factory=list)
+    devices: list[DeviceReport] = field(default_factory=list)
+    finished: str | None = None
+    tau: float = 0.0
+    _t0: float = field(default_factory=time.time, repr=False)
+    duration: float = 0.0
+
+    def finish(self) -> None:
+        self.finished = _now()
+        self.duration = time.time() - self._t0
+
+    @property
+    def exit_code(self) -> int:
+        return int(overall_exit(d.verdict for d in self.devices))
+
+    def to_dict(self) -> dict:
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "kind": self.kind,
+            "tool": {"name": "aegis", "version": tool_version()},
+            "command_line": self.command_line,
+            "seed": self.seed,
+            "host": socket.gethostname(),
+            "started": self.started,
+            "finished": self.finished,
+            "duration_seconds": round(self.duration, 3),
+            "options": self.options,
+            "fault_injected": bool(self.injected),
+            "injected": self.injected,
+            "versions": versions(),
+            "kernel_hashes": kernel_hashes(),
+            "devices": [d.to_dict(self.tau) for d in self.devices],
+            "exit_code": self.exit_code,
+        }
+
+
+def new_report(opts: ScanOptions, kind: str = "scan") -> Report:
+    options = {"devices": opts.devices, "workload": opts.workload, "reruns": opts.reruns, "case": opts.case,
+               "threshold": opts.thresholds.tau, "confirm_margin": opts.thresholds.confirm_margin}
+    return Report(kind=kind, command_line=list(opts.command_line) or list(sys.argv), seed=opts.seed, options=options,
+                  started=_now(), injected=[opts.inject] if opts.inject else [], tau=opts.thresholds.tau)
+
+
+# -- machine formats ---------------------------------------------------------------------
+def to_json(doc: dict) -> str:
+    return json.dumps(doc, indent=2, sort_keys=False, allow_nan=False, default=_json_default) + "\n"
+
+
+def _json_default(o):
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def sanitize(doc):
+    """Replace non-finite floats (inf margins) by strings so the JSON stays standard."""
+    if isinstance(doc, dict):
+        return {k: sanitize(v) for k, v in doc.items()}
+    if isinstance(doc, list):
+        return [sanitize(v) for v in doc]
+    if isinstance(doc, float) and doc != doc:
+        return "nan"
+    if isinstance(doc, float) and doc in (float("inf"), float("-inf")):
+        return "inf" if doc > 0 else "-inf"
+    return doc
+
+
+CSV_COLUMNS = ["host", "device", "uuid", "name", "verdict", "workload", "gemms", "evidence", "first_check",
+               "first_case", "max_margin", "seconds", "error"]
+
+
+def to_csv(doc: dict) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, lineterminator="\n")
+    w.writeheader()
+    for d in doc["devices"]:
+        ev = d["evidence"]
+        margins = [e["margin"] for e in ev if isinstance(e.get("margin"), (int, float))]
+        w.writerow({"host": d["device"]["host"], "device": d["device"]["id"], "uuid": d["device"]["uuid"],
+                    "name": d["device"]["name"], "verdict": d["verdict"], "workload": d["workload"],
+                    "gemms": (d["stats"] or {}).get("gemms", 0), "evidence": len(ev),
+                    "first_check": ev[0]["check"] if ev else "", "first_case": ev[0]["case_id"] if ev else "",
+                    "max_margin": f"{max(margins):.4g}" if margins else "", "seconds": d["timings"]["seconds"],
+                    "error": d["error"] or ""})
+    return buf.getvalue()
+
+
+VERDICT_CODE = {"HEALTHY": 0, "SUSPECT": 1, "FAULTY": 2, "ERROR": 3}
+
+
+def _label(v: str) -> str:
+    return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def to_prometheus(doc: dict) -> str:
+    """Prometheus text exposition (node_exporter textfile collector)."""
+    lines = [
+        "# HELP aegis_device_verdict Verdict of the last aegis run per device (0 healthy, 1 suspect, 2 faulty, 3 error).",
+        "# TYPE aegis_device_verdict gauge",
+    ]
+    for d in doc["devices"]:
+        dev = d["device"]
+        labels = f'device="{_label(dev["id"])}",uuid="{_label(dev["uuid"])}",name="{_label(dev["name"])}",host="{_label(dev["host"])}"'
+        lines.append(f'aegis_device_verdict{{{labels},verdict="{d["verdict"]}"}} {VERDICT_CODE[d["verdict"]]}')
+    lines += ["# HELP aegis_device_evidence Evidence records of the last aegis run per device.",
+              "# TYPE aegis_device_evidence gauge"]
+    for d in doc["devices"]:
+        lines.append(f'aegis_device_evidence{{device="{_label(d["device"]["id"])}",uuid="{_label(d["device"]["uuid"])}"}} {len(d["evidence"])}')
+    lines += ["# HELP aegis_device_gemms GEMMs checked in the last aegis run per device.",
+              "# TYPE aegis_device_gemms gauge"]
+    for d in doc["devices"]:
+        lines.append(f'aegis_device_gemms{{device="{_label(d["device"]["id"])}",uuid="{_label(d["device"]["uuid"])}"}} {(d["stats"] or {}).get("gemms", 0)}')
+    finished = doc.get("finished") or doc.get("started")
+    ts = datetime.fromisoformat(finished).timestamp() if finished else time.time()
+    lines += ["# HELP aegis_last_run_timestamp_seconds When the last aegis run finished (Unix time).",
+              "# TYPE aegis_last_run_timestamp_seconds gauge", f"aegis_last_run_timestamp_seconds {ts:.0f}",
+              "# HELP aegis_fault_injected 1 when the last run injected faults on purpose (a self-test).",
+              "# TYPE aegis_fault_injected gauge", f"aegis_fault_injected {int(bool(doc.get('fault_injected')))}"]
+    return "\n".join(lines) + "\n"
+
+
+def render(doc: dict, fmt: str) -> str:
+    doc = sanitize(doc)
+    if fmt == "json":
+        return to_json(doc)
+    if fmt == "csv":
+        return to_csv(doc)
+    if fmt == "prom":
+        return to_prometheus(doc)
+    raise ValueError(f"no machine renderer for {fmt!r}")
+
+
+def atomic_write(path: str | os.PathLike, text: str | bytes) -> None:
+    """Write to a temp file in the same directory, fsync, rename: no half-written file
+    ever appears under ``path``."""
+    path = Path(path)
+    data = text.encode("utf-8") if isinstance(text, str) else text
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
