@@ -16,6 +16,7 @@ from rich.table import Table
 
 from aegis_cli import report as report_mod
 from aegis_cli.errors import AegisError, ExitCode
+from aegis_cli.probes import DEFAULT_PROBES
 
 VERDICT_STYLE = {"HEALTHY": "bold green", "SUSPECT": "bold yellow", "FAULTY": "bold red", "ERROR": "bold magenta"}
 err_console = Console(stderr=True)
@@ -110,12 +111,15 @@ def _progress_callback(progress: Progress | None):
 @click.option("--save-vtasks", "save_vtasks", default=None, metavar="PATH", help="Save every flagged case as vTasks in a bundle.")
 @click.option("--format", "fmt", type=click.Choice(report_mod.FORMATS), default="table", show_default=True)
 @click.option("--output", "-o", default=None, metavar="PATH", help="Write the report here (atomically) instead of stdout.")
+@click.option("--probes", default=",".join(DEFAULT_PROBES), show_default=True, help="Comma-separated probes to run.")
+@click.option("--golden", default=None, metavar="FILE", help="Compare fingerprints against a golden file (aegis golden record).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def scan(devices, workload, seed, case, reruns, inject, save_vtasks, fmt, output, quiet):
+def scan(devices, workload, seed, case, reruns, inject, save_vtasks, probes, golden, fmt, output, quiet):
     """Scan this node's devices with checked training-shaped GEMMs and print a verdict per device."""
     from aegis_cli.scan import ScanOptions, run_scan
 
     opts = ScanOptions(devices=devices, workload=workload, seed=seed, reruns=reruns, inject=inject, case=case,
+                       probes=tuple(p.strip() for p in probes.split(",") if p.strip()), golden=golden,
                        command_line=["aegis", *sys.argv[1:]])
     if inject:
         from aegis_cli.inject import parse_spec

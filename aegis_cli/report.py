@@ -69,6 +69,7 @@ class DeviceReport:
     stats: ProbeStats | None = None
     error: str | None = None
     seconds: float = 0.0
+    probe_stats: dict = field(default_factory=dict)  # other probes' JSON-able summaries
 
     def to_dict(self, tau: float) -> dict:
         s = self.stats
@@ -85,6 +86,7 @@ class DeviceReport:
             "stats": None if s is None else {"gemms": s.gemms, "checksums": s.checksums, "flops": s.flops,
                                              "skipped_scales": s.skipped_scales},
             "noise": noise,
+            "probes": self.probe_stats,
             "timings": {"seconds": round(self.seconds, 3),
                         "gemm_tflops": round(s.flops / s.seconds / 1e12, 4) if s and s.seconds > 0 else None},
         }
@@ -135,6 +137,7 @@ class Report:
 
 def new_report(opts: ScanOptions, kind: str = "scan") -> Report:
     options = {"devices": opts.devices, "workload": opts.workload, "reruns": opts.reruns, "case": opts.case,
+               "probes": list(opts.probes), "golden": opts.golden,
                "threshold": opts.thresholds.tau, "confirm_margin": opts.thresholds.confirm_margin}
     return Report(kind=kind, command_line=list(opts.command_line) or list(sys.argv), seed=opts.seed, options=options,
                   started=_now(), injected=[opts.inject] if opts.inject else [], tau=opts.thresholds.tau)

@@ -15,6 +15,7 @@ from aegis_cli.backends import resolve_devices
 from aegis_cli.backends.base import Device
 from aegis_cli.errors import AegisError, ConfigError
 from aegis_cli.inject import FaultPlan
+from aegis_cli.probes import DEFAULT_PROBES, PROBES, ProbeContext, load_all, register
 from aegis_cli.probes.gemm import GemmCase, GemmProbe
 from aegis_cli.report import DeviceReport, Report, new_report
 from aegis_cli.verdict import Evidence, Verdict, worst
@@ -34,6 +35,8 @@ class ScanOptions:
     reruns: int = 5
     inject: str | None = None
     case: str | None = None  # re-run exactly one case id from a report
+    probes: tuple[str, ...] = DEFAULT_PROBES
+    golden: str | None = None  # golden fingerprint file to compare against (probes that use it)
     thresholds: numerics.Thresholds = field(default_factory=numerics.Thresholds)
     command_line: list[str] = field(default_factory=list)
 
@@ -54,22 +57,31 @@ def plan_cases(wl: workloads.Workload, seed: int, case: str | None = None) -> li
     return cases
 
 
+@register("gemm")
+def gemm_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
+    """Checked training GEMMs across distributions and power-of-two scales."""
+    opts = ctx.opts
+    wl = _workload_for(opts, device)
+    ctx.stats["workload"] = wl.name
+    probe = GemmProbe(device, opts.thresholds, reruns=opts.reruns, fault=ctx.fault,
+                      on_case=lambda cid: ctx.progress("case", device=device.identity.id, case=cid))
+    evidence: list[Evidence] = []
+    for case in plan_cases(wl, opts.seed, opts.case):
+        evidence += probe.run(case, wl.scan.scales, only=opts.case)
+    ctx.stats["gemm"] = probe.stats
+    return evidence
+
+
 def scan_device(device: Device, opts: ScanOptions, fault: FaultPlan | None, progress: Progress) -> DeviceReport:
-    """Every case of the device's workload; any failure of the device → ERROR, never HEALTHY."""
+    """Every selected probe on one device; any failure of the device → ERROR, never HEALTHY."""
     t0 = time.time()
     dr = DeviceReport(identity=device.identity, verdict=Verdict.ERROR)
+    ctx = ProbeContext(opts=opts, fault=fault, progress=progress)
     try:
-        wl = _workload_for(opts, device)
-        dr.workload = wl.name
-        cases = plan_cases(wl, opts.seed, opts.case)
-        scales = wl.scan.scales
-        probe = GemmProbe(device, opts.thresholds, reruns=opts.reruns, fault=fault,
-                          on_case=lambda cid: progress("case", device=device.identity.id, case=cid))
         evidence: list[Evidence] = []
-        for case in cases:
-            evidence += probe.run(case, scales, only=opts.case)
+        for name in opts.probes:
+            evidence += PROBES[name](device, ctx)
         dr.evidence = evidence
-        dr.stats = probe.stats
         dr.verdict = worst([Verdict.HEALTHY, *(e.severity for e in evidence)])
     except AegisError as exc:
         if isinstance(exc, ConfigError):
@@ -77,6 +89,9 @@ def scan_device(device: Device, opts: ScanOptions, fault: FaultPlan | None, prog
         dr.error = str(exc)
     except Exception as exc:  # a driver or runtime failure during checks: the device is not trusted
         dr.error = f"{type(exc).__name__}: {exc}"
+    dr.workload = ctx.stats.pop("workload", "")
+    dr.stats = ctx.stats.pop("gemm", None)
+    dr.probe_stats = ctx.stats
     dr.seconds = time.time() - t0
     progress("device_done", device=device.identity.id, verdict=dr.verdict.value)
     return dr
@@ -86,8 +101,9 @@ def count_cases(opts: ScanOptions, devices: list[Device]) -> int:
     total = 0
     for d in devices:
         wl = _workload_for(opts, d)
-        n_scales = 1 if opts.case else len(wl.scan.scales)
-        total += len(plan_cases(wl, opts.seed, opts.case)) * n_scales
+        if "gemm" in opts.probes:
+            n_scales = 1 if opts.case else len(wl.scan.scales)
+            total += len(plan_cases(wl, opts.seed, opts.case)) * n_scales
     return total
 
 
@@ -96,6 +112,10 @@ def run_scan(opts: ScanOptions, progress: Progress | None = None) -> Report:
     plan = FaultPlan.parse(opts.inject) if opts.inject else None
     if opts.reruns < 1:
         raise ConfigError(f"--reruns must be ≥ 1, got {opts.reruns}")
+    load_all()
+    unknown = [p for p in opts.probes if p not in PROBES]
+    if unknown:
+        raise ConfigError(f"unknown probe(s) {', '.join(unknown)} (known: {', '.join(sorted(PROBES))})")
     devices = resolve_devices(opts.devices)
     report = new_report(opts)
     progress("start", total=count_cases(opts, devices), devices=[d.identity.id for d in devices])
