@@ -6,6 +6,7 @@ rich and maps errors to exit codes (errors.ExitCode). The library never prints o
 
 from __future__ import annotations
 
+import io
 import sys
 import traceback
 
@@ -44,7 +45,7 @@ def cli(debug: bool) -> None:
 
 def _emit(doc: dict, fmt: str, output: str | None, table_fn) -> None:
     if fmt == "table":
-        console = Console(record=output is not None)
+        console = Console(file=io.StringIO(), record=True, width=140) if output else Console()
         table_fn(console, doc)
         if output:
             report_mod.atomic_write(output, console.export_text())
@@ -61,16 +62,17 @@ def _verdict_table(console: Console, doc: dict) -> None:
     if doc.get("fault_injected"):
         title += "  [bold red](FAULTS INJECTED ON PURPOSE)[/]"
     t = Table(title=title, title_justify="left")
-    for col in ("device", "name", "uuid", "verdict", "workload", "GEMMs", "noise margin", "evidence", "time"):
-        t.add_column(col, overflow="fold")
+    for col in ("device", "verdict", "GEMMs", "noise margin", "evidence", "time"):
+        t.add_column(col, no_wrap=True)
+    t.add_column("name / uuid", overflow="fold")
     for d in doc["devices"]:
         noise = d.get("noise") or {}
         margin = noise.get("margin")
-        t.add_row(d["device"]["id"], d["device"]["name"], d["device"]["uuid"],
-                  f"[{VERDICT_STYLE[d['verdict']]}]{d['verdict']}[/]", d.get("workload", ""),
+        t.add_row(d["device"]["id"], f"[{VERDICT_STYLE[d['verdict']]}]{d['verdict']}[/]",
                   str((d.get("stats") or {}).get("gemms", "")),
                   f"{margin:.0f}×" if isinstance(margin, (int, float)) else "—",
-                  str(len(d["evidence"])), f"{d['timings']['seconds']:.1f}s")
+                  str(len(d["evidence"])), f"{d['timings']['seconds']:.1f}s",
+                  f"{d['device']['name']}\n{d['device']['uuid']}")
     console.print(t)
     for d in doc["devices"]:
         if d.get("error"):
@@ -84,6 +86,14 @@ def _verdict_table(console: Console, doc: dict) -> None:
             console.print(f"    … {len(d['evidence']) - 10} more evidence records (use --format json)")
     if any(d["evidence"] for d in doc["devices"]):
         console.print(f"Re-run one case: aegis scan --seed {doc['seed']} --case CASE_ID", highlight=False)
+
+
+def _thresholds(tau: float | None, margin: float | None):
+    from aegis_cli.numerics import Thresholds
+
+    base = Thresholds()
+    return Thresholds(tau=base.tau if tau is None else tau, tau_bf16=base.tau_bf16,
+                      confirm_margin=base.confirm_margin if margin is None else margin)
 
 
 def _progress_callback(progress: Progress | None):
@@ -113,14 +123,16 @@ def _progress_callback(progress: Progress | None):
 @click.option("--output", "-o", default=None, metavar="PATH", help="Write the report here (atomically) instead of stdout.")
 @click.option("--probes", default=",".join(DEFAULT_PROBES), show_default=True, help="Comma-separated probes to run.")
 @click.option("--golden", default=None, metavar="FILE", help="Compare fingerprints against a golden file (aegis golden record).")
+@click.option("--threshold", default=None, type=float, help="Normalised checksum threshold τ (default: calibrated, see docs/calibration.md).")
+@click.option("--confirm-margin", default=None, type=float, help="How far over τ a reproducible flag must be to count as FAULTY.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def scan(devices, workload, seed, case, reruns, inject, save_vtasks, probes, golden, fmt, output, quiet):
+def scan(devices, workload, seed, case, reruns, inject, save_vtasks, probes, golden, threshold, confirm_margin, fmt, output, quiet):
     """Scan this node's devices with checked training-shaped GEMMs and print a verdict per device."""
     from aegis_cli.scan import ScanOptions, run_scan
 
     opts = ScanOptions(devices=devices, workload=workload, seed=seed, reruns=reruns, inject=inject, case=case,
                        probes=tuple(p.strip() for p in probes.split(",") if p.strip()), golden=golden,
-                       command_line=["aegis", *sys.argv[1:]])
+                       thresholds=_thresholds(threshold, confirm_margin), command_line=["aegis", *sys.argv[1:]])
     if inject:
         from aegis_cli.inject import parse_spec
 

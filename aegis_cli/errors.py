@@ -48,3 +48,7 @@ class HistoryError(AegisError):
 
 class LockError(AegisError):
     """Another sweep holds the lock."""
+
+
+class OutputError(AegisError):
+    """A report or file cannot be written where asked."""

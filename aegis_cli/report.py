@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from aegis_cli.backends.base import DeviceIdentity
 from aegis_cli.backends.loader import kernel_hashes
+from aegis_cli.errors import OutputError
 from aegis_cli.verdict import Evidence, Verdict, overall_exit
 
 if TYPE_CHECKING:
@@ -235,13 +236,20 @@ def atomic_write(path: str | os.PathLike, text: str | bytes) -> None:
     ever appears under ``path``."""
     path = Path(path)
     data = text.encode("utf-8") if isinstance(text, str) else text
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+    except OSError as exc:
+        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
