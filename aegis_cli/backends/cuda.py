@@ -1,0 +1,516 @@
+"""CUDA backend: checked GEMMs in our own kernels (kernels/gemm_*.cu) on torch CUDA tensors.
+
+Same contract as the CPU reference backend (cpu.py): bf16 operands stored as training
+stores them, fp32 accumulation, bf16 output, row/column checksums of the fp32 accumulator
+per (128, 128) checksum tile in a fixed order, and the SM that ran each tile.
+
+Kernels: ``gemm_wgmma.cu`` (TMA + wgmma, sm_90a) on Hopper when both operands suit TMA
+(16-byte aligned rows), otherwise ``gemm_mma.cu`` (mma.sync, any sm_80+ GPU, any pitch).
+Launches go through the CuPy driver API on torch's current stream, with the kernel
+parameters packed here (the TMA descriptors are passed by value as ``__grid_constant__``).
+
+Fault injection (DESIGN §4): accumulator faults run in the ``AEGIS_INJECT`` build of the
+same kernel, so the fused checksums see them as they would see hardware; this module turns
+the FaultPlan into that build's parameter block, drawing positions with the same seeded
+generators as corrupt.py so a fault lands where it lands on the CPU backend. Operand
+(target=a|b) and output (target=out) faults reuse corrupt.py on host copies.
+
+Importing this module touches neither CuPy nor CUDA.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.util
+import os
+import socket
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from aegis_cli import corrupt, fingerprint, numerics
+from aegis_cli.backends import loader
+from aegis_cli.backends.base import Backend, Device, DeviceIdentity, GemmOperands, GemmResult, Layout, ReferenceChecksums
+from aegis_cli.errors import DeviceError, InjectSpecError
+from aegis_cli.inject import KSTEP, FaultPlan, FaultSpec, LaunchContext
+
+CHECK_TILE = (128, 128)  # checksum tile of both kernels (the wgmma CTA tile holds two)
+_MMA_SMEM = 3 * 2 * (128 * 40) * 2  # STAGES · (A + B) · stage elements · 2 B (gemm_mma.cu)
+_WGMMA_STAGES = 4
+_WGMMA_SMEM = _WGMMA_STAGES * (128 * 64 * 2 + 256 * 64 * 2) + 16 * _WGMMA_STAGES + 8 * 256 * 4 + 1024
+WGMMA_DEFINES: dict[str, object] = {}  # extra -D for gemm_wgmma.cu (experiments)
+_LOCK = threading.Lock()
+_FUNCS: dict[tuple, int] = {}
+
+EDIT_XOR, EDIT_SET, EDIT_ADD = 0, 1, 2
+TILE_CODES = {"zero": 1, "stuck": 2, "shift": 3, "skipk": 4}
+
+
+class _Inject(ctypes.Structure):  # mirrors InjectParams in kernels/common.cuh
+    _fields_ = [
+        ("edit_idx", ctypes.c_void_p), ("edit_off", ctypes.c_void_p), ("edit_val", ctypes.c_void_p),
+        ("edit_op", ctypes.c_void_p), ("tile_mode", ctypes.c_void_p),
+        ("sm_target", ctypes.c_int), ("sm_mode", ctypes.c_int), ("tile_value", ctypes.c_float), ("kstep", ctypes.c_int),
+        ("lane_stride", ctypes.c_int), ("lane_offset", ctypes.c_int), ("lane_mask", ctypes.c_uint), ("n_edits", ctypes.c_int),
+    ]
+
+
+def _no_inject() -> _Inject:
+    return _Inject(sm_target=-1)
+
+
+# ---------------------------------------------------------------------------- launching
+def _function(kind: str, entry: str, variant: str, device_id: int) -> int:
+    """CUfunction handle of one kernel entry, compiled (once) through the loader."""
+    key = (kind, entry, variant, device_id, tuple(sorted(WGMMA_DEFINES.items())) if kind == "wgmma" else ())
+    with _LOCK:
+        ptr = _FUNCS.get(key)
+    if ptr is not None:
+        return ptr
+    import cupy
+
+    defines: dict[str, object] = {"inject": {"AEGIS_INJECT": 1}, "nosums": {"AEGIS_NOSUMS": 1}, "": {}}[variant]
+    if kind == "wgmma":
+        defines = {**defines, **WGMMA_DEFINES}
+    try:
+        with cupy.cuda.Device(device_id):
+            mod = loader.get_module(f"gemm_{kind}.cu", defines=defines, device_id=device_id, need_sm90a=kind == "wgmma")
+            fn = mod.get_function(f"gemm_{kind}_{entry}")
+            fn.max_dynamic_shared_size_bytes = _WGMMA_SMEM if kind == "wgmma" else _MMA_SMEM
+            ptr = fn.kernel.ptr
+    except Exception as exc:
+        raise DeviceError(f"cuda:{device_id}: cannot build gemm_{kind}.cu ({entry}, {variant or 'plain'}): {exc}") from exc
+    with _LOCK:
+        _FUNCS[key] = ptr
+    return ptr
+
+
+def _launch(func: int, grid: tuple[int, int], block: int, smem: int, stream: int, args: list) -> None:
+    import cupy
+
+    ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+    cupy.cuda.driver.launchKernel(func, grid[0], grid[1], 1, block, 1, 1, smem, stream, ctypes.addressof(ptrs), 0)
+
+
+_LIBCUDA = None
+
+
+def _tensor_map(t: torch.Tensor, box_inner: int, box_outer: int):
+    """128-byte TMA descriptor of a row-major bf16 matrix, 128B swizzle, zero fill outside."""
+    global _LIBCUDA
+    if _LIBCUDA is None:
+        _LIBCUDA = ctypes.CDLL("libcuda.so.1")
+    outer, inner = t.shape
+    desc = (ctypes.c_uint64 * 16)()
+    dims = (ctypes.c_uint64 * 2)(inner, outer)
+    strides = (ctypes.c_uint64 * 1)(t.stride(0) * 2)
+    box = (ctypes.c_uint32 * 2)(box_inner, box_outer)
+    elem = (ctypes.c_uint32 * 2)(1, 1)
+    # enums from cuda.h: BFLOAT16 = 9, INTERLEAVE_NONE = 0, SWIZZLE_128B = 3, L2_PROMOTION_256B = 3, OOB_FILL_NONE = 0
+    rc = _LIBCUDA.cuTensorMapEncodeTiled(desc, 9, 2, ctypes.c_void_p(t.data_ptr()), dims, strides, box, elem, 0, 3, 3, 0)
+    if rc != 0:
+        raise DeviceError(f"cuTensorMapEncodeTiled failed (CUresult {rc}) for a {tuple(t.shape)} tensor, stride {t.stride()}")
+    return desc
+
+
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(1) == 1 and t.stride(0) >= max(1, t.shape[1]) else t.contiguous()
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0 and t.stride(0) % 8 == 0 and min(t.shape) > 0
+
+
+@dataclass
+class _Launch:
+    """One prepared launch: outputs allocated, arguments packed. ``run()`` only enqueues."""
+
+    kernel: str
+    func: int
+    grid: tuple[int, int]
+    block: int
+    smem: int
+    args: list
+    keep: list = field(default_factory=list)  # tensors the arguments point into
+    stream: int = 0
+
+    def run(self) -> None:
+        _launch(self.func, self.grid, self.block, self.smem, self.stream, self.args)
+
+
+# ---------------------------------------------------------------------------- fault plans
+@dataclass
+class _AccFaults:
+    edits: list[tuple[np.ndarray, int, np.ndarray]] = field(default_factory=list)  # (flat, op, bits)
+    tile_mode: np.ndarray | None = None
+    sm_target: int = -1
+    sm_mode: int = 0
+    tile_value: float = 1.0
+    kstep: int = 0
+    lane: tuple[int, int, int] = (0, 0, 0)
+    after: list = field(default_factory=list)  # callables(tile_sm ndarray) recording tile faults
+
+    def add(self, flat: np.ndarray, op: int, bits) -> None:
+        flat = np.asarray(flat, dtype=np.int64)
+        self.edits.append((flat, op, np.broadcast_to(np.asarray(bits, dtype=np.uint32), flat.shape)))
+
+
+def _u32(x: float) -> int:
+    return int(np.array([x], dtype=np.float32).view(np.uint32)[0])
+
+
+def _elementwise_acc(acc: _AccFaults, plan: FaultPlan, f: FaultSpec, rng: np.random.Generator, ctx: LaunchContext,
+                     shape: tuple[int, int]) -> None:
+    """bitflip / mask / stuck-lane / replace on the (M, N) fp32 accumulator: the same draws as
+    corrupt._elementwise, emitted as kernel edits instead of applied to a tensor."""
+    m, n = shape
+    numel = m * n
+    if f.model in ("bitflip", "mask"):
+        flat = corrupt._positions(f, shape, rng, int(f.get("count", "1")))
+        if f.model == "bitflip":
+            masks = [1 << corrupt._pick_bit(f.get("bit", "exp"), 32, rng) for _ in flat]
+        else:
+            masks = [int(f.get("mask"), 0) & 0xFFFFFFFF] * flat.size
+        acc.add(flat, EDIT_XOR, masks)
+        corrupt._record(plan, f, ctx, shape, flat, masks=[f"0x{v:x}" for v in masks[: corrupt.MAX_RECORDED]])
+    elif f.model == "stuck-lane":
+        stride, offset = int(f.get("stride", "32")), int(f.get("offset", "0"), 0)
+        mask = int(f.get("mask"), 0) & 0xFFFFFFFF
+        if acc.lane[0]:
+            raise InjectSpecError("the CUDA kernels take one stuck-lane fault per launch")
+        acc.lane = (stride, offset % stride, mask)
+        flat = np.arange(offset % stride, numel, stride)
+        corrupt._record(plan, f, ctx, shape, flat, masks=[f"0x{mask:x}"], stride=stride)
+    elif f.model == "replace":
+        span = f.get("span", "1")
+        if span == "random":
+            start = int(rng.integers(0, numel))
+            length = int(rng.integers(1, numel - start + 1))
+        else:
+            length = int(span)
+            anchor = corrupt._positions(f, shape, rng, 1)[0]
+            start = int(anchor - anchor % length)
+            length = min(length, numel - start)
+        flat = np.arange(start, start + length)
+        how = f.get("value", "flip")
+        if how == "zero":
+            acc.add(flat, EDIT_SET, 0)
+        elif how == "random":
+            raw = rng.integers(0, 1 << 32, flat.size, dtype=np.uint64)
+            raw = np.where((raw >> np.uint64(23)) & np.uint64(0xFF) == 0xFF, raw & ~np.uint64(1 << 30), raw)
+            acc.add(flat, EDIT_SET, raw.astype(np.uint32))
+        elif how == "flip":
+            acc.add(flat, EDIT_XOR, (np.uint64(1) << rng.integers(0, 32, flat.size).astype(np.uint64)).astype(np.uint32))
+        else:  # a copy of another element needs the other element's clean value: not in one pass
+            raise InjectSpecError("replace:value=copy with target=acc is not available in the CUDA kernels (use target=out)")
+        corrupt._record(plan, f, ctx, shape, flat, span=span, value=how)
+
+
+def _acc_faults(plan: FaultPlan, ctx: LaunchContext, m: int, n: int, k: int, pair_tiles: bool) -> _AccFaults | None:
+    """Translate this launch's accumulator faults into kernel parameters (None: none fire)."""
+    active = plan.active(ctx, "acc")
+    if not active:
+        return None
+    tm, tn = ctx.tile
+    tiles = (-(-m // tm), -(-n // tn))
+    acc = _AccFaults()
+    for f, rng in active:
+        if f.model in ("bitflip", "mask", "stuck-lane", "replace"):
+            _elementwise_acc(acc, plan, f, rng, ctx, (m, n))
+        elif f.model == "perturb":
+            if ctx.clean_median is None:
+                raise DeviceError("perturb fault needs the clean median checksum difference")
+            rate, r = float(f.get("rate", "2e-4")), float(f.get("r"))
+            prng = np.random.default_rng([f.seed, plan.launches, 0x9E7])  # as corrupt.apply_acc
+            hit = np.flatnonzero(prng.random(m * n) < rate)
+            delta = (prng.choice([-1.0, 1.0], hit.size) * r * ctx.clean_median).astype(np.float32)
+            acc.add(hit, EDIT_ADD, delta.view(np.uint32))
+            corrupt._record(plan, f, ctx, (m, n), hit, magnitude=r * ctx.clean_median)
+        elif f.model == "row":
+            i = int(f.get("row"), 0) % m if f.get("row") else int(rng.integers(0, m))
+            mode = f.get("mode", "zero")
+            flat = np.arange(i * n, (i + 1) * n)
+            acc.add(flat, EDIT_SET, 0 if mode == "zero" else _u32(float(f.get("value", "1.0"))))
+            corrupt._record(plan, f, ctx, (m, n), flat, row=i, mode=mode)
+        elif f.model == "tile":
+            _tile_fault(acc, plan, f, rng, ctx, tiles, k, pair_tiles)
+    return acc
+
+
+def _tile_fault(acc: _AccFaults, plan: FaultPlan, f: FaultSpec, rng: np.random.Generator, ctx: LaunchContext,
+                tiles: tuple[int, int], k: int, pair_tiles: bool) -> None:
+    mode = f.get("mode", "zero")
+    code = TILE_CODES[mode]
+    if mode == "stuck":
+        acc.tile_value = float(f.get("value", "1.0"))
+    if mode == "skipk":
+        kblocks = max(1, -(-k // KSTEP))
+        acc.kstep = (int(f.get("kstep")) if f.get("kstep") else int(rng.integers(0, kblocks))) % kblocks
+    if f.get("sm") is not None:  # which tiles land on the SM is known only after the launch
+        acc.sm_target, acc.sm_mode = int(f.get("sm")), code
+        chosen = None
+    else:
+        chosen = corrupt._tiles_for(f, ctx, tiles, rng)
+        if pair_tiles and mode in ("shift", "skipk"):  # the wgmma CTA computes two checksum tiles in one main loop
+            chosen = sorted({(i, j2) for i, j in chosen for j2 in (j - j % 2, j - j % 2 + 1) if j2 < tiles[1]})
+        if acc.tile_mode is None:
+            acc.tile_mode = np.zeros(tiles[0] * tiles[1], dtype=np.int8)
+        for i, j in chosen:
+            acc.tile_mode[i * tiles[1] + j] = code
+    sm = acc.sm_target if chosen is None else None
+
+    def record(tile_sm: np.ndarray, chosen=chosen) -> None:
+        hit = chosen if chosen is not None else [(int(i), int(j)) for i, j in zip(*np.nonzero(tile_sm == sm), strict=True)]
+        extra = {"kstep": acc.kstep} if mode == "skipk" else {}
+        plan.record(f, ctx, target="acc", mode=mode, tiles=[list(t) for t in hit[: corrupt.MAX_RECORDED]], n_tiles=len(hit),
+                    sms=sorted({int(tile_sm[t]) for t in hit})[: corrupt.MAX_RECORDED], **extra)
+
+    acc.after.append(record)
+
+
+def _inject_params(acc: _AccFaults, m: int, n: int, tile: tuple[int, int], device: torch.device) -> tuple[_Inject, list]:
+    """Pack edits per checksum tile (CSR) and upload them; returns the struct and what it points into."""
+    tm, tn = tile
+    tiles_n = -(-n // tn)
+    n_tiles = -(-m // tm) * tiles_n
+    p = _Inject(sm_target=acc.sm_target, sm_mode=acc.sm_mode, tile_value=acc.tile_value, kstep=acc.kstep,
+                lane_stride=acc.lane[0], lane_offset=acc.lane[1], lane_mask=acc.lane[2])
+    keep: list[torch.Tensor] = []
+    if acc.tile_mode is not None:
+        t = torch.from_numpy(acc.tile_mode).to(device)
+        keep.append(t)
+        p.tile_mode = t.data_ptr()
+    if acc.edits:
+        flat = np.concatenate([e[0] for e in acc.edits])
+        ops = np.concatenate([np.full(e[0].size, e[1], dtype=np.uint8) for e in acc.edits])
+        bits = np.concatenate([e[2] for e in acc.edits]).astype(np.uint32)
+        tid = (flat // n // tm) * tiles_n + (flat % n) // tn
+        order = np.argsort(tid, kind="stable")  # keeps the faults' order within a tile
+        off = np.searchsorted(tid[order], np.arange(n_tiles + 1)).astype(np.int32)
+        arrays = (flat[order], off, bits[order].view(np.int32), ops[order])
+        ts = [torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in arrays]
+        keep += ts
+        p.edit_idx, p.edit_off, p.edit_val, p.edit_op = (t.data_ptr() for t in ts)
+        p.n_edits = int(flat.size)
+    return p, keep
+
+
+# ---------------------------------------------------------------------------- device
+def _nvml_identity(index: int, pci: str) -> dict:
+    """Name, UUID, serial, bus id and driver from NVML, matched by PCI bus id; {} if NVML is unusable."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return {}
+    out: dict = {}
+    try:
+        try:
+            h = pynvml.nvmlDeviceGetHandleByPciBusId_v2(pci)
+        except Exception:
+            h = pynvml.nvmlDeviceGetHandleByIndex(index)
+
+        def get(fn, *args):
+            try:
+                v = fn(*args)
+                return v.decode() if isinstance(v, bytes) else v
+            except Exception:
+                return None
+
+        out = {"name": get(pynvml.nvmlDeviceGetName, h), "uuid": get(pynvml.nvmlDeviceGetUUID, h),
+               "serial": get(pynvml.nvmlDeviceGetSerial, h), "driver": get(pynvml.nvmlSystemGetDriverVersion)}
+        info = get(pynvml.nvmlDeviceGetPciInfo, h)
+        if info is not None:
+            bus = info.busId
+            out["pci_bus_id"] = bus.decode() if isinstance(bus, bytes) else bus
+    finally:
+        with contextlib.suppress(Exception):
+            pynvml.nvmlShutdown()
+    return {k: v for k, v in out.items() if v}
+
+
+def _identity(index: int) -> DeviceIdentity:
+    props = torch.cuda.get_device_properties(index)
+    pci = f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
+    nv = _nvml_identity(index, pci)
+    uuid = nv.get("uuid") or f"GPU-{props.uuid}"
+    return DeviceIdentity(
+        backend="cuda", index=index, name=nv.get("name") or props.name, uuid=uuid, host=socket.gethostname(),
+        serial=nv.get("serial"), pci_bus_id=nv.get("pci_bus_id") or pci, driver=nv.get("driver"),
+        extra={"cc": f"{props.major}.{props.minor}", "sms": str(props.multi_processor_count),
+               "memory_gib": f"{props.total_memory / 2**30:.1f}", "identity_source": "nvml" if nv else "torch"},
+    )
+
+
+class CudaDevice(Device):
+    """One CUDA GPU. ``kernel`` is "wgmma" on sm_90 and "mma" elsewhere (AEGIS_CUDA_KERNEL overrides).
+    ``poison`` fills outputs with NaN before each launch (tests: every element must be written)."""
+
+    def __init__(self, index: int = 0, kernel: str | None = None):
+        if not 0 <= index < torch.cuda.device_count():
+            raise DeviceError(f"no device cuda:{index} (torch sees {torch.cuda.device_count()} CUDA devices)")
+        self.index = index
+        self.torch_device = torch.device("cuda", index)
+        self.cc = torch.cuda.get_device_capability(index)
+        kernel = kernel or os.environ.get("AEGIS_CUDA_KERNEL") or ("wgmma" if self.cc == (9, 0) else "mma")
+        if kernel not in ("wgmma", "mma"):
+            raise DeviceError(f"unknown CUDA GEMM kernel {kernel!r} (wgmma, mma)")
+        if kernel == "wgmma" and self.cc != (9, 0):
+            raise DeviceError(f"the wgmma kernel needs sm_90 (Hopper); cuda:{index} is sm_{self.cc[0]}{self.cc[1]}")
+        self.kernel = kernel
+        self.tile = CHECK_TILE
+        self.poison = False
+        self.sms = torch.cuda.get_device_properties(index).multi_processor_count
+        self.identity = _identity(index)
+
+    # -- data ----------------------------------------------------------------------
+    def generate(self, shape: tuple[int, ...], dist: str, seed: int) -> torch.Tensor:
+        return numerics.generate_bf16(shape, dist, seed, self.torch_device)
+
+    def reference_checksums(self, ops: GemmOperands, tile: tuple[int, int]) -> ReferenceChecksums:
+        return numerics.reference_checksums(ops, tile)
+
+    def fingerprint(self, t: torch.Tensor) -> int:
+        return fingerprint.fingerprint(t)
+
+    def synchronize(self) -> None:
+        try:
+            torch.cuda.synchronize(self.torch_device)
+        except Exception as exc:
+            raise DeviceError(f"cuda:{self.index}: asynchronous failure: {exc}") from exc
+
+    # -- the checked GEMM ------------------------------------------------------------
+    def prepare(self, a: torch.Tensor, b: torch.Tensor, layout: Layout, *, variant: str = "", kernel: str | None = None,
+                inject: _Inject | None = None) -> _Launch:
+        """Allocate outputs and pack one launch of C = A·B from the stored operands (no sync).
+        ``variant``: "" (checksums), "nosums" (benchmark baseline) or "inject"."""
+        ops = GemmOperands(a, b, layout)
+        m, n, k = ops.mnk
+        a, b = _row_major(a), _row_major(b)
+        kind = kernel or self.kernel
+        if kind == "wgmma" and not (k > 0 and _tma_ok(a) and _tma_ok(b)):
+            kind = "mma"  # TMA needs 16-byte aligned rows
+        tm, tn = self.tile
+        dev = self.torch_device
+        fill = float("nan") if self.poison else None
+        c = torch.full((m, n), fill, dtype=torch.bfloat16, device=dev) if fill else torch.empty((m, n), dtype=torch.bfloat16, device=dev)
+        rs_shape, cs_shape = (m, -(-n // tn)), (-(-m // tm), n)
+        row_sums = torch.full(rs_shape, fill, device=dev) if fill else torch.empty(rs_shape, device=dev)
+        col_sums = torch.full(cs_shape, fill, device=dev) if fill else torch.empty(cs_shape, device=dev)
+        tile_sm = torch.full((cs_shape[0], rs_shape[1]), -1, dtype=torch.int32, device=dev)
+        entry = layout.value
+        func = _function(kind, entry, variant, self.index)
+        outs = [ctypes.c_void_p(t.data_ptr()) for t in (c, row_sums, col_sums, tile_sm)]
+        inj = inject if inject is not None else _no_inject()
+        if kind == "wgmma":
+            a_box = (64, 128) if layout is not Layout.WGRAD else (64, 64)
+            b_box = (64, 256) if layout is Layout.FWD else (64, 64)
+            args = [_tensor_map(a, *a_box), _tensor_map(b, *b_box), *outs,
+                    ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), inj]
+            n_ctas = -(-m // 128) * -(-n // 256)
+            grid, block, smem = (min(self.sms, n_ctas), 1), 384, _WGMMA_SMEM
+        else:
+            vec = [int(t.data_ptr() % 16 == 0 and t.stride(0) % 8 == 0) for t in (a, b)]
+            args = [ctypes.c_void_p(a.data_ptr()), ctypes.c_void_p(b.data_ptr()), *outs,
+                    ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_longlong(a.stride(0)),
+                    ctypes.c_longlong(b.stride(0)), ctypes.c_int(vec[0]), ctypes.c_int(vec[1]), inj]
+            grid, block, smem = (rs_shape[1], cs_shape[0]), 256, _MMA_SMEM
+        if grid[1] > 65535:
+            raise DeviceError(f"M = {m} exceeds the mma kernel's grid limit")
+        stream = torch.cuda.current_stream(dev).cuda_stream
+        return _Launch(kind, func, grid, block, smem, args, keep=[a, b, c, row_sums, col_sums, tile_sm], stream=stream)
+
+    def checked_gemm(self, ops: GemmOperands, fault: FaultPlan | None = None, *, op: str = "",
+                     clean_median: float | None = None) -> GemmResult:
+        m, n, k = ops.mnk
+        for name, t in (("A", ops.a), ("B", ops.b)):
+            if t.dtype != torch.bfloat16 or t.device != self.torch_device or t.dim() != 2:
+                raise DeviceError(f"cuda:{self.index}: operand {name} must be a 2-D bf16 tensor on {self.torch_device}, "
+                                  f"got {t.dtype} {tuple(t.shape)} on {t.device}")
+        if m == 0 or n == 0:
+            raise DeviceError(f"cuda:{self.index}: empty GEMM {m}x{n}x{k}")
+        a, b = ops.a, ops.b
+        ctx = acc = None
+        keep: list = []
+        inj = None
+        if fault is not None:
+            ctx = LaunchContext(self.identity.id, op, self.tile, None, clean_median)
+            a, b = self._operand_faults(fault, ctx, ops)
+            acc = _acc_faults(fault, ctx, m, n, k, pair_tiles=self.kernel == "wgmma")
+            if acc is not None:
+                inj, keep = _inject_params(acc, m, n, self.tile, self.torch_device)
+        with torch.cuda.device(self.torch_device):
+            launch = self.prepare(a, b, ops.layout, variant="inject" if inj is not None else "", inject=inj)
+            try:
+                launch.run()
+                torch.cuda.synchronize(self.torch_device)
+            except Exception as exc:
+                raise DeviceError(f"cuda:{self.index}: gemm_{launch.kernel} {ops.layout.value} {m}x{n}x{k} failed: {exc}") from exc
+        del keep
+        c, row_sums, col_sums, tile_sm_dev = launch.keep[2:]
+        tile_sm = tile_sm_dev.cpu()
+        if fault is not None:
+            ctx.tile_sm = tile_sm.numpy()
+            for record in acc.after if acc is not None else ():
+                record(ctx.tile_sm)
+            if fault.active(ctx, "out"):
+                c_host = c.cpu()
+                corrupt.apply_out(fault, ctx, c_host)
+                c.copy_(c_host)
+            fault.launches += 1
+        return GemmResult(c=c, row_sums=row_sums, col_sums=col_sums, tile=self.tile, tile_sm=tile_sm,
+                          kernel=f"gemm_{launch.kernel}" + ("+inject" if inj is not None else ""), injected=fault is not None)
+
+    def _operand_faults(self, plan: FaultPlan, ctx: LaunchContext, ops: GemmOperands) -> tuple[torch.Tensor, torch.Tensor]:
+        """target=a|b: corrupt host copies of the operands (corrupt.py) and feed those to the kernel;
+        the reference keeps reading the originals."""
+        if not plan.active(ctx, "operands"):
+            return ops.a, ops.b
+        a_mk, b_kn = ops.a_mk.cpu(), ops.b_kn.cpu()
+        a2, b2 = corrupt.apply_operands(plan, ctx, a_mk, b_kn)
+        a, b = ops.a, ops.b
+        if a2 is not a_mk:
+            a = (a2.t() if ops.layout is Layout.WGRAD else a2).contiguous().to(self.torch_device)
+        if b2 is not b_kn:
+            b = (b2.t() if ops.layout is Layout.FWD else b2).contiguous().to(self.torch_device)
+        return a, b
+
+    def describe(self) -> dict:
+        info: dict = {"torch": torch.__version__, "kernel": f"gemm_{self.kernel}", "tile": list(self.tile),
+                      "kernel_cache": loader.cache_dir(), "kernel_hashes": loader.kernel_hashes(),
+                      "compile_log": list(loader.COMPILE_LOG)}
+        try:
+            import cupy
+
+            info["cupy"] = cupy.__version__
+            info["cuda_runtime"] = cupy.cuda.runtime.runtimeGetVersion()
+            info["cuda_driver"] = cupy.cuda.runtime.driverGetVersion()
+            info["nvrtc"] = ".".join(map(str, cupy.cuda.nvrtc.getVersion()))
+        except Exception as exc:  # describe never fails: it is for reports
+            info["cupy_error"] = str(exc)
+        info["driver"] = self.identity.driver
+        return info
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+
+    def available(self) -> bool:
+        if importlib.util.find_spec("cupy") is None:
+            return False
+        try:
+            return torch.cuda.is_available() and torch.cuda.device_count() > 0
+        except Exception:
+            return False
+
+    def devices(self) -> list[Device]:
+        return [CudaDevice(i) for i in range(torch.cuda.device_count())] if self.available() else []
+
+    def device(self, index: int) -> Device:
+        if not self.available():
+            raise DeviceError("no CUDA device available (needs CuPy and a GPU visible to torch)")
+        return CudaDevice(index)

@@ -1,0 +1,202 @@
+"""One GPU session's worth of checks and figures, in one command:
+
+    PYTHONPATH=. python3 benchmarks/gpu_suite.py [--out DIR] [--only NAME ...] [--skip NAME ...]
+
+Each section runs in its own subprocess under its own time limit (a hung kernel costs that
+section, not the session), writes ``DIR/<name>.log`` and returns a small summary dict;
+``DIR/suite.json`` collects the summaries and a short table is printed last.
+DIR defaults to $OUT (the device tool's output folder) or ./gpu_suite_out.
+
+Adding a section: write ``def section_<name>(out: Path) -> dict`` and append
+``Section("<name>", section_<name>, seconds)`` to SECTIONS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Section:
+    name: str
+    fn: Callable[[Path], dict]
+    timeout_s: int
+
+
+# ---------------------------------------------------------------------------- sections
+def section_env(out: Path) -> dict:
+    import torch
+
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu",
+                          "--format=csv,noheader"], capture_output=True, text=True, check=False)
+    print(smi.stdout)
+    from aegis_cli.backends.cuda import CudaDevice
+
+    dev = CudaDevice(0)
+    info = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "identity": dev.identity.to_dict(),
+            "nvidia_smi": smi.stdout.strip()}
+    print(json.dumps(info, indent=1))
+    return {"gpu": info["gpu"], "driver": dev.identity.driver, "kernel": dev.kernel}
+
+
+def section_selfcheck(out: Path) -> dict:
+    """Each kernel x layout on a ragged shape: error against fp64 and the worst checksum difference."""
+    import torch
+
+    from aegis_cli import numerics
+    from aegis_cli.backends import cuda
+    from aegis_cli.backends.base import GemmOperands, Layout
+
+    kernels = ["mma", "wgmma"] if torch.cuda.get_device_capability(0) == (9, 0) else ["mma"]
+    summary = {}
+    for kernel in kernels:
+        dev = cuda.CudaDevice(0, kernel=kernel)
+        for layout in Layout:
+            for m, n, k in ((640, 768, 520), (300, 1000, 136)):
+                a = dev.generate(layout.a_stored_shape(m, k), "normal", 1)
+                b = dev.generate(layout.b_stored_shape(k, n), "normal", 2)
+                ops = GemmOperands(a, b, layout)
+                t0 = time.perf_counter()
+                res = dev.checked_gemm(ops)
+                ref = ops.a_mk.double() @ ops.b_kn.double()
+                rel = float((res.c.double() - ref).norm() / ref.norm())
+                rc = dev.reference_checksums(ops, res.tile)
+                worst = max(float(numerics.normalised_diff(res.row_sums, rc.row, rc.row_scale).max()),
+                            float(numerics.normalised_diff(res.col_sums, rc.col, rc.col_scale).max()))
+                key = f"{kernel}/{layout.value}/{m}x{n}x{k}"
+                summary[key] = {"rel_err": rel, "worst_checksum": worst, "ran": res.kernel,
+                                "ok": rel < 4e-3 and worst <= numerics.Thresholds().tau}
+                print(f"{key:<28} ran {res.kernel:<12} rel {rel:.2e} checksum {worst:.2e} "
+                      f"{'OK' if summary[key]['ok'] else 'FAIL'} ({time.perf_counter() - t0:.1f}s)", flush=True)
+    return {"all_ok": all(v["ok"] for v in summary.values()), "cases": summary}
+
+
+def section_sass(out: Path) -> dict:
+    """nvcc resource report and SASS instruction census of the kernels, as built for sm_90a."""
+    res = {}
+    nvcc, cuobjdump = shutil.which("nvcc"), shutil.which("cuobjdump")
+    if not nvcc or not cuobjdump:
+        return {"skipped": "nvcc/cuobjdump missing"}
+    with tempfile.TemporaryDirectory() as tmp:
+        for src in ("gemm_wgmma.cu", "gemm_mma.cu"):
+            cubin = Path(tmp) / (src + ".cubin")
+            p = subprocess.run([nvcc, "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "-cubin", "-Xptxas", "-v",
+                                f"-I{ROOT / 'kernels'}", "-o", str(cubin), str(ROOT / "kernels" / src)],
+                               capture_output=True, text=True, check=False)
+            print(p.stdout + p.stderr)
+            sass = subprocess.run([cuobjdump, "--dump-sass", str(cubin)], capture_output=True, text=True, check=False).stdout
+            counts = {op: len(re.findall(rf"\b{op}\b", sass)) for op in ("HGMMA", "HMMA", "UTMALDG", "LDL", "STL", "LDSM")}
+            regs = sorted(set(re.findall(r"Used (\d+) registers", p.stderr)))
+            spills = sorted(set(re.findall(r"(\d+) bytes spill stores", p.stderr)))
+            res[src] = {"sass_counts": counts, "registers": regs, "spill_store_bytes": spills}
+            print(src, res[src], flush=True)
+    return res
+
+
+def section_pytest(out: Path) -> dict:
+    p = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rfE", "-s", "tests"],
+                       cwd=ROOT, capture_output=True, text=True, check=False)
+    print(p.stdout[-200_000:])
+    print(p.stderr[-20_000:])
+    tail = [ln for ln in p.stdout.splitlines() if re.search(r"\d+ (passed|failed|error)", ln)]
+    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", tail[-1] if tail else "")}
+    worst = re.findall(r"(\w+): (\d+) clean GEMMs, worst normalised checksum difference ([\d.e+-]+)", p.stdout)
+    return {"returncode": p.returncode, "counts": counts, "summary": tail[-1] if tail else "no summary",
+            "false_positive_runs": [{"kernel": k, "gemms": int(n), "worst": float(w)} for k, n, w in worst]}
+
+
+def section_gemm(out: Path) -> dict:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gemm
+
+    rows = gemm.run(reps=int(os.environ.get("AEGIS_BENCH_REPS", "20")))
+    return {"rows": rows}
+
+
+SECTIONS = [
+    Section("env", section_env, 40),
+    Section("selfcheck", section_selfcheck, 100),
+    Section("sass", section_sass, 60),
+    Section("gemm", section_gemm, 150),
+    Section("pytest", section_pytest, 210),
+]
+
+
+# ---------------------------------------------------------------------------- driver
+def _run_child(name: str, result_path: Path) -> int:
+    sec = {s.name: s for s in SECTIONS}[name]
+    res = sec.fn(result_path.parent)
+    result_path.write_text(json.dumps(res, default=str), encoding="utf-8")
+    return 0
+
+
+def _table(results: dict) -> str:
+    lines = ["section     status   seconds  summary"]
+    for name, r in results.items():
+        s = r.get("result") or {}
+        if name == "gemm" and "rows" in s:
+            summ = "; ".join(f"{x['name'].split('/')[-1]}/{x['layout']}: {x['checked_tflops']:.0f} TF "
+                             f"({x['checked_vs_cublas']:.2f}x cuBLAS, sums {100 * x['checksum_overhead']:+.1f}%)" for x in s["rows"])
+        elif name == "pytest":
+            summ = s.get("summary", "")
+        elif name == "selfcheck":
+            summ = f"all_ok={s.get('all_ok')}"
+        elif name == "sass":
+            summ = ", ".join(f"{k}: {v.get('sass_counts')}" for k, v in s.items() if isinstance(v, dict))
+        else:
+            summ = json.dumps(s)[:200]
+        lines.append(f"{name:<11} {r['status']:<8} {r['seconds']:>7.1f}  {summ}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="aegis GPU suite")
+    ap.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "gpu_suite_out"))
+    ap.add_argument("--only", nargs="*", default=None)
+    ap.add_argument("--skip", nargs="*", default=[])
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        return _run_child(args.child, Path(args.result))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "PYTHONUNBUFFERED": "1"}
+    results: dict = {}
+    for sec in SECTIONS:
+        if (args.only and sec.name not in args.only) or sec.name in args.skip:
+            continue
+        result_path = Path(tempfile.mkdtemp()) / "result.json"
+        t0 = time.perf_counter()
+        with open(out / f"{sec.name}.log", "w", encoding="utf-8") as log:
+            try:
+                p = subprocess.run([sys.executable, __file__, "--child", sec.name, "--result", str(result_path)],
+                                   stdout=log, stderr=subprocess.STDOUT, env=env, timeout=sec.timeout_s, check=False)
+                status = "ok" if p.returncode == 0 else f"rc={p.returncode}"
+            except subprocess.TimeoutExpired:
+                status = "timeout"
+        res = json.loads(result_path.read_text()) if result_path.exists() else None
+        results[sec.name] = {"status": status, "seconds": time.perf_counter() - t0, "result": res}
+        (out / "suite.json").write_text(json.dumps(results, indent=1, default=str), encoding="utf-8")
+        print(f"[{sec.name}] {status} in {results[sec.name]['seconds']:.1f}s", flush=True)
+        if status != "ok":
+            print("".join((out / f"{sec.name}.log").read_text(errors="replace").splitlines(True)[-30:]), flush=True)
+    print(_table(results))
+    return 0 if all(r["status"] == "ok" for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,328 @@
+// gemm_wgmma.cu — Hopper checked GEMM: TMA + mbarrier pipeline + wgmma (v1, sm_90a).
+//
+// Same contract as gemm_mma.cu (bf16 in, fp32 accumulate, bf16 out, fp32-accumulator
+// row/column checksums per 128x128 checksum tile in a fixed order, SM id per tile), built
+// for speed on H100/H200:
+// - persistent grid (one CTA per SM) walking 128x256 output tiles in grouped order, so the
+//   producer prefetches the next tile while consumers run the epilogue;
+// - warpgroup 0 is the producer: one thread issues cp.async.bulk.tensor (TMA) copies of
+//   A and B k-blocks (64 wide, 128B-swizzled) into a STAGES-deep ring, completing on
+//   "full" mbarriers; setmaxnreg gives its registers to the consumers;
+// - warpgroups 1 and 2 are consumers: each owns 64 rows x 256 cols of the tile in 128
+//   fp32 registers per thread and issues wgmma.m64n256k16 straight from shared memory,
+//   releasing a stage ("empty" mbarrier) once the wgmma group that read it retired.
+// Layouts: K-major operands use the standard swizzled K-major descriptor; MN-major
+// operands (A of wgrad, B of dgrad/wgrad) are loaded as 64(MN)x64(K) boxes and fed with
+// the wgmma transpose bit, so no layout needs a transpose pass.
+// Epilogue: row sums reduce in-thread then over the 4 lanes of a row (one warp owns each
+// row, no shared memory); column sums reduce in-thread, over the 8 row-lanes, then over
+// the 8 consumer warps in warp order through shared memory. Each checksum slot has one
+// owner; no atomics. -DAEGIS_INJECT and -DAEGIS_NOSUMS variants as in gemm_mma.cu.
+#include "common.cuh"
+
+#define BM 128
+#define BN 256
+#define BK 64
+#define CT 128  // checksum tile edge (matches gemm_mma.cu and the CPU backend)
+#ifndef STAGES
+#define STAGES 4
+#endif
+#ifndef GROUP_M
+#define GROUP_M 16  // tiles of BM rows walked together for L2 reuse of B
+#endif
+#ifndef MN_LBO
+#define MN_LBO 8192  // MN-major: bytes between 64-wide MN blocks (one TMA box)
+#endif
+#ifndef MN_SBO
+#define MN_SBO 1024  // MN-major: bytes between groups of 8 k rows
+#endif
+#define A_STAGE_BYTES (BM * BK * 2)
+#define B_STAGE_BYTES (BN * BK * 2)
+#define NTHREADS 384
+// Shared memory the host grants (cuda.py _wgmma_smem): ring + barriers + column-sum scratch
+// + slack to align the ring to 1024 B.
+
+struct __align__(64) TmaDesc {
+    unsigned long long v[16];
+};
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.release.cta.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, unsigned parity) {
+    uint32_t ok;
+    do {
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+            : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
+    } while (!ok);
+}
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const TmaDesc* map, int c0, int c1, uint32_t bar) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+        ::"r"(dst), "l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(bar) : "memory");
+}
+
+// Shared-memory matrix descriptor, 128B swizzle (layout type 1 in bits 62-63).
+__device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+    return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32) |
+           (1ull << 62);
+}
+
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_256(float* d, uint64_t da, uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, %128, %129, p, 1, 1, %130, %131;\n}"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+          "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+          "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+          "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+          "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+          "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
+          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+        : "l"(da), "l"(db), "n"(TA), "n"(TB));
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void consumer_bar() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+
+// Persistent tile order: GROUP_M row tiles at a time, all their column tiles, then the next group.
+__device__ __forceinline__ void tile_coords(int t, int tiles_m, int tiles_n, int& bm, int& bc) {
+    int per_group = GROUP_M * tiles_n;
+    int first = (t / per_group) * GROUP_M;
+    int gsz = min(tiles_m - first, GROUP_M);
+    int r = t % per_group;
+    bm = first + r % gsz;
+    bc = r / gsz;
+}
+
+// Which mainloop fault (shift/skipk) a CTA tile runs under; both checksum tiles of the CTA
+// tile carry the same mode (the host expands the selection).
+__device__ __forceinline__ int cta_mode(const InjectParams& inj, int bm, int bc, int tn128, int smid) {
+#ifdef AEGIS_INJECT
+    int t0 = bm * tn128 + 2 * bc;
+    int m0 = inject_tile_mode(inj, t0, smid);
+    int m1 = (2 * bc + 1 < tn128) ? inject_tile_mode(inj, t0 + 1, smid) : TILE_NONE;
+    if (m0 == TILE_SHIFT || m1 == TILE_SHIFT) return TILE_SHIFT;
+    if (m0 == TILE_SKIPK || m1 == TILE_SKIPK) return TILE_SKIPK;
+#endif
+    return TILE_NONE;
+}
+
+template <bool A_KMAJOR, bool B_KMAJOR>
+__device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDesc* tmB, bf16* __restrict__ C,
+                                                float* __restrict__ row_sums, float* __restrict__ col_sums,
+                                                int* __restrict__ tile_sm, int M, int N, int K, const InjectParams& inj) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    // 1024-byte alignment for the 128B swizzle pattern
+    const uint32_t raw = smem_u32(smem_raw);
+    unsigned char* smem = smem_raw + (((raw + 1023) & ~1023u) - raw);
+    const uint32_t sA = smem_u32(smem);
+    const uint32_t sB = sA + STAGES * A_STAGE_BYTES;
+    uint64_t* bars = reinterpret_cast<uint64_t*>(smem + STAGES * (A_STAGE_BYTES + B_STAGE_BYTES));
+    float* red_col = reinterpret_cast<float*>(bars + 2 * STAGES);  // [8 warps][BN]
+    const uint32_t full0 = smem_u32(bars), empty0 = smem_u32(bars + STAGES);
+
+    const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
+    const int tm128 = (M + CT - 1) / CT, tn128 = (N + CT - 1) / CT;
+    const int n_tiles = tiles_m * tiles_n;
+    const int KT = (K + BK - 1) / BK;
+    const int smid = aegis_smid();
+    const int wg = threadIdx.x >> 7;
+    (void)tm128;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(full0 + 8 * s, 1);
+            mbar_init(empty0 + 8 * s, 2);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+
+    if (wg == 0) {  // ---------------- producer ----------------
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
+        if (threadIdx.x == 0) {
+            int it = 0;
+            for (int t = blockIdx.x; t < n_tiles; t += gridDim.x) {
+                int bm, bc;
+                tile_coords(t, tiles_m, tiles_n, bm, bc);
+                int a_m0 = bm * BM;
+                if (cta_mode(inj, bm, bc, tn128, smid) == TILE_SHIFT) a_m0 = ((bm + 1) % tiles_m) * BM;
+                const int n0 = bc * BN;
+                for (int kt = 0; kt < KT; ++kt, ++it) {
+                    const int s = it % STAGES;
+                    if (it >= STAGES) mbar_wait(empty0 + 8 * s, ((it / STAGES) - 1) & 1);
+                    const uint32_t fb = full0 + 8 * s;
+                    mbar_expect_tx(fb, A_STAGE_BYTES + B_STAGE_BYTES);
+                    const uint32_t a_dst = sA + s * A_STAGE_BYTES, b_dst = sB + s * B_STAGE_BYTES;
+                    const int k0 = kt * BK;
+                    if (A_KMAJOR) {
+                        tma_load_2d(a_dst, tmA, k0, a_m0, fb);
+                    } else {
+#pragma unroll
+                        for (int j = 0; j < BM / 64; ++j) tma_load_2d(a_dst + j * 8192, tmA, a_m0 + 64 * j, k0, fb);
+                    }
+                    if (B_KMAJOR) {
+                        tma_load_2d(b_dst, tmB, k0, n0, fb);
+                    } else {
+#pragma unroll
+                        for (int j = 0; j < BN / 64; ++j) tma_load_2d(b_dst + j * 8192, tmB, n0 + 64 * j, k0, fb);
+                    }
+                }
+            }
+        }
+        return;
+    }
+
+    // ---------------- consumers ----------------
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    const int c = wg - 1;                  // consumer index: rows c*64 .. c*64+63 of the tile
+    const int cw = (threadIdx.x - 128) >> 5;  // consumer warp 0..7, in row order
+    const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
+    const bool leader = (threadIdx.x & 127) == 0;
+    float d[128];
+    int it = 0;
+    for (int t = blockIdx.x; t < n_tiles; t += gridDim.x) {
+        int bm, bc;
+        tile_coords(t, tiles_m, tiles_n, bm, bc);
+        const int mode = cta_mode(inj, bm, bc, tn128, smid);
+        (void)mode;
+#pragma unroll
+        for (int i = 0; i < 128; ++i) d[i] = 0.f;
+        int prev = -1;
+        for (int kt = 0; kt < KT; ++kt, ++it) {
+            const int s = it % STAGES;
+            mbar_wait(full0 + 8 * s, (it / STAGES) & 1);
+            bool run = true;
+#ifdef AEGIS_INJECT
+            if (mode == TILE_SKIPK && (kt * BK) / 64 == inj.kstep) run = false;
+#endif
+            if (run) {
+                wgmma_fence();
+                const uint32_t a0 = sA + s * A_STAGE_BYTES + c * 8192;  // 64 rows: K-major 64x128B, MN-major one box
+                const uint32_t b0 = sB + s * B_STAGE_BYTES;
+#pragma unroll
+                for (int ks = 0; ks < BK / 16; ++ks) {
+                    uint64_t da = A_KMAJOR ? make_desc(a0 + ks * 32, 16, 1024) : make_desc(a0 + ks * 2048, MN_LBO, MN_SBO);
+                    uint64_t db = B_KMAJOR ? make_desc(b0 + ks * 32, 16, 1024) : make_desc(b0 + ks * 2048, MN_LBO, MN_SBO);
+                    wgmma_256<A_KMAJOR ? 0 : 1, B_KMAJOR ? 0 : 1>(d, da, db);
+                }
+            }
+            wgmma_commit();
+            wgmma_wait<1>();  // the group before this one has retired: its stage is free
+            if (prev >= 0 && leader) mbar_arrive(empty0 + 8 * prev);
+            prev = s;
+        }
+        wgmma_wait<0>();
+        if (prev >= 0 && leader) mbar_arrive(empty0 + 8 * prev);
+
+        // d[n8*4 + h*2 + j] sits at row bm*BM + c*64 + (cw&3)*16 + g + 8h, col bc*BN + n8*8 + 2*tig + j
+        const int row0 = bm * BM + c * 64 + (cw & 3) * 16 + g;
+        const int col0 = bc * BN + 2 * tig;
+#ifdef AEGIS_INJECT
+        {
+            const int t0 = bm * tn128 + 2 * bc;
+            const int mode0 = inject_tile_mode(inj, t0, smid);
+            const int mode1 = (2 * bc + 1 < tn128) ? inject_tile_mode(inj, t0 + 1, smid) : TILE_NONE;
+            const int e0 = inj.n_edits ? inj.edit_off[t0] : 0;
+            const int e1 = inj.n_edits ? inj.edit_off[min(t0 + 2, bm * tn128 + tn128)] : 0;
+            auto pos = [&](int i, int& r, int& cc) {
+                r = row0 + 8 * ((i >> 1) & 1);
+                cc = col0 + (i >> 2) * 8 + (i & 1);
+            };
+            inject_fragment<128>(inj, d, pos, [&](int i) { return (i >> 2) < 16 ? mode0 : mode1; }, M, N, e0, e1);
+        }
+#endif
+#ifndef AEGIS_NOSUMS
+        // row sums: one per 128-column half, in-thread then over the 4 lanes of the row
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                float s = 0.f;
+#pragma unroll
+                for (int n8 = half * 16; n8 < half * 16 + 16; ++n8) s += d[n8 * 4 + h * 2] + d[n8 * 4 + h * 2 + 1];
+                s += __shfl_xor_sync(0xffffffffu, s, 1);
+                s += __shfl_xor_sync(0xffffffffu, s, 2);
+                const int r = row0 + 8 * h, tc = 2 * bc + half;
+                if (tig == 0 && r < M && tc < tn128) row_sums[(long long)r * tn128 + tc] = s;
+            }
+        // column sums: in-thread (rows g, g+8), over the 8 row-lanes, then the 8 warps in order
+#pragma unroll
+        for (int n8 = 0; n8 < 32; ++n8)
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                float s = d[n8 * 4 + j] + d[n8 * 4 + 2 + j];
+                s += __shfl_xor_sync(0xffffffffu, s, 4);
+                s += __shfl_xor_sync(0xffffffffu, s, 8);
+                s += __shfl_xor_sync(0xffffffffu, s, 16);
+                if (g == 0) red_col[cw * BN + n8 * 8 + 2 * tig + j] = s;
+            }
+        consumer_bar();
+        {
+            const int col = threadIdx.x - 128;  // 0..255
+            float s = red_col[col];
+#pragma unroll
+            for (int w = 1; w < 8; ++w) s += red_col[w * BN + col];
+            const int cc = bc * BN + col;
+            if (cc < N) col_sums[(long long)bm * N + cc] = s;
+            if (col < 2 && 2 * bc + col < tn128) tile_sm[bm * tn128 + 2 * bc + col] = smid;
+        }
+        consumer_bar();  // red_col is reused by the next tile
+#else
+        (void)row_sums;
+        (void)col_sums;
+        (void)red_col;
+        if (threadIdx.x - 128 < 2 && 2 * bc + (int)threadIdx.x - 128 < tn128) tile_sm[bm * tn128 + 2 * bc + threadIdx.x - 128] = smid;
+#endif
+        // bf16 output straight from the accumulator; pairs as one 32-bit store
+        const bool pair_ok = (N & 1) == 0;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = row0 + 8 * h;
+            if (r >= M) continue;
+            bf16* crow = C + (long long)r * N;
+#pragma unroll
+            for (int n8 = 0; n8 < 32; ++n8) {
+                const int cc = col0 + n8 * 8;
+                const float v0 = d[n8 * 4 + h * 2], v1 = d[n8 * 4 + h * 2 + 1];
+                if (pair_ok && cc + 1 < N) {
+                    *reinterpret_cast<__nv_bfloat162*>(crow + cc) = __floats2bfloat162_rn(v0, v1);
+                } else {
+                    if (cc < N) crow[cc] = __float2bfloat16_rn(v0);
+                    if (cc + 1 < N) crow[cc + 1] = __float2bfloat16_rn(v1);
+                }
+            }
+        }
+    }
+}
+
+#define AEGIS_WGMMA_ENTRY(NAME, AK, BK_)                                                                             \
+    extern "C" __global__ void __launch_bounds__(NTHREADS, 1)                                                       \
+        NAME(const __grid_constant__ TmaDesc tmA, const __grid_constant__ TmaDesc tmB, bf16* C, float* row_sums,    \
+             float* col_sums, int* tile_sm, int M, int N, int K, InjectParams inj) {                                \
+        gemm_wgmma_body<AK, BK_>(&tmA, &tmB, C, row_sums, col_sums, tile_sm, M, N, K, inj);                         \
+    }
+
+AEGIS_WGMMA_ENTRY(gemm_wgmma_fwd, true, true)      // A (M,K), B stored (N,K)
+AEGIS_WGMMA_ENTRY(gemm_wgmma_dgrad, true, false)   // A (M,K), B (K,N)
+AEGIS_WGMMA_ENTRY(gemm_wgmma_wgrad, false, false)  // A stored (K,M), B (K,N)

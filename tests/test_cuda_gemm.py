@@ -1,0 +1,188 @@
+"""Tier 2 (GPU): the CUDA checked GEMMs against fp64 references, their checksums against the
+calibrated threshold, determinism, and every in-kernel fault model."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from aegis_cli import numerics
+from aegis_cli.backends.base import GemmOperands, Layout
+from aegis_cli.inject import FaultPlan
+
+pytestmark = pytest.mark.gpu
+TAU = numerics.Thresholds().tau
+LAYOUTS = list(Layout)
+
+
+def _kernels() -> list[str]:
+    if not torch.cuda.is_available():
+        return ["mma"]
+    return ["mma", "wgmma"] if torch.cuda.get_device_capability(0) == (9, 0) else ["mma"]
+
+
+@pytest.fixture(scope="module", params=["mma", "wgmma"])
+def dev(request):
+    from aegis_cli.backends.cuda import CudaDevice
+
+    if request.param not in _kernels():
+        pytest.skip("wgmma needs sm_90")
+    return CudaDevice(0, kernel=request.param)
+
+
+def _ops(dev, layout: Layout, m: int, n: int, k: int, seed: int, dist: str = "normal", scale=(0, 0)) -> GemmOperands:
+    a = dev.generate(layout.a_stored_shape(m, k), dist, seed)
+    b = dev.generate(layout.b_stored_shape(k, n), dist, seed + 7919)
+    return GemmOperands(numerics.pow2_scale(a, scale[0]), numerics.pow2_scale(b, scale[1]), layout)
+
+
+def _diffs(dev, ops, res):
+    ref = dev.reference_checksums(ops, res.tile)
+    return (numerics.normalised_diff(res.row_sums, ref.row, ref.row_scale),
+            numerics.normalised_diff(res.col_sums, ref.col, ref.col_scale))
+
+
+def _flagged_tiles(dev, ops, res) -> set[tuple[int, int]]:
+    dr, dc = _diffs(dev, ops, res)
+    tm, tn = res.tile
+    rows = {(int(i) // tm, int(t)) for i, t in torch.nonzero(dr > TAU).tolist()}
+    cols = {(int(t), int(j) // tn) for t, j in torch.nonzero(dc > TAU).tolist()}
+    return rows | cols
+
+
+SHAPES = [(128, 128, 64), (256, 512, 320), (300, 200, 136), (129, 257, 72), (77, 1000, 264), (640, 768, 520),
+          (1, 8, 8), (513, 129, 1000), (200, 300, 517), (64, 40, 13)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[x.value for x in LAYOUTS])
+@pytest.mark.parametrize("shape", SHAPES, ids=["x".join(map(str, s)) for s in SHAPES])
+def test_matches_fp64_reference(dev, layout, shape):
+    m, n, k = shape
+    ops = _ops(dev, layout, m, n, k, seed=m * 31 + n * 7 + k)
+    dev.poison = True
+    try:
+        res = dev.checked_gemm(ops)
+    finally:
+        dev.poison = False
+    assert res.c.shape == (m, n) and res.tile == dev.tile
+    for name, t in (("C", res.c), ("row_sums", res.row_sums), ("col_sums", res.col_sums)):
+        assert not torch.isnan(t.float()).any(), f"{name} has unwritten (poisoned) elements"
+    assert int(res.tile_sm.min()) >= 0
+    ref = ops.a_mk.double() @ ops.b_kn.double()
+    rel = (res.c.double() - ref).norm() / ref.norm()
+    assert rel < 4e-3, f"relative error {rel:.2e}"
+    dr, dc = _diffs(dev, ops, res)
+    assert float(dr.max()) <= TAU and float(dc.max()) <= TAU, (float(dr.max()), float(dc.max()))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[x.value for x in LAYOUTS])
+def test_repeat_is_bit_identical(dev, layout):
+    ops = _ops(dev, layout, 1000, 1500, 1024, seed=5)
+    first = dev.checked_gemm(ops)
+    for _ in range(3):
+        again = dev.checked_gemm(ops)
+        for x, y in ((first.c, again.c), (first.row_sums, again.row_sums), (first.col_sums, again.col_sums)):
+            assert torch.equal(x.view(torch.int16) if x.dtype == torch.bfloat16 else x.view(torch.int32),
+                               y.view(torch.int16) if y.dtype == torch.bfloat16 else y.view(torch.int32))
+
+
+@pytest.mark.slow
+def test_no_false_positives_over_1000_gemms(dev):
+    """1008 clean GEMMs across layouts, distributions and power-of-two scales: no checksum over tau."""
+    rng = np.random.default_rng(2024)
+    worst, count = 0.0, 0
+    scales = [(0, 0), (-16, -16), (12, 12), (-8, 8)]
+    for i in range(28):
+        for layout in LAYOUTS:
+            for dist in numerics.DISTRIBUTIONS:
+                m, n = (int(x) for x in rng.integers(64, 700, 2))
+                k = int(rng.integers(8, 600)) // 8 * 8
+                base = _ops(dev, layout, m, n, k, seed=10_000 + i * 97 + count, dist=dist)
+                for ea, eb in scales:
+                    ops = GemmOperands(numerics.pow2_scale(base.a, ea), numerics.pow2_scale(base.b, eb), layout)
+                    if not numerics.pow2_exact_safe(base, ea, eb):
+                        ops = base
+                    dr, dc = _diffs(dev, ops, dev.checked_gemm(ops))
+                    worst = max(worst, float(dr.max()), float(dc.max()))
+                    count += 1
+    assert count >= 1000
+    assert worst <= TAU, f"false positive: worst normalised difference {worst:.3e} > tau {TAU}"
+    print(f"\n{dev.kernel}: {count} clean GEMMs, worst normalised checksum difference {worst:.3e} "
+          f"(margin {TAU / max(worst, 1e-300):.0f}x under tau)")
+
+
+def _clean_median(dev, ops) -> float:
+    res = dev.checked_gemm(ops)
+    ref = dev.reference_checksums(ops, res.tile)
+    return float((res.row_sums.double() - ref.row).abs().median())
+
+
+ACC_FAULTS = [
+    "bitflip:bit=exp,seed=1", "bitflip:bit=sign,count=3,seed=2", "mask:mask=0x00c00000,seed=3",
+    "stuck-lane:mask=0x00800000,stride=32,offset=5", "replace:span=16,value=random,seed=4",
+    "replace:span=64,value=zero,seed=5", "replace:span=64,value=flip,seed=9", "perturb:r=1e4,rate=1e-3,seed=6",
+    "row:row=77", "row:mode=stuck,value=2.5", "tile:mode=zero,tile=1.1", "tile:mode=stuck,value=3.0,tile=0.2",
+    "tile:mode=shift,tile=1.0", "tile:mode=skipk,tile=2.1,kstep=2", "tile:mode=zero,every=5", "tile:mode=skipk",
+]
+
+
+@pytest.mark.parametrize("spec", ACC_FAULTS)
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[x.value for x in LAYOUTS])
+def test_acc_fault_detected_where_injected(dev, spec, layout):
+    ops = _ops(dev, layout, 640, 768, 520, seed=11)
+    plan = FaultPlan.parse(spec)
+    med = _clean_median(dev, ops) if plan.needs_clean_median() else None
+    res = dev.checked_gemm(ops, plan, op="test", clean_median=med)
+    assert res.injected and res.kernel.endswith("+inject")
+    flagged = _flagged_tiles(dev, ops, res)
+    assert flagged, f"{spec}: nothing flagged"
+    rec = plan.injected[-1]
+    tm, tn = res.tile
+    if "tiles" in rec:
+        assert set(map(tuple, rec["tiles"])) <= flagged, (rec, flagged)
+        assert rec["sms"] == sorted({int(res.tile_sm[i, j]) for i, j in rec["tiles"]})
+    else:
+        hit = {(r // tm, c // tn) for r, c in rec["positions"]}
+        assert hit & flagged, (rec, flagged)
+
+
+def test_sm_pinned_fault(dev):
+    """Every tile run on one SM is corrupted; the record names exactly those tiles and that SM."""
+    ops = _ops(dev, Layout.FWD, 4096, 4096, 256, seed=3)
+    plan = FaultPlan.parse("tile:mode=stuck,value=1.5,sm=3")
+    res = dev.checked_gemm(ops, plan, op="sm")
+    rec = plan.injected[-1]
+    on_sm = {(int(i), int(j)) for i, j in torch.nonzero(res.tile_sm == 3).tolist()}
+    assert on_sm, "no tile ran on SM 3"
+    assert rec["sms"] == [3] and rec["n_tiles"] == len(on_sm)
+    assert on_sm <= _flagged_tiles(dev, ops, res)
+
+
+@pytest.mark.parametrize("spec", ["bitflip:target=a,bit=exp,seed=7", "mask:target=b,mask=0x4000,seed=8",
+                                  "replace:target=a,span=16,value=zero,seed=2"])
+def test_operand_fault_detected(dev, spec):
+    ops = _ops(dev, Layout.DGRAD, 384, 512, 256, seed=21)
+    plan = FaultPlan.parse(spec)
+    res = dev.checked_gemm(ops, plan, op="operand")
+    assert plan.injected and _flagged_tiles(dev, ops, res)
+
+
+def test_output_fault_changes_c_not_checksums(dev):
+    ops = _ops(dev, Layout.FWD, 384, 512, 256, seed=22)
+    clean = dev.checked_gemm(ops)
+    plan = FaultPlan.parse("bitflip:target=out,bit=exp,seed=3")
+    res = dev.checked_gemm(ops, plan, op="out")
+    r, c = plan.injected[-1]["positions"][0]
+    assert not torch.equal(res.c[r, c].view(torch.int16), clean.c[r, c].view(torch.int16))
+    assert not _flagged_tiles(dev, ops, res)  # store-path faults are for fingerprints, not checksums
+
+
+def test_identity_and_describe(dev):
+    ident = dev.identity
+    assert ident.backend == "cuda" and ident.uuid and ident.name
+    info = dev.describe()
+    assert "kernel_cache" in info and info["kernel"].startswith("gemm_")
+    assert not math.isnan(float(dev.fingerprint(torch.ones(4, device=dev.torch_device))))
