@@ -17,6 +17,9 @@ import yaml
 from aegis_cli.errors import ConfigError
 
 
+_PLAIN_TAGS = {f"tag:yaml.org,2002:{t}" for t in ("str", "int", "float", "bool", "null", "map", "seq")}
+
+
 class Located(dict):
     """A mapping that remembers the line of each key (1-based)."""
 
@@ -25,6 +28,8 @@ class Located(dict):
 
 
 def _construct(node: yaml.Node) -> Any:
+    if node.tag not in _PLAIN_TAGS:  # no python/object, binary or custom tags, ever
+        raise ConfigError(f"line {node.start_mark.line + 1}: malformed YAML: unsupported tag {node.tag!r}")
     if isinstance(node, yaml.MappingNode):
         out = Located()
         out.lines, out.line = {}, node.start_mark.line + 1

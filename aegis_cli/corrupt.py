@@ -46,16 +46,24 @@ def _positions(f: FaultSpec, shape: tuple[int, int], rng: np.random.Generator, c
     return np.unique(rows * n + cols)
 
 
-def _record(plan: FaultPlan, f: FaultSpec, ctx: LaunchContext, shape, flat: np.ndarray, **what) -> None:
+def _record(plan: FaultPlan, f: FaultSpec, ctx: LaunchContext, shape, flat: np.ndarray, before: torch.Tensor | None = None,
+            after: torch.Tensor | None = None, **what) -> None:
+    """Log what was corrupted: element count, flat range, first positions and their values."""
     n = shape[1]
     pos = [[int(i // n), int(i % n)] for i in flat[:MAX_RECORDED]]
-    plan.record(f, ctx, target=f.target, elements=int(flat.size), positions=pos, **what)
+    if before is not None and after is not None:
+        what["values"] = [[float(b), float(a)] for b, a in zip(before[:MAX_RECORDED].tolist(), after[:MAX_RECORDED].tolist(), strict=True)]
+    span = [int(flat.min()), int(flat.max()) + 1] if flat.size else []
+    plan.record(f, ctx, target=f.target, elements=int(flat.size), positions=pos, flat_range=span, **what)
 
 
 def _elementwise(plan: FaultPlan, f: FaultSpec, rng: np.random.Generator, ctx: LaunchContext, x: torch.Tensor) -> None:
     """bitflip / mask / stuck-lane / replace on a 2-D fp32 or bf16 tensor, in place."""
+    assert x.is_contiguous(), "corruptions act on contiguous tensors"
     bits = x.element_size() * 8
     numel = x.numel()
+    xf = x.reshape(-1)
+    snap = lambda flat: xf[torch.from_numpy(flat[:MAX_RECORDED])].float().clone()
     if f.model in ("bitflip", "mask"):
         flat = _positions(f, tuple(x.shape), rng, int(f.get("count", "1")))
         if f.model == "bitflip":
@@ -63,14 +71,16 @@ def _elementwise(plan: FaultPlan, f: FaultSpec, rng: np.random.Generator, ctx: L
         else:
             masks = [int(f.get("mask"), 0)] * flat.size
         m = torch.tensor([_signed(v, bits) for v in masks], dtype=_INT_VIEW[x.dtype])
+        before = snap(flat)
         _xor_flat(x, torch.from_numpy(flat), m)
-        _record(plan, f, ctx, x.shape, flat, masks=[f"0x{v & ((1 << bits) - 1):x}" for v in masks[:MAX_RECORDED]])
+        _record(plan, f, ctx, x.shape, flat, before, snap(flat), masks=[f"0x{v & ((1 << bits) - 1):x}" for v in masks[:MAX_RECORDED]])
     elif f.model == "stuck-lane":
         stride, offset = int(f.get("stride", "32")), int(f.get("offset", "0"), 0)
         flat = np.arange(offset % stride, numel, stride)
         mask = int(f.get("mask"), 0)
+        before = snap(flat)
         _xor_flat(x, torch.from_numpy(flat), torch.full((flat.size,), _signed(mask, bits), dtype=_INT_VIEW[x.dtype]))
-        _record(plan, f, ctx, x.shape, flat, masks=[f"0x{mask & ((1 << bits) - 1):x}"], stride=stride)
+        _record(plan, f, ctx, x.shape, flat, before, snap(flat), masks=[f"0x{mask & ((1 << bits) - 1):x}"], stride=stride)
     elif f.model == "replace":
         span = f.get("span", "1")
         if span == "random":
@@ -82,7 +92,7 @@ def _elementwise(plan: FaultPlan, f: FaultSpec, rng: np.random.Generator, ctx: L
             start = int(anchor - anchor % length)
             length = min(length, numel - start)
         flat = np.arange(start, start + length)
-        xf = x.reshape(-1)
+        before = snap(flat)
         how = f.get("value", "flip")
         idx = torch.from_numpy(flat)
         if how == "zero":
@@ -99,17 +109,18 @@ def _elementwise(plan: FaultPlan, f: FaultSpec, rng: np.random.Generator, ctx: L
         else:  # flip: one random bit in each element of the run
             masks = torch.tensor([_signed(1 << int(b), bits) for b in rng.integers(0, bits, flat.size)], dtype=_INT_VIEW[x.dtype])
             _xor_flat(x, idx, masks)
-        _record(plan, f, ctx, x.shape, flat, span=span, value=how)
+        _record(plan, f, ctx, x.shape, flat, before, snap(flat), span=span, value=how)
 
 
 def apply_operands(plan: FaultPlan, ctx: LaunchContext, a_mk: torch.Tensor, b_kn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Operand faults: corrupt copies of the tiles fed to the matrix unit (A: M×K, B: K×N)."""
     for f, rng in plan.active(ctx, "operands"):
+        # a contiguous copy of the logical (M, K) / (K, N) operand: positions are [row, col] of it
         if f.target == "a":
-            a_mk = a_mk.clone()
+            a_mk = a_mk.clone(memory_format=torch.contiguous_format)
             _elementwise(plan, f, rng, ctx, a_mk)
         else:
-            b_kn = b_kn.clone()
+            b_kn = b_kn.clone(memory_format=torch.contiguous_format)
             _elementwise(plan, f, rng, ctx, b_kn)
     return a_mk, b_kn
 

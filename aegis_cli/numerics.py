@@ -112,14 +112,17 @@ def output_rowsum_diff(res: GemmResult, tn: int) -> tuple[torch.Tensor, torch.Te
 class Thresholds:
     """Normalised-difference thresholds: a checksum is flagged when |Δ|/s > tau.
 
-    The values are calibrated (docs/calibration.md): clean fp32-accumulator noise on the
-    CPU reference path sits near 1e-8·s, so tau = 5e-7 keeps a margin over 20×.
+    Calibrated (docs/calibration.md): clean fp32-accumulator noise sits near 1e-9…1e-8·s, but
+    a sum dominated by one product (heavy-tailed inputs) carries one fp32 rounding of order
+    u32·s = 6e-8·s, so tau = 1e-6 keeps a margin ≥ 10× on every input family.
     ``tau_bf16`` is the bf16-output comparison mode used for the sensitivity study only.
     """
 
-    tau: float = 5e-7
+    tau: float = 1e-6
     tau_bf16: float = 3e-3
-    confirm_margin: float = 4.0  # a reproducible flag this far over tau is FAULTY, below it SUSPECT
+    # a flag that reproduces bit for bit this far over tau is FAULTY, below it SUSPECT; tau already
+    # sits ≥ 10× above the largest clean value, so by default any reproducible flag is confirmed
+    confirm_margin: float = 1.0
 
     def __post_init__(self) -> None:
         if not (0 < self.tau < 1 and 0 < self.tau_bf16 < 1):

@@ -1,0 +1,175 @@
+"""Self-tests (DESIGN §4): every GEMM fault model is caught when it changes a result beyond
+the calibrated noise, and the evidence points at the injected element, row, tile or SM."""
+
+from __future__ import annotations
+
+import pytest
+
+from aegis_cli import numerics, workloads
+from aegis_cli.backends.cpu import CpuDevice
+from aegis_cli.inject import FaultPlan
+from aegis_cli.numerics import Thresholds
+from aegis_cli.probes.gemm import GemmCase, GemmProbe
+from aegis_cli.verdict import Verdict, worst
+from tests.helpers import TINY
+
+WL = workloads.load(TINY)  # mlp_down fwd: M=160, N=256, K=512 → 2×2 tiles of 128
+
+
+def run_fault(spec: str, seed: int = 0, reruns: int = 2):
+    dev = CpuDevice()
+    plan = FaultPlan.parse(spec)
+    probe = GemmProbe(dev, Thresholds(), reruns=reruns, fault=plan)
+    ev = []
+    for shape in WL.gemms():
+        ev += probe.run(GemmCase(WL.name, shape, "normal", seed), WL.scan.scales)
+    return ev, plan
+
+
+def injected_positions(plan: FaultPlan) -> set[tuple[int, int]]:
+    return {tuple(p) for rec in plan.injected for p in rec.get("positions", [])}
+
+
+def injected_rows(plan: FaultPlan, n: int) -> set[int]:
+    """Every row an element fault touched (from its flat range, not only the sampled positions)."""
+    rows = set()
+    for rec in plan.injected:
+        lo, hi = rec["flat_range"]
+        rows |= set(range(lo // n, (hi - 1) // n + 1))
+    return rows
+
+
+def change_over_tau(plan: FaultPlan, seed: int = 0) -> dict[tuple[int, int], float]:
+    """Normalised row-checksum change each recorded accumulator element fault caused, ÷ τ
+    (scale-invariant, so the base run's operands serve every scale)."""
+    (shape,) = WL.gemms()
+    ref = numerics.reference_checksums(GemmCase(WL.name, shape, "normal", seed).operands(CpuDevice()), CpuDevice().tile)
+    tm, tn = CpuDevice().tile
+    out = {}
+    for rec in plan.injected:
+        for (r, c), (before, after) in zip(rec["positions"], rec["values"], strict=True):
+            if rec["launch"] == 0:  # the smaller of the two scales is the more sensitive check
+                scale = min(float(ref.row_scale[r, c // tn]), float(ref.col_scale[r // tm, c]))
+                out[(r, c)] = abs(after - before) / scale / Thresholds().tau
+    return out
+
+
+@pytest.mark.parametrize("bit", ["sign", "exp", "hi-mant", "30", "22", "mant"])
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_accumulator_bitflip_caught_and_localised(bit, seed):
+    ev, plan = run_fault(f"bitflip:bit={bit},seed={seed}")
+    ((pos, ratio),) = change_over_tau(plan).items()
+    if ratio < 0.5:  # below the calibrated noise: must not be called corruption
+        assert not ev
+        return
+    if ratio < 2:
+        return  # at the threshold either outcome is honest
+    assert worst(e.severity for e in ev) is Verdict.FAULTY
+    for e in ev:
+        assert e.reruns == 2 and e.reproduced == 2  # a permanent fault reproduces every time
+        if e.check == "gemm.row_checksum":
+            assert e.samples[0]["row"] == pos[0]
+        if e.check == "gemm.col_checksum":
+            assert e.samples[0]["col"] == pos[1]
+        if {x.check for x in ev} >= {"gemm.row_checksum", "gemm.col_checksum"}:
+            assert list(pos) in e.localised, (pos, e.localised)
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_multi_bit_mask_and_stuck_lane(seed):
+    ev, plan = run_fault(f"mask:mask=0x40c00000,count=3,seed={seed}")  # exponent MSB: always far above noise
+    assert worst(e.severity for e in ev) is Verdict.FAULTY
+    loc = {tuple(p) for e in ev for p in e.localised}
+    assert injected_positions(plan) <= loc
+    ev, plan = run_fault(f"stuck-lane:mask=0x00400000,stride=32,offset={seed}")
+    assert worst(e.severity for e in ev) is Verdict.FAULTY
+    rows = {s["row"] for e in ev if e.check == "gemm.row_checksum" for s in e.samples}
+    assert rows <= injected_rows(plan, 256)
+
+
+@pytest.mark.parametrize("value", ["flip", "random", "zero", "copy"])
+@pytest.mark.parametrize("span", ["1", "16", "64", "random"])
+def test_replace_families_on_accumulator(span, value):
+    ev, plan = run_fault(f"replace:span={span},value={value},seed=5")
+    big = max(change_over_tau(plan).values())
+    if big > 2:
+        assert worst(e.severity for e in ev) is Verdict.FAULTY
+    flagged = {s["row"] for e in ev if e.check == "gemm.row_checksum" for s in e.samples}
+    assert flagged <= injected_rows(plan, 256)
+
+
+@pytest.mark.parametrize("target", ["a", "b"])
+@pytest.mark.parametrize("value", ["random", "zero", "flip"])
+def test_operand_faults_spread_along_row_or_column(target, value):
+    ev, plan = run_fault(f"replace:span=16,value={value},target={target},seed=7")
+    assert worst(e.severity for e in ev) is Verdict.FAULTY
+    (rec,) = {(r["target"],) for r in plan.injected}
+    assert rec == (target,)
+    pos = injected_positions(plan)  # a 16-run along a row of A (M×K) or of B (K×N)
+    if target == "a":  # A[i, k] corrupted → row i of C wrong, seen by the row check
+        rows = {s["row"] for e in ev if e.check == "gemm.row_checksum" for s in e.samples}
+        assert rows == {p[0] for p in pos}
+    else:  # B[k, j] corrupted → columns j of C wrong, seen by the column check
+        cols = {s["col"] for e in ev if e.check == "gemm.col_checksum" for s in e.samples}
+        assert cols <= {p[1] for p in pos}
+
+
+@pytest.mark.parametrize("bit", ["14", "13", "sign"])
+def test_output_store_faults_caught_by_output_checks(bit):
+    ev, plan = run_fault(f"bitflip:target=out,bit={bit},seed=11")
+    assert worst(e.severity for e in ev) is Verdict.FAULTY
+    (pos,) = injected_positions(plan)
+    checks = {e.check for e in ev}
+    assert checks & {"gemm.output_rowsum", "gemm.pow2_exact", "gemm.nonfinite"}
+    assert not checks & {"gemm.row_checksum", "gemm.col_checksum"}  # fused sums never see a store fault
+    out = [e for e in ev if e.check in ("gemm.pow2_exact", "gemm.nonfinite")]
+    assert all(list(pos) in e.localised for e in out)
+    rowsum = [e for e in ev if e.check == "gemm.output_rowsum"]
+    assert all(e.samples[0]["row"] == pos[0] for e in rowsum)
+
+
+@pytest.mark.parametrize("mode", ["zero", "stuck", "shift", "skipk"])
+def test_tile_faults_name_the_tile(mode):
+    ev, plan = run_fault(f"tile:mode={mode},tile=1.0")
+    assert worst(e.severity for e in ev) is Verdict.FAULTY
+    for e in ev:
+        assert e.tiles and all(t[0] == 1 for t in e.tiles if e.check == "gemm.row_checksum"), e.tiles
+        assert [1, 0] in e.tiles
+
+
+def test_sm_pinned_fault_names_that_sm():
+    ev, plan = run_fault("tile:mode=zero,sm=2")
+    assert worst(e.severity for e in ev) is Verdict.FAULTY
+    assert all(e.sms == [2] for e in ev)
+    assert all(sm == 2 for rec in plan.injected for sm in rec["sms"])
+
+
+def test_every_nth_tile_and_row_faults():
+    ev, plan = run_fault("tile:mode=stuck,value=3,every=3")
+    assert worst(e.severity for e in ev) is Verdict.FAULTY
+    assert {tuple(t) for e in ev for t in e.tiles} >= {(0, 0), (1, 1)}
+    ev, plan = run_fault("row:mode=zero,row=17")
+    assert worst(e.severity for e in ev) is Verdict.FAULTY
+    assert {s["row"] for e in ev if e.check == "gemm.row_checksum" for s in e.samples} == {17}
+
+
+def test_perturbation_far_above_noise_is_faulty():
+    ev, _ = run_fault("perturb:r=1e5,rate=2e-3,seed=4")
+    assert worst(e.severity for e in ev) is Verdict.FAULTY
+    assert any(e.distinct_outputs > 1 for e in ev)  # a fresh draw per launch: runs disagree
+
+
+def test_intermittent_fault_reports_how_often_it_reproduced():
+    ev, plan = run_fault("bitflip:bit=exp,prob=0.5,seed=3", reruns=8)
+    assert ev, "with 2 scales × (1 + 8 re-runs) launches a 50% fault fires"
+    assert worst(e.severity for e in ev) is Verdict.FAULTY
+    e = ev[0]
+    assert 0 <= e.reproduced <= e.reruns == 8
+    assert f"failed {e.reproduced + 1} of 9 runs" in e.summary
+
+
+def test_below_noise_faults_are_not_flagged_as_faulty():
+    # a flip of the lowest mantissa bit of one accumulator element is far below rounding noise
+    ev, plan = run_fault("bitflip:bit=0,seed=1")
+    assert plan.injected  # it was applied
+    assert not ev

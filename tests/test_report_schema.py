@@ -1,0 +1,53 @@
+"""JSON reports validate against docs/report.schema.json, on real pass and fail output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import TINY, run_cli
+
+jsonschema = pytest.importorskip("jsonschema")
+SCHEMA = json.loads((Path(__file__).parent.parent / "docs" / "report.schema.json").read_text())
+
+
+@pytest.mark.parametrize(
+    ("argv", "verdict"),
+    [
+        ([], "HEALTHY"),
+        (["--inject", "bitflip:bit=exp"], "FAULTY"),
+        (["--inject", "tile:mode=skipk", "--confirm-margin", "1e300"], "SUSPECT"),
+        (["--inject", "bitflip:target=out,bit=14"], "FAULTY"),
+    ],
+)
+def test_scan_json_validates(capsys, argv, verdict):
+    code, out, _ = run_cli(capsys, "scan", "-q", "--workload", TINY, "--format", "json", *argv)
+    doc = json.loads(out)
+    jsonschema.validate(doc, SCHEMA)
+    assert doc["devices"][0]["verdict"] == verdict
+    assert doc["exit_code"] == code
+    assert doc["fault_injected"] == bool(argv)
+    assert doc["versions"]["torch"]
+    for ev in doc["devices"][0]["evidence"]:
+        assert ev["case_id"].startswith("tiny/") and "reproduced in" in ev["reproduction"]
+
+
+def test_multi_device_report_validates(capsys, monkeypatch):
+    monkeypatch.setenv("AEGIS_CPU_DEVICES", "3")
+    code, out, _ = run_cli(capsys, "scan", "-q", "--workload", TINY, "--device", "cpu", "--format", "json",
+                           "--inject", "bitflip:bit=exp,device=cpu:1")
+    doc = json.loads(out)
+    jsonschema.validate(doc, SCHEMA)
+    assert [d["verdict"] for d in doc["devices"]] == ["HEALTHY", "FAULTY", "HEALTHY"]
+    assert len({d["device"]["uuid"] for d in doc["devices"]}) == 3
+    assert code == 2
+
+
+def test_schema_rejects_a_broken_report(capsys):
+    _, out, _ = run_cli(capsys, "scan", "-q", "--workload", TINY, "--format", "json")
+    doc = json.loads(out)
+    doc["devices"][0]["verdict"] = "FINE"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(doc, SCHEMA)
