@@ -23,20 +23,23 @@ from aegis_cli.backends.base import Layout
 N_SETS = 3
 
 
-def _time(fn, reps: int, warmup: int = 3) -> float:
-    """Median milliseconds of ``fn(i)`` over ``reps`` event-timed calls (i rotates input sets)."""
+def _time(fns: dict, reps: int, warmup: int = 3) -> dict[str, float]:
+    """Median milliseconds of each ``fn(i)`` (i rotates input sets) over ``reps`` event-timed
+    calls, the candidates interleaved call by call so clock and power drift hit all alike."""
     for i in range(warmup):
-        fn(i)
+        for fn in fns.values():
+            fn(i)
     torch.cuda.synchronize()
-    times = []
+    times: dict[str, list[float]] = {k: [] for k in fns}
     for i in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(i)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+        for key, fn in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn(i)
+            end.record()
+            end.synchronize()
+            times[key].append(start.elapsed_time(end))
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def _torch_matmul(a: torch.Tensor, b: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -52,14 +55,15 @@ def bench_shape(dev, name: str, layout: Layout, m: int, n: int, k: int, reps: in
             for s in range(N_SETS)]
     flop = 2.0 * m * n * k
     row = {"name": name, "layout": layout.value, "m": m, "n": n, "k": k}
-    ms = _time(lambda i: _torch_matmul(*sets[i % N_SETS], layout), reps)
-    row["cublas_tflops"] = flop / ms / 1e9
+    fns = {"cublas": lambda i: _torch_matmul(*sets[i % N_SETS], layout)}
     for variant, key in (("nosums", "plain"), ("", "checked")):
         launches = [dev.prepare(a, b, layout, variant=variant, kernel=kernel) for a, b in sets]
         row["kernel"] = f"gemm_{launches[0].kernel}"
-        ms = _time(lambda i, launches=launches: launches[i % N_SETS].run(), reps)
-        dev.synchronize()
-        row[f"{key}_tflops"] = flop / ms / 1e9
+        fns[key] = lambda i, launches=launches: launches[i % N_SETS].run()
+    ms = _time(fns, reps)
+    dev.synchronize()
+    for key, t in ms.items():
+        row[f"{key}_tflops"] = flop / t / 1e9
     row["checked_vs_cublas"] = row["checked_tflops"] / row["cublas_tflops"]
     row["checksum_overhead"] = row["plain_tflops"] / row["checked_tflops"] - 1.0
     return row

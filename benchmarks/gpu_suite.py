@@ -122,7 +122,12 @@ def section_gemm(out: Path) -> dict:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import gemm
 
-    rows = gemm.run(reps=int(os.environ.get("AEGIS_BENCH_REPS", "20")))
+    reps = int(os.environ.get("AEGIS_BENCH_REPS", "20"))
+    rows = gemm.run(reps=reps)
+    import torch
+
+    if torch.cuda.get_device_capability(0) == (9, 0):  # the portable path, for comparison
+        rows += [dict(r, name=r["name"] + "(mma)") for r in gemm.run(reps=reps, kernel="mma", only_square=True)]
     return {"rows": rows}
 
 

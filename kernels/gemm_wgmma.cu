@@ -104,6 +104,18 @@ template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
 __device__ __forceinline__ void consumer_bar() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
 
+// One step of the halving exchange: lanes LANE_XOR apart each give away HALF partials and
+// add the partner's copy of the ones they keep (upper: keep v[HALF..2*HALF)).
+template <int HALF>
+__device__ __forceinline__ void halve_exchange(float* v, bool upper) {
+#pragma unroll
+    for (int q = 0; q < HALF; ++q) {
+        const float send = upper ? v[q] : v[q + HALF];
+        const float keep = upper ? v[q + HALF] : v[q];
+        v[q] = keep + __shfl_xor_sync(0xffffffffu, send, HALF / 2);
+    }
+}
+
 // Persistent tile order: GROUP_M row tiles at a time, all their column tiles, then the next group.
 __device__ __forceinline__ void tile_coords(int t, int tiles_m, int tiles_n, int& bm, int& bc) {
     int per_group = GROUP_M * tiles_n;
@@ -266,17 +278,40 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
                 const int r = row0 + 8 * h, tc = 2 * bc + half;
                 if (tig == 0 && r < M && tc < tn128) row_sums[(long long)r * tn128 + tc] = s;
             }
-        // column sums: in-thread (rows g, g+8), over the 8 row-lanes, then the 8 warps in order
+        // bf16 output before the column sums so the accumulator registers die as the
+        // column partials are formed (both would not fit in the register budget together)
+        const bool pair_ok = (N & 1) == 0;
 #pragma unroll
-        for (int n8 = 0; n8 < 32; ++n8)
+        for (int h = 0; h < 2; ++h) {
+            const int r = row0 + 8 * h;
+            if (r >= M) continue;
+            bf16* crow = C + (long long)r * N;
 #pragma unroll
-            for (int j = 0; j < 2; ++j) {
-                float s = d[n8 * 4 + j] + d[n8 * 4 + 2 + j];
-                s += __shfl_xor_sync(0xffffffffu, s, 4);
-                s += __shfl_xor_sync(0xffffffffu, s, 8);
-                s += __shfl_xor_sync(0xffffffffu, s, 16);
-                if (g == 0) red_col[cw * BN + n8 * 8 + 2 * tig + j] = s;
+            for (int n8 = 0; n8 < 32; ++n8) {
+                const int cc = col0 + n8 * 8;
+                const float v0 = d[n8 * 4 + h * 2], v1 = d[n8 * 4 + h * 2 + 1];
+                if (pair_ok && cc + 1 < N) {
+                    *reinterpret_cast<__nv_bfloat162*>(crow + cc) = __floats2bfloat162_rn(v0, v1);
+                } else {
+                    if (cc < N) crow[cc] = __float2bfloat16_rn(v0);
+                    if (cc + 1 < N) crow[cc + 1] = __float2bfloat16_rn(v1);
+                }
             }
+        }
+        // column sums: in-thread (rows g, g+8), then over the 8 lanes that share a column by a
+        // halving exchange (each step a lane sends half of its partials to its partner and keeps
+        // the other half: 32+16+8 shuffles instead of 64x3), then over the 8 warps in order.
+        {
+            float v[64];  // v[q]: column n8*8 + 2*tig + j with q = 2*n8 + j
+#pragma unroll
+            for (int q = 0; q < 64; ++q) v[q] = d[(q >> 1) * 4 + (q & 1)] + d[(q >> 1) * 4 + 2 + (q & 1)];
+            halve_exchange<32>(v, (g >> 2) & 1);  // partner: lane ^ 16
+            halve_exchange<16>(v, (g >> 1) & 1);  // lane ^ 8
+            halve_exchange<8>(v, g & 1);          // lane ^ 4
+            // lane g now holds q = 8g .. 8g+7
+#pragma unroll
+            for (int r = 0; r < 8; ++r) red_col[cw * BN + (4 * g + (r >> 1)) * 8 + 2 * tig + (r & 1)] = v[r];
+        }
         consumer_bar();
         {
             const int col = threadIdx.x - 128;  // 0..255
@@ -293,7 +328,6 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
         (void)col_sums;
         (void)red_col;
         if (threadIdx.x - 128 < 2 && 2 * bc + (int)threadIdx.x - 128 < tn128) tile_sm[bm * tn128 + 2 * bc + threadIdx.x - 128] = smid;
-#endif
         // bf16 output straight from the accumulator; pairs as one 32-bit store
         const bool pair_ok = (N & 1) == 0;
 #pragma unroll
@@ -313,6 +347,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
                 }
             }
         }
+#endif
     }
 }
 
