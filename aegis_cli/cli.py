@@ -181,6 +181,158 @@ def info(fmt):
     console.print(t)
 
 
+# ---- fleet: sweep, history, report (issue 6; library in aegis_cli/fleet, guide in docs/fleet.md) ----------
+def _sweep_logger(fmt: str):
+    """Structured log lines on stderr (logfmt or JSON lines): no colours, no progress bars."""
+    import json as _json
+    import time as _time
+
+    def log(event: str, level: str = "info", **kv) -> None:
+        ts = _time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        if fmt == "json":
+            click.echo(_json.dumps({"ts": ts, "level": level, "event": event, **kv}, default=str), err=True)
+            return
+        parts = [f"ts={ts}", f"level={level}", f"event={event}"]
+        for k, v in kv.items():
+            v = "" if v is None else str(v)
+            quote = not v or any(c in v for c in ' ="')
+            parts.append(f"{k}={_json.dumps(v, ensure_ascii=False) if quote else v}")
+        click.echo(" ".join(parts), err=True)
+    return log
+
+
+def _stop_on_signals():
+    """SIGTERM/SIGINT set a flag the sweep checks while its workers run (raising from the
+    handler could land inside an import or SQLite call); a second signal exits at once."""
+    import signal
+
+    seen: list[str] = []
+
+    def handler(signum, frame):
+        if seen:
+            raise SystemExit(ExitCode.UNKNOWN)
+        seen.append(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return lambda: seen[0] if seen else None
+
+
+def _fleet_table(console: Console, doc: dict) -> None:
+    title = f"aegis {doc['kind']} — {len(doc['devices'])} device(s)"
+    if doc.get("fault_injected"):
+        title += "  [bold red](FAULTS INJECTED ON PURPOSE)[/]"
+    t = Table(title=title, title_justify="left")
+    for col in ("host", "device", "uuid", "verdict", "own verdict", "state", "evidence", "error"):
+        t.add_column(col, overflow="fold")
+    policy = doc.get("policy") or {}
+    for d in doc["devices"]:
+        own = d.get("local_verdict", d["verdict"])
+        st = policy.get(d["device"]["uuid"], {})
+        t.add_row(d["device"].get("host", ""), d["device"]["id"], d["device"]["uuid"], f"[{VERDICT_STYLE[d['verdict']]}]{d['verdict']}[/]",
+                  own, st.get("state", ""), str(len(d.get("evidence") or [])), (d.get("error") or "")[:80])
+    console.print(t)
+    for d in doc["devices"]:
+        for e in (d.get("evidence") or [])[:5]:
+            console.print(f"[{VERDICT_STYLE[e['severity']]}]{e['severity']}[/] {d['device'].get('host', '')}/{d['device']['id']} "
+                          f"{e['check']} {e['case_id']}\n    {e['summary']}", highlight=False)
+    cmp_ = doc.get("comparison")
+    if cmp_:
+        console.print(f"cross-device comparison: [bold]{cmp_['outcome']}[/] — {cmp_['note']}", highlight=False)
+
+
+@cli.command()
+@click.option("--config", "config_path", required=True, metavar="SWEEP.YAML", help="Sweep configuration (examples/sweep.yaml).")
+@click.option("--log-format", type=click.Choice(["logfmt", "json"]), default="logfmt", show_default=True,
+              help="Structured log lines on stderr.")
+@click.option("--format", "fmt", type=click.Choice(["auto", "table", "json", "none"]), default="auto", show_default=True,
+              help="What goes to stdout: auto = a table on a terminal, nothing otherwise (cron, systemd).")
+def sweep(config_path, log_format, fmt):
+    """Sweep every local device (one worker per device), record history, apply the quarantine policy."""
+    from aegis_cli.fleet.sweep import load_config, run_sweep
+
+    cfg = load_config(config_path)
+    outcome = run_sweep(cfg, _sweep_logger(log_format), stop=_stop_on_signals())
+    doc = outcome.fleet or outcome.doc
+    if fmt == "json":
+        click.echo(report_mod.to_json(report_mod.sanitize(doc)), nl=False)
+    elif fmt == "table" or (fmt == "auto" and sys.stdout.isatty()):
+        _fleet_table(Console(), doc)
+    sys.exit(outcome.exit_code)
+
+
+@cli.command()
+@click.option("--config", "config_path", default=None, metavar="SWEEP.YAML", help="Take the database path and policy from this config.")
+@click.option("--db", default=None, metavar="PATH", help="History database (default: history.path of --config).")
+@click.option("--device", "ident", default=None, help="One device: UUID, serial, UUID prefix, or an id like cuda:0.")
+@click.option("--since", default=None, help="Only results since: 30d, 12h, 90m or an ISO date.")
+@click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table", show_default=True)
+def history(config_path, db, ident, since, fmt):
+    """A device's record: verdicts over time, failure rate with counts and a 95% bound, quarantine state."""
+    import csv as _csv
+    import io as _io
+    import time as _time
+
+    from aegis_cli.fleet.history import History
+    from aegis_cli.fleet.policy import PolicyConfig, history_summary, parse_since
+
+    policy = PolicyConfig()
+    if config_path:
+        from aegis_cli.fleet.sweep import load_config
+
+        cfg = load_config(config_path)
+        db, policy = db or cfg.history.path, cfg.policy
+    if not db:
+        _fail("give --db PATH or --config SWEEP.YAML")
+    with History(db, create=False) as hist:
+        doc = history_summary(hist, policy, ident, parse_since(since, _time.time()))
+    if fmt == "json":
+        click.echo(report_mod.to_json(report_mod.sanitize(doc)), nl=False)
+        return
+    rows = [r for d in doc["devices"] for r in d.get("results", [])] if ident else doc["devices"]
+    if fmt == "csv":
+        buf = _io.StringIO()
+        cols = (["ts", "uuid", "host", "device", "verdict", "workload", "evidence", "checks", "error"] if ident else
+                ["uuid", "serial", "name", "last_host", "last_id", "state", "sweeps", "failures", "summary", "last_verdict"])
+        w = _csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore", lineterminator="\n")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: (" ".join(v) if isinstance(v, list) else v) for k, v in r.items()})
+        click.echo(buf.getvalue(), nl=False)
+        return
+    console = Console()
+    t = Table(title=f"aegis history — {doc['database']}", title_justify="left")
+    for col in ("uuid", "serial", "last seen on", "state", "record", "last verdict"):
+        t.add_column(col, overflow="fold")
+    for d in doc["devices"]:
+        state = d["state"] + (f" ({d['clean_streak']} clean)" if d["state"] != "ACTIVE" else "")
+        t.add_row(d["uuid"], d.get("serial") or "", f"{d.get('last_host', '')} {d.get('last_id', '')}", state, d["summary"],
+                  d["last_verdict"] or "")
+    console.print(t)
+    for d in doc["devices"]:
+        if d.get("reason"):
+            console.print(f"{d['uuid']}: {d['reason']}", highlight=False)
+        for r in d.get("results", []):
+            when = _time.strftime("%Y-%m-%d %H:%M:%S", _time.localtime(r["ts"]))
+            style = VERDICT_STYLE.get(r["verdict"], "")
+            console.print(f"  {when}  {r['host']} {r['device']}  [{style}]{r['verdict']}[/]  {' '.join(r['checks'])} {r['error'] or ''}",
+                          highlight=False)
+
+
+@cli.command("report")
+@click.argument("files", nargs=-1, required=True, metavar="REPORT.json...")
+@click.option("--format", "fmt", type=click.Choice(report_mod.FORMATS), default="table", show_default=True)
+@click.option("--output", "-o", default=None, metavar="PATH", help="Write the fleet report here (atomically) instead of stdout.")
+def report_cmd(files, fmt, output):
+    """Merge per-node JSON reports (scan or sweep) into one fleet table; compares fingerprints across devices."""
+    from aegis_cli.fleet.merge import merge
+
+    doc = merge(list(files))
+    _emit(doc, fmt, output, _fleet_table)
+    sys.exit(doc["exit_code"])
+# ---- end fleet ---------------------------------------------------------------------------------------------
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: usage errors and AegisErrors become one line and exit 3."""
     try:

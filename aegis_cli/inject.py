@@ -35,6 +35,11 @@ MODELS = {
     "row": ({"mode", "row", "value"}, {"acc"}),
 }
 COMMON_KEYS = {"target", "prob", "seed", "device", "op"}
+# Test hooks for fleet sweeps, applied by the per-device sweep worker (aegis_cli/fleet/worker.py)
+# before it scans, never by `aegis scan` (parse_spec rejects them unless worker=True):
+#   hang:seconds=N   the worker sleeps N seconds (a GPU that hangs its worker)
+#   crash:signal=S   the worker kills itself with signal S, default 9 (a worker that dies)
+WORKER_MODELS = {"hang": {"seconds", "device"}, "crash": {"signal", "device"}}
 BIT_CLASSES = ("sign", "exp", "mant", "hi-mant", "lo-mant")
 TILE_MODES = ("zero", "stuck", "shift", "skipk")
 SPANS = ("1", "16", "64", "random")
@@ -140,13 +145,27 @@ def _validate(text: str, f: FaultSpec) -> None:
         raise InjectSpecError(f"--inject {text!r}: perturb needs r=… (multiple of the clean median checksum difference)")
 
 
-def parse_spec(text: str) -> list[FaultSpec]:
-    """Parse an ``--inject`` string into fault specs; InjectSpecError names the problem."""
+def _validate_worker(text: str, f: FaultSpec) -> None:
+    for key in f.params:
+        if key not in WORKER_MODELS[f.model]:
+            raise InjectSpecError(f"--inject {text!r}: unknown key {key!r} for {f.model} (allowed: {', '.join(sorted(WORKER_MODELS[f.model]))})")
+    if f.model == "hang":
+        _check_float(text, "seconds", f.params.get("seconds", ""), 0.0, 86400.0)
+    if "signal" in f.params:
+        _check_int(text, "signal", f.params["signal"], lo=1)
+
+
+def parse_spec(text: str, *, worker: bool = False) -> list[FaultSpec]:
+    """Parse an ``--inject`` string into fault specs; InjectSpecError names the problem.
+    ``worker=True`` also accepts the sweep-worker test hooks (WORKER_MODELS)."""
     faults: list[FaultSpec] = []
     for part in filter(None, (p.strip() for p in text.split(";"))):
         model, _, rest = part.partition(":")
         model = model.strip()
-        if model not in MODELS:
+        if model in WORKER_MODELS and not worker:
+            raise InjectSpecError(f"--inject {part!r}: {model} is a test hook of sweep workers; only `aegis sweep` "
+                                  "(inject: in sweep.yaml) applies it")
+        if model not in MODELS and model not in WORKER_MODELS:
             raise InjectSpecError(f"--inject {part!r}: unknown fault model {model!r} (known: {', '.join(MODELS)})")
         params: dict[str, str] = {}
         for kv in filter(None, (x.strip() for x in rest.split(","))):
@@ -157,7 +176,10 @@ def parse_spec(text: str) -> list[FaultSpec]:
                 raise InjectSpecError(f"--inject {part!r}: key {key.strip()!r} given twice")
             params[key.strip()] = value.strip()
         f = FaultSpec(model, params)
-        _validate(part, f)
+        if model in WORKER_MODELS:
+            _validate_worker(part, f)
+        else:
+            _validate(part, f)
         faults.append(f)
     if not faults:
         raise InjectSpecError(f"--inject {text!r}: empty fault spec")

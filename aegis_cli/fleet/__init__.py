@@ -1,0 +1,14 @@
+"""Fleet sweeps (DESIGN §1, §5): scheduled node sweeps with one worker per device,
+per-GPU history in SQLite, a quarantine policy with exports, and cross-device comparison
+over torch.distributed or by merging per-node reports. Library code: never prints or exits.
+
+    lock.py         one sweep per node at a time (fcntl.flock + holder record)
+    history.py      SQLite history keyed by device UUID (WAL, versioned schema)
+    policy.py       quarantine / probation state from history; Wilson bounds
+    actions.py      quarantine list, Prometheus textfile, command templates
+    compare.py      cross-device fingerprint comparison (odd one out / INCONCLUSIVE)
+    worker.py       the per-device worker process (`python -m aegis_cli.fleet.worker`)
+    sweep.py        sweep config + the sweep itself
+    distributed.py  torchrun/srun mode: all-gather, rank 0 writes the fleet report
+    merge.py        `aegis report FILES…`: per-node reports → one fleet table
+"""

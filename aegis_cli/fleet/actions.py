@@ -1,0 +1,175 @@
+"""What the policy does about a device: a quarantine list, a Prometheus textfile for
+node_exporter, and an optional command per quarantined / re-admitted device.
+
+Commands are argument lists (no shell) built from templates with ``{placeholder}``
+fields (PLACEHOLDERS); they only run when ``actions.enabled`` is true, otherwise each is
+recorded as a dry run. A command runs when a device *changes* state (quarantine or
+re-admission), not on every sweep. Every file is written atomically.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import string
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+from aegis_cli.errors import ConfigError
+from aegis_cli.fleet.policy import ACTIVE, DeviceState, wilson
+from aegis_cli.report import VERDICT_CODE, atomic_write
+
+PLACEHOLDERS = {
+    "uuid": "device UUID", "serial": "board serial ('' when unknown)", "host": "hostname that ran the sweep",
+    "host_short": "hostname up to the first dot (Slurm/Kubernetes node name)", "device": "device id, e.g. cuda:3",
+    "index": "device index", "name": "device model name", "state": "QUARANTINED, PROBATION or ACTIVE",
+    "reason": "why (one line)", "event": "quarantine or readmit",
+}
+
+
+@dataclass(kw_only=True)
+class ActionsConfig:
+    enabled: bool = False  # false: dry run (commands are recorded, never executed)
+    on_quarantine: list[str] = field(default_factory=list)  # argv template, e.g. [examples/slurm/aegis-drain.sh, "{host_short}", "{reason}"]
+    on_readmit: list[str] = field(default_factory=list)
+    timeout_seconds: float = 60.0
+
+    def __post_init__(self) -> None:
+        for key in ("on_quarantine", "on_readmit"):
+            for arg in getattr(self, key):
+                for _, fname, spec, conv in string.Formatter().parse(arg):
+                    if fname is None:
+                        continue
+                    if fname not in PLACEHOLDERS or spec or conv:
+                        raise ConfigError(f"actions.{key}: unknown placeholder {{{fname}}} in {arg!r} "
+                                          f"(known: {', '.join('{' + p + '}' for p in PLACEHOLDERS)})")
+        if self.timeout_seconds <= 0:
+            raise ConfigError(f"actions.timeout_seconds must be > 0, got {self.timeout_seconds}")
+
+
+@dataclass
+class ActionRecord:
+    uuid: str
+    event: str  # quarantine | readmit
+    argv: list[str]
+    executed: bool
+    returncode: int | None = None
+    output: str = ""
+
+    def to_dict(self) -> dict:
+        return {"uuid": self.uuid, "event": self.event, "argv": self.argv, "executed": self.executed,
+                "returncode": self.returncode, "output": self.output}
+
+
+def render_argv(template: list[str], fields: dict[str, str]) -> list[str]:
+    return [arg.format_map(fields) for arg in template]
+
+
+def device_fields(dev: dict, st: DeviceState, event: str) -> dict[str, str]:
+    host = dev.get("host") or socket.gethostname()
+    return {"uuid": dev["uuid"], "serial": dev.get("serial") or "", "host": host, "host_short": host.split(".")[0],
+            "device": dev.get("id", ""), "index": str(dev.get("index", "")), "name": dev.get("name") or "",
+            "state": st.state, "reason": " ".join((st.reason or event).split()), "event": event}
+
+
+def run_actions(cfg: ActionsConfig, changes: list[tuple[dict, DeviceState, str]]) -> list[ActionRecord]:
+    """Run (or dry-run) the command for each (device dict, new state, event) change."""
+    out = []
+    for dev, st, event in changes:
+        template = cfg.on_quarantine if event == "quarantine" else cfg.on_readmit
+        if not template:
+            continue
+        argv = render_argv(template, device_fields(dev, st, event))
+        rec = ActionRecord(dev["uuid"], event, argv, executed=cfg.enabled)
+        if cfg.enabled:
+            try:
+                p = subprocess.run(argv, shell=False, capture_output=True, text=True, timeout=cfg.timeout_seconds, check=False)
+                rec.returncode, rec.output = p.returncode, (p.stdout + p.stderr)[-2000:]
+            except FileNotFoundError:
+                rec.output = f"command not found: {argv[0]}"
+            except subprocess.TimeoutExpired:
+                rec.output = f"timed out after {cfg.timeout_seconds:g} s"
+            except OSError as exc:
+                rec.output = f"could not run {argv[0]}: {exc.strerror}"
+        out.append(rec)
+    return out
+
+
+def transitions(before: dict[str, DeviceState], after: dict[str, DeviceState]) -> dict[str, str]:
+    """uuid → 'quarantine' | 'readmit' for devices whose state changed in this sweep."""
+    ev = {}
+    for uuid, st in after.items():
+        was = before.get(uuid)
+        was_q = was is not None and was.quarantined
+        if st.quarantined and not was_q:
+            ev[uuid] = "quarantine"
+        elif was_q and st.state == ACTIVE:
+            ev[uuid] = "readmit"
+    return ev
+
+
+# -- files ---------------------------------------------------------------------------------
+def write_quarantine_list(path: str, states: dict[str, DeviceState], devices: dict[str, dict]) -> int:
+    """Every quarantined device (probation included) in the history: TSV, or JSON for *.json."""
+    rows = []
+    for uuid, st in sorted(states.items()):
+        if not st.quarantined:
+            continue
+        dev = devices.get(uuid, {})
+        rows.append({"uuid": uuid, "serial": dev.get("serial") or "", "host": (st.last.host if st.last else "") or dev.get("last_host") or "",
+                     "device": (st.last.device_id if st.last else "") or dev.get("last_id") or "", "state": st.state,
+                     "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(st.since)) if st.since else "",
+                     "clean_streak": st.clean_streak, "reason": " ".join(st.reason.split())})
+    if str(path).endswith(".json"):
+        atomic_write(path, json.dumps({"format_version": 1, "written": time.time(), "quarantined": rows}, indent=2) + "\n")
+        return len(rows)
+    cols = ("uuid", "serial", "host", "device", "state", "since", "clean_streak", "reason")
+    lines = [f"# aegis quarantine list, written {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}; "
+             "PROBATION devices stay quarantined until re-admitted", "# " + "\t".join(cols)]
+    lines += ["\t".join(str(r[c]).replace("\t", " ") for c in cols) for r in rows]
+    atomic_write(path, "\n".join(lines) + "\n")
+    return len(rows)
+
+
+def _lbl(v) -> str:
+    return str(v if v is not None else "").replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def prometheus_text(doc: dict, states: dict[str, DeviceState]) -> str:
+    """node_exporter textfile: this sweep's devices with their history-derived state."""
+    fams: dict[str, tuple[str, list[str]]] = {
+        "aegis_device_verdict": ("Verdict of the last sweep per device (0 healthy, 1 suspect, 2 faulty, 3 error).", []),
+        "aegis_device_quarantined": ("1 when the quarantine policy holds the device out (probation included).", []),
+        "aegis_device_probation_clean_sweeps": ("Consecutive clean sweeps of a quarantined device.", []),
+        "aegis_device_sweeps": ("Sweeps recorded for the device in its history.", []),
+        "aegis_device_results": ("Sweeps recorded for the device by verdict.", []),
+        "aegis_device_failure_rate_upper": ("95% Wilson upper bound of the device's failure rate (SUSPECT or FAULTY).", []),
+    }
+    for d in doc["devices"]:
+        dev = d["device"]
+        base = f'uuid="{_lbl(dev["uuid"])}",serial="{_lbl(dev.get("serial"))}",device="{_lbl(dev["id"])}",host="{_lbl(dev["host"])}"'
+        st = states.get(dev["uuid"])
+        fams["aegis_device_verdict"][1].append(f'aegis_device_verdict{{{base},verdict="{d["verdict"]}"}} {VERDICT_CODE[d["verdict"]]}')
+        if st is None:
+            continue
+        fams["aegis_device_quarantined"][1].append(f'aegis_device_quarantined{{{base},state="{st.state}"}} {int(st.quarantined)}')
+        fams["aegis_device_probation_clean_sweeps"][1].append(f"aegis_device_probation_clean_sweeps{{{base}}} {st.clean_streak}")
+        fams["aegis_device_sweeps"][1].append(f"aegis_device_sweeps{{{base}}} {st.sweeps}")
+        for v, n in st.counts.items():
+            fams["aegis_device_results"][1].append(f'aegis_device_results{{{base},verdict="{v}"}} {n}')
+        _, hi = wilson(st.failures, st.sweeps)
+        fams["aegis_device_failure_rate_upper"][1].append(f"aegis_device_failure_rate_upper{{{base}}} {hi:.6g}")
+    lines = []
+    for name, (help_text, samples) in fams.items():
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} gauge", *samples]
+    lines += ["# HELP aegis_last_sweep_timestamp_seconds When the last aegis sweep finished (Unix time).",
+              "# TYPE aegis_last_sweep_timestamp_seconds gauge", f"aegis_last_sweep_timestamp_seconds {time.time():.0f}",
+              "# HELP aegis_sweep_duration_seconds Wall time of the last aegis sweep.",
+              "# TYPE aegis_sweep_duration_seconds gauge", f"aegis_sweep_duration_seconds {float(doc.get('duration_seconds') or 0):.3f}",
+              "# HELP aegis_sweep_exit_code Exit code of the last sweep (0 healthy, 1 suspect, 2 faulty, 3 unknown).",
+              "# TYPE aegis_sweep_exit_code gauge", f"aegis_sweep_exit_code {int(doc.get('exit_code', 3))}",
+              "# HELP aegis_fault_injected 1 when the last sweep injected faults on purpose (a self-test).",
+              "# TYPE aegis_fault_injected gauge", f"aegis_fault_injected {int(bool(doc.get('fault_injected')))}"]
+    return "\n".join(lines) + "\n"
+

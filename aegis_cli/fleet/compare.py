@@ -1,0 +1,125 @@
+"""Cross-device comparison (DESIGN §2.3): the same seeded workload on identical devices
+must give the same bits, so the device whose fingerprints disagree with the majority is
+the odd one out.
+
+Devices are compared only within a *class*: same backend, device model, library versions
+and kernel sources (``fingerprint_class``); across classes different bits are expected.
+Per case, the fingerprint held by more than half of the class is the majority; a device
+holding another value is flagged (FAULTY evidence ``fleet.cross_device_fingerprint``).
+When devices disagree and no value has a majority (two devices that differ, or three
+with three answers), hardware cannot be told from software (a library, driver or
+nondeterministic kernel) and the outcome is INCONCLUSIVE — a fleet-level outcome kept
+apart from the per-device Verdict enum. Clean checksum noise far above the class median
+(NOISE_OUTLIER×) is SUSPECT evidence ``fleet.noise_outlier``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import statistics
+from collections import Counter
+
+from aegis_cli.verdict import Verdict, overall_exit, worst
+
+CONSISTENT, ODD_ONE_OUT, INCONCLUSIVE, NOT_COMPARED = "CONSISTENT", "ODD_ONE_OUT", "INCONCLUSIVE", "NOT_COMPARED"
+OUTCOMES = (CONSISTENT, ODD_ONE_OUT, INCONCLUSIVE, NOT_COMPARED)
+NOISE_OUTLIER = 10.0
+PROBE_KEY = "fleet_fingerprint"  # where a device report keeps its fingerprints: probes.fleet_fingerprint
+
+
+def fingerprint_class(identity: dict, versions: dict, kernel_hashes: dict, workload: str, seed: int) -> str:
+    """Devices with equal classes must produce equal bits for the same seeded workload."""
+    keep = {k: v for k, v in versions.items() if k not in ("aegis", "python")}
+    blob = json.dumps([identity.get("backend"), identity.get("name"), keep, kernel_hashes, workload, seed], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def device_key(d: dict) -> str:
+    return f"{d['device'].get('host', '?')}/{d['device']['id']}"
+
+
+def compare(devices: list[dict]) -> dict:
+    """Compare the fingerprints carried by device reports; returns the comparison record."""
+    groups: dict[str, list[dict]] = {}
+    for d in devices:
+        fp = (d.get("probes") or {}).get(PROBE_KEY)
+        if fp and fp.get("fingerprints"):
+            groups.setdefault(fp["class"], []).append(d)
+    out_groups, odd, inconclusive, outliers = [], {}, [], []
+    for cls, members in groups.items():
+        keys = [device_key(m) for m in members]
+        g = {"class": cls, "devices": keys, "name": members[0]["device"].get("name"), "cases": 0, "outcome": NOT_COMPARED}
+        out_groups.append(g)
+        if len(members) < 2:
+            continue
+        fps = [m["probes"][PROBE_KEY]["fingerprints"] for m in members]
+        cases = sorted(set.intersection(*(set(f) for f in fps)))
+        g["cases"] = len(cases)
+        g_odd, g_inc = set(), []
+        for case in cases:
+            votes = Counter(f[case] for f in fps)
+            value, n = votes.most_common(1)[0]
+            if len(votes) == 1:
+                continue
+            if 2 * n <= len(members):
+                g_inc.append({"case": case, "values": {k: f[case] for k, f in zip(keys, fps, strict=True)}})
+                continue
+            for k, f in zip(keys, fps, strict=True):
+                if f[case] != value:
+                    odd.setdefault(k, {"device": k, "cases": [], "majority": n, "of": len(members)})["cases"].append(case)
+                    g_odd.add(k)
+        inconclusive += g_inc
+        g["outcome"] = INCONCLUSIVE if g_inc else ODD_ONE_OUT if g_odd else CONSISTENT
+        noise = {k: (m.get("noise") or {}).get("clean_max") for k, m in zip(keys, members, strict=True)}
+        for k, v in noise.items():
+            others = [x for kk, x in noise.items() if kk != k and isinstance(x, (int, float)) and x > 0]
+            if isinstance(v, (int, float)) and others and v > NOISE_OUTLIER * statistics.median(others):
+                outliers.append({"device": k, "clean_max": v, "class_median": statistics.median(others)})
+    outcomes = {g["outcome"] for g in out_groups}
+    outcome = next((o for o in (INCONCLUSIVE, ODD_ONE_OUT, CONSISTENT) if o in outcomes), NOT_COMPARED)
+    note = {INCONCLUSIVE: "devices disagree with no majority: a software cause (library, driver, nondeterministic kernel) "
+                          "is as likely as a hardware one; replay the cases on a known-good device",
+            ODD_ONE_OUT: "the flagged device's results differ from the majority of identical devices",
+            CONSISTENT: "every compared device produced the same bits",
+            NOT_COMPARED: "fewer than two comparable devices (same model, software and workload)"}[outcome]
+    return {"outcome": outcome, "note": note, "groups": out_groups, "odd": list(odd.values()),
+            "inconclusive_cases": inconclusive[:50], "noise_outliers": outliers}
+
+
+def apply(devices: list[dict], comparison: dict) -> list[dict]:
+    """Device reports with the comparison's evidence added and verdicts raised accordingly
+    (the device's own verdict is kept as ``local_verdict``)."""
+    odd = {o["device"]: o for o in comparison["odd"]}
+    noisy = {o["device"]: o for o in comparison["noise_outliers"]}
+    out = []
+    for d in devices:
+        d = dict(d)
+        k = device_key(d)
+        d["local_verdict"] = d.get("local_verdict", d["verdict"])
+        ev = list(d.get("evidence") or [])
+        if k in odd:
+            o = odd[k]
+            ev.append({"check": "fleet.cross_device_fingerprint", "severity": "FAULTY", "case_id": o["cases"][0],
+                       "summary": f"output fingerprint differs from {o['majority']} of {o['of']} identical devices "
+                                  f"in {len(o['cases'])} case(s)", "elements": len(o["cases"]), "samples": [{"cases": o["cases"][:8]}],
+                       "seed": d.get("seed", 0), "reruns": 0, "reproduced": 0, "reproduction": "compared across devices",
+                       "distinct_outputs": 2})
+        if k in noisy:
+            o = noisy[k]
+            ev.append({"check": "fleet.noise_outlier", "severity": "SUSPECT", "case_id": "",
+                       "summary": f"clean checksum noise {o['clean_max']:.3g} is over {NOISE_OUTLIER:g}× the class median "
+                                  f"{o['class_median']:.3g}", "elements": 1, "samples": [],
+                       "seed": d.get("seed", 0), "reruns": 0, "reproduced": 0, "reproduction": "compared across devices",
+                       "distinct_outputs": 1})
+        d["evidence"] = ev
+        d["verdict"] = worst([Verdict(d["verdict"]), *(Verdict(e["severity"]) for e in ev)]).value
+        out.append(d)
+    return out
+
+
+def fleet_exit(devices: list[dict], outcome: str) -> int:
+    """Exit code of a fleet report: the device verdicts' code; an INCONCLUSIVE comparison
+    over otherwise clean devices is 3 (unknown), never 0."""
+    code = int(overall_exit(Verdict(d["verdict"]) for d in devices))
+    return 3 if outcome == INCONCLUSIVE and code == 0 else code

@@ -1,0 +1,292 @@
+"""Per-device history in an embedded SQLite database (DESIGN §1: track per physical GPU).
+
+Rows are keyed by the device UUID (and serial where the backend knows it), never by the
+hostname: a GPU moved to another node keeps its record. One sweep is one transaction, so
+a sweep killed at any point (SIGTERM, SIGKILL, power loss) leaves either all of its rows
+or none; WAL mode lets ``aegis history`` read while a sweep writes.
+
+Opening is careful: a file that is not SQLite (bad header), fails ``PRAGMA quick_check``,
+or carries a schema newer than this aegis raises HistoryError and is never written to.
+
+Schema (``PRAGMA user_version`` = len(MIGRATIONS)):
+  devices(uuid PK, serial, name, backend, first_seen, last_seen, last_host, last_id)
+  sweeps(id PK, started, finished, host, kind, command, exit_code, duration, rank, world_size)
+  results(id PK, sweep_id → sweeps, uuid → devices, ts, host, device_id, verdict, workload,
+          error, seconds, evidence, checks JSON, cases JSON, noise_max)
+  actions(id PK, ts, uuid, event, state, reason, argv JSON, executed, returncode, output)   [v2]
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from aegis_cli.errors import HistoryError
+
+SQLITE_MAGIC = b"SQLite format 3\x00"
+
+MIGRATIONS: list[str] = [
+    # v1: devices, sweeps, results
+    """
+    CREATE TABLE devices (
+        uuid TEXT PRIMARY KEY, serial TEXT, name TEXT, backend TEXT,
+        first_seen REAL NOT NULL, last_seen REAL NOT NULL, last_host TEXT, last_id TEXT);
+    CREATE TABLE sweeps (
+        id INTEGER PRIMARY KEY, started REAL NOT NULL, finished REAL, host TEXT, kind TEXT,
+        command TEXT, exit_code INTEGER, duration REAL);
+    CREATE TABLE results (
+        id INTEGER PRIMARY KEY, sweep_id INTEGER NOT NULL REFERENCES sweeps(id),
+        uuid TEXT NOT NULL REFERENCES devices(uuid), ts REAL NOT NULL, host TEXT, device_id TEXT,
+        verdict TEXT NOT NULL CHECK (verdict IN ('HEALTHY', 'SUSPECT', 'FAULTY', 'ERROR')),
+        workload TEXT, error TEXT, seconds REAL, evidence INTEGER, checks TEXT, cases TEXT);
+    CREATE INDEX results_by_device ON results(uuid, ts);
+    """,
+    # v2: actions taken by the policy; distributed sweeps; checksum noise per result
+    """
+    CREATE TABLE actions (
+        id INTEGER PRIMARY KEY, ts REAL NOT NULL, uuid TEXT NOT NULL, event TEXT NOT NULL,
+        state TEXT, reason TEXT, argv TEXT, executed INTEGER NOT NULL DEFAULT 0,
+        returncode INTEGER, output TEXT);
+    ALTER TABLE sweeps ADD COLUMN rank INTEGER;
+    ALTER TABLE sweeps ADD COLUMN world_size INTEGER;
+    ALTER TABLE results ADD COLUMN noise_max REAL;
+    """,
+]
+SCHEMA_VERSION = len(MIGRATIONS)
+
+
+@dataclass
+class ResultRow:
+    uuid: str
+    ts: float
+    verdict: str
+    host: str = ""
+    device_id: str = ""
+    workload: str = ""
+    error: str | None = None
+    seconds: float = 0.0
+    evidence: int = 0
+    checks: list[str] = field(default_factory=list)  # check ids that flagged (e.g. gemm.row_checksum)
+    cases: list[str] = field(default_factory=list)  # case ids that flagged, for prioritising
+    sweep_id: int = 0
+
+    def to_dict(self) -> dict:
+        return {"uuid": self.uuid, "ts": self.ts, "verdict": self.verdict, "host": self.host, "device": self.device_id,
+                "workload": self.workload, "error": self.error, "seconds": self.seconds, "evidence": self.evidence,
+                "checks": self.checks, "cases": self.cases, "sweep_id": self.sweep_id}
+
+
+def _check_header(path: Path) -> None:
+    try:
+        with path.open("rb") as fh:
+            head = fh.read(100)
+    except OSError as exc:
+        raise HistoryError(f"history database {path}: cannot read ({exc.strerror})") from None
+    if not head:
+        return  # an empty file is a new database
+    if not head.startswith(SQLITE_MAGIC):
+        raise HistoryError(f"history database {path} is not an SQLite database (header {head[:16]!r}); it was left untouched — "
+                           "move it aside to start a new history, or point history.path elsewhere")
+    if len(head) < 100:
+        raise HistoryError(f"history database {path} is truncated ({len(head)} bytes, shorter than an SQLite header); "
+                           "it was left untouched — restore it from a backup or move it aside")
+
+
+class History:
+    """The history database. Use as a context manager; every method raises HistoryError."""
+
+    def __init__(self, path: str | Path, *, busy_timeout: float = 30.0, create: bool = True):
+        self.path = Path(path)
+        exists = self.path.exists()
+        if not create and not exists:
+            raise HistoryError(f"history database {self.path} does not exist (no sweep has recorded anything yet)")
+        if exists:
+            _check_header(self.path)
+        elif not self.path.parent.is_dir():
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise HistoryError(f"history database {self.path}: cannot create its folder ({exc.strerror})") from None
+        try:
+            self.conn = sqlite3.connect(self.path, timeout=busy_timeout, isolation_level=None)
+        except sqlite3.Error as exc:
+            raise HistoryError(f"history database {self.path}: cannot open ({exc})") from None
+        try:
+            self._verify()
+            self._migrate()
+        except BaseException:
+            self.conn.close()
+            raise
+
+    # -- opening -----------------------------------------------------------------------
+    def _fail(self, what: str, exc: sqlite3.Error) -> HistoryError:
+        msg = str(exc)
+        if "locked" in msg or "busy" in msg:
+            return HistoryError(f"history database {self.path} is locked by another process ({msg}) while {what}; "
+                                "try again when the other sweep has finished")
+        return HistoryError(f"history database {self.path} is corrupt or unreadable ({msg}) while {what}; "
+                            "it was left untouched — restore it from a backup or move it aside")
+
+    def _verify(self) -> None:
+        try:
+            rows = self.conn.execute("PRAGMA quick_check").fetchall()
+            version = self.conn.execute("PRAGMA user_version").fetchone()[0]
+        except sqlite3.Error as exc:
+            raise self._fail("checking it", exc) from None
+        if rows != [("ok",)]:
+            detail = "; ".join(r[0] for r in rows[:3])
+            raise HistoryError(f"history database {self.path} failed its integrity check ({detail}); it was left untouched — "
+                               "restore it from a backup or move it aside")
+        if version > SCHEMA_VERSION:
+            raise HistoryError(f"history database {self.path} has schema version {version}, newer than this aegis "
+                               f"understands ({SCHEMA_VERSION}); upgrade aegis")
+        self.version = version
+
+    def _migrate(self) -> None:
+        try:
+            if self.conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                self.conn.execute("PRAGMA journal_mode=WAL")
+            self.conn.execute("PRAGMA foreign_keys=ON")
+            self.conn.execute("PRAGMA synchronous=NORMAL")
+            while self.version < SCHEMA_VERSION:
+                self.conn.execute("BEGIN IMMEDIATE")
+                try:
+                    current = self.conn.execute("PRAGMA user_version").fetchone()[0]
+                    if current == self.version:  # nobody migrated it meanwhile
+                        for stmt in filter(str.strip, MIGRATIONS[self.version].split(";")):
+                            self.conn.execute(stmt)
+                        self.conn.execute(f"PRAGMA user_version = {self.version + 1}")
+                    self.conn.execute("COMMIT")
+                except BaseException:
+                    self.conn.execute("ROLLBACK")
+                    raise
+                self.version = self.conn.execute("PRAGMA user_version").fetchone()[0]
+        except sqlite3.Error as exc:
+            raise self._fail(f"migrating it to schema {SCHEMA_VERSION}", exc) from None
+
+    def close(self) -> None:
+        self.conn.close()
+
+    def __enter__(self) -> History:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- writing -----------------------------------------------------------------------
+    def record_sweep(self, doc: dict, *, rank: int | None = None, world_size: int | None = None) -> int:
+        """Record one report (sweep or scan JSON) in a single transaction; returns the sweep id."""
+        now = time.time()
+        try:
+            self.conn.execute("BEGIN IMMEDIATE")
+            try:
+                cur = self.conn.execute(
+                    "INSERT INTO sweeps(started, finished, host, kind, command, exit_code, duration, rank, world_size) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (now - float(doc.get("duration_seconds") or 0), now, doc.get("host"), doc.get("kind"),
+                     json.dumps(doc.get("command_line") or []), doc.get("exit_code"), doc.get("duration_seconds"), rank, world_size))
+                sweep_id = cur.lastrowid
+                for d in doc["devices"]:
+                    self._record_device(sweep_id, now, d)
+                self.conn.execute("COMMIT")
+            except BaseException:
+                self.conn.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as exc:
+            raise self._fail("recording a sweep", exc) from None
+        return sweep_id
+
+    def _record_device(self, sweep_id: int, now: float, d: dict) -> None:
+        dev = d["device"]
+        self.conn.execute(
+            "INSERT INTO devices(uuid, serial, name, backend, first_seen, last_seen, last_host, last_id) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+            "ON CONFLICT(uuid) DO UPDATE SET serial = coalesce(excluded.serial, serial), name = excluded.name, "
+            "last_seen = excluded.last_seen, last_host = excluded.last_host, last_id = excluded.last_id",
+            (dev["uuid"], dev.get("serial"), dev.get("name"), dev.get("backend"), now, now, dev.get("host"), dev.get("id")))
+        ev = d.get("evidence") or []
+        flagged = [e for e in ev if e.get("severity") in ("SUSPECT", "FAULTY")]
+        noise = (d.get("noise") or {}).get("clean_max")
+        self.conn.execute(
+            "INSERT INTO results(sweep_id, uuid, ts, host, device_id, verdict, workload, error, seconds, evidence, checks, cases, noise_max) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (sweep_id, dev["uuid"], now, dev.get("host"), dev.get("id"), d["verdict"], d.get("workload"), d.get("error"),
+             (d.get("timings") or {}).get("seconds"), len(ev),
+             json.dumps(sorted({e["check"] for e in flagged})), json.dumps(sorted({e["case_id"] for e in flagged})),
+             noise if isinstance(noise, (int, float)) else None))
+
+    def record_action(self, uuid: str, event: str, state: str, reason: str, argv: list[str] | None,
+                      executed: bool, returncode: int | None, output: str | None) -> None:
+        try:
+            self.conn.execute("BEGIN IMMEDIATE")
+            try:
+                self.conn.execute("INSERT INTO actions(ts, uuid, event, state, reason, argv, executed, returncode, output) "
+                                  "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                                  (time.time(), uuid, event, state, reason, json.dumps(argv) if argv is not None else None,
+                                   int(executed), returncode, output))
+                self.conn.execute("COMMIT")
+            except BaseException:
+                self.conn.execute("ROLLBACK")
+                raise
+        except sqlite3.Error as exc:
+            raise self._fail("recording an action", exc) from None
+
+    # -- reading -----------------------------------------------------------------------
+    def _query(self, sql: str, args: Iterable = ()) -> list[tuple]:
+        try:
+            return self.conn.execute(sql, tuple(args)).fetchall()
+        except sqlite3.Error as exc:
+            raise self._fail("reading it", exc) from None
+
+    def devices(self) -> list[dict]:
+        cols = ("uuid", "serial", "name", "backend", "first_seen", "last_seen", "last_host", "last_id")
+        return [dict(zip(cols, r, strict=True)) for r in self._query(f"SELECT {', '.join(cols)} FROM devices ORDER BY last_host, last_id")]
+
+    def resolve(self, ident: str, host: str | None = None) -> list[str]:
+        """UUIDs matching ``ident``: a UUID, a serial, a UUID prefix (≥ 4 characters), or a
+        device id such as ``cuda:3`` as last seen on ``host`` (default: any host)."""
+        rows = self._query("SELECT uuid FROM devices WHERE uuid = ? OR serial = ?", (ident, ident))
+        if not rows and len(ident) >= 4:
+            rows = self._query("SELECT uuid FROM devices WHERE uuid LIKE ? ESCAPE '\\'",
+                               (ident.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%",))
+        if not rows:
+            sql, args = "SELECT uuid FROM devices WHERE last_id = ?", [ident]
+            if host:
+                sql, args = sql + " AND last_host = ?", [*args, host]
+            rows = self._query(sql, args)
+        return sorted(r[0] for r in rows)
+
+    def results(self, uuids: list[str] | None = None, since: float | None = None) -> list[ResultRow]:
+        sql = "SELECT uuid, ts, verdict, host, device_id, workload, error, seconds, evidence, checks, cases, sweep_id FROM results"
+        where, args = [], []
+        if uuids is not None:
+            where.append(f"uuid IN ({', '.join('?' * len(uuids))})")
+            args += uuids
+        if since is not None:
+            where.append("ts >= ?")
+            args.append(since)
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        out = []
+        for r in self._query(sql + " ORDER BY ts, id", args):
+            out.append(ResultRow(uuid=r[0], ts=r[1], verdict=r[2], host=r[3] or "", device_id=r[4] or "", workload=r[5] or "",
+                                 error=r[6], seconds=r[7] or 0.0, evidence=r[8] or 0, checks=json.loads(r[9] or "[]"),
+                                 cases=json.loads(r[10] or "[]"), sweep_id=r[11]))
+        return out
+
+    def actions(self, uuid: str | None = None) -> list[dict]:
+        cols = ("ts", "uuid", "event", "state", "reason", "argv", "executed", "returncode", "output")
+        sql, args = f"SELECT {', '.join(cols)} FROM actions", []
+        if uuid:
+            sql, args = sql + " WHERE uuid = ?", [uuid]
+        rows = [dict(zip(cols, r, strict=True)) for r in self._query(sql + " ORDER BY ts, id", args)]
+        for r in rows:
+            r["argv"] = json.loads(r["argv"]) if r["argv"] else None
+            r["executed"] = bool(r["executed"])
+        return rows
+
+    def counts(self) -> dict[str, int]:
+        return {t: self._query(f"SELECT count(*) FROM {t}")[0][0] for t in ("devices", "sweeps", "results", "actions")}

@@ -1,0 +1,71 @@
+"""One sweep per node at a time: an exclusive ``fcntl.flock`` on a lock file that records
+who holds it (pid, host, start time, command line).
+
+The kernel drops a flock when its holder dies, SIGKILL included, so a stale lock file
+never blocks the next sweep; the file itself is left in place (deleting it would let two
+sweeps lock two different inodes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from aegis_cli.errors import LockError
+
+
+def _holder(path: Path) -> str:
+    try:
+        info = json.loads(path.read_text(encoding="utf-8") or "{}")
+    except (OSError, ValueError):
+        return "an unknown process (the lock file holds no readable record)"
+    started = info.get("started")
+    when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)) if isinstance(started, (int, float)) else "?"
+    cmd = " ".join(info.get("command") or [])
+    return f"pid {info.get('pid', '?')} on {info.get('host', '?')}, started {when}" + (f" ({cmd})" if cmd else "")
+
+
+class SweepLock:
+    """``with SweepLock(path):`` — raises LockError naming the holder when taken."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise LockError(f"cannot open lock file {self.path}: {exc.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise LockError(f"another aegis sweep holds the lock {self.path}: {_holder(self.path)}") from None
+        record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "command": sys.argv}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        with contextlib.suppress(OSError):
+            os.ftruncate(self._fd, 0)
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> SweepLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()

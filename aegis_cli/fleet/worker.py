@@ -1,0 +1,133 @@
+"""The per-device sweep worker: ``python -m aegis_cli.fleet.worker SPEC.json``.
+
+One process per device, so a device that hangs or crashes its process costs only its own
+result (the sweep kills the worker at its timeout and records ERROR). The spec names the
+device, the scan options, the previously failing cases to run first, and where to write:
+``OUT.partial.json`` after the priority cases, ``OUT`` (a device report, the JSON of
+DeviceReport plus ``probes.fleet_fingerprint``) at the end. Log lines go to stderr.
+
+Test hooks (never active unless asked for in ``inject``): ``hang:seconds=N`` sleeps before
+scanning, ``crash:signal=S`` kills the worker (aegis_cli.inject.WORKER_MODELS).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import sys
+import time
+from dataclasses import replace
+
+from aegis_cli import report as report_mod
+from aegis_cli.errors import AegisError
+from aegis_cli.fleet.compare import PROBE_KEY, fingerprint_class
+from aegis_cli.inject import WORKER_MODELS, FaultPlan, parse_spec
+
+
+def log(event: str, **kv) -> None:
+    parts = [f"ts={time.strftime('%Y-%m-%dT%H:%M:%S')}", "level=info", f"event={event}"]
+    parts += [f"{k}={json.dumps(v) if isinstance(v, str) and (' ' in v or not v) else v}" for k, v in kv.items()]
+    print(" ".join(parts), file=sys.stderr, flush=True)
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this worker when the sweep that started it dies (even by SIGKILL)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:
+        os._exit(3)
+
+
+def fleet_fingerprints(device, wl, seed: int, fault: FaultPlan | None, limit: int) -> dict[str, str]:
+    """Output and accumulator-checksum fingerprints of the first ``limit`` seeded cases at
+    scale (0, 0): the same bits on every identical device (compared by fleet/compare.py)."""
+    from aegis_cli.scan import plan_cases
+
+    out = {}
+    for case in plan_cases(wl, seed)[:limit]:
+        cid = case.case_id(0, 0)
+        res = device.checked_gemm(case.operands(device), fault, op=cid)
+        out[cid] = f"{device.fingerprint(res.c):016x}{device.fingerprint(res.row_sums):016x}"
+    return out
+
+
+def run(spec: dict) -> dict:
+    from aegis_cli.backends import resolve_devices
+    from aegis_cli.probes import load_all
+    from aegis_cli.scan import ScanOptions, _workload_for, scan_device
+
+    device_id = spec["device"]
+    hooks, faults = [], []
+    if spec.get("inject"):
+        for f in parse_spec(spec["inject"], worker=True):
+            if f.params.get("device") not in (None, device_id):
+                continue
+            (hooks if f.model in WORKER_MODELS else faults).append(f)
+    for f in hooks:
+        log("test_hook", device=device_id, hook=str(f))
+        if f.model == "hang":
+            time.sleep(float(f.params["seconds"]))
+        elif f.model == "crash":
+            os.kill(os.getpid(), int(f.params.get("signal", "9")))
+    load_all()
+    (device,) = resolve_devices(device_id)
+    inject = ";".join(str(f) for f in faults) or None
+    opts = ScanOptions(devices=device_id, workload=spec.get("workload"), seed=spec.get("seed", 0), reruns=spec.get("reruns", 3),
+                       inject=inject, probes=tuple(spec.get("probes") or ("gemm",)), command_line=spec.get("command_line", []))
+    plan = FaultPlan(faults) if faults else None
+    quiet = lambda *a, **k: None
+    priority = {"cases": list(spec.get("priority_cases") or []), "verdicts": {}}
+    t0 = time.time()
+    if priority["cases"]:
+        from aegis_cli.verdict import worst
+
+        pre = []
+        for cid in priority["cases"]:
+            dr = scan_device(device, replace(opts, case=cid), plan and plan.for_device(device_id), quiet)
+            priority["verdicts"][cid] = dr.verdict.value
+            pre.append(dr)
+            log("priority_case", device=device_id, case=cid, verdict=dr.verdict.value)
+        partial = pre[0].to_dict(opts.thresholds.tau)
+        partial["evidence"] = [e for dr in pre for e in dr.to_dict(opts.thresholds.tau)["evidence"]]
+        partial["verdict"] = worst(dr.verdict for dr in pre).value
+        partial["probes"]["sweep"] = {"priority": priority, "full_scan": "not finished"}
+        report_mod.atomic_write(spec["output"] + ".partial.json", report_mod.to_json(report_mod.sanitize(partial)))
+    dr = scan_device(device, opts, plan and plan.for_device(device_id), quiet)
+    doc = dr.to_dict(opts.thresholds.tau)
+    log("scanned", device=device_id, verdict=dr.verdict.value, seconds=round(time.time() - t0, 2))
+    limit = int(spec.get("fingerprint_cases", 12))
+    if limit > 0 and dr.verdict.value != "ERROR":
+        wl = _workload_for(opts, device)
+        try:
+            fps = fleet_fingerprints(device, wl, opts.seed, plan and plan.for_device(device_id), limit)
+            doc["probes"][PROBE_KEY] = {"class": fingerprint_class(doc["device"], report_mod.versions(), report_mod.kernel_hashes(),
+                                                                   wl.name, opts.seed), "seed": opts.seed, "fingerprints": fps}
+        except Exception as exc:  # the comparison is extra: a failure here is recorded, not fatal
+            doc["probes"][PROBE_KEY] = {"error": f"{type(exc).__name__}: {exc}"}
+    doc["probes"]["sweep"] = {"priority": priority, "full_scan": "completed", "worker_seconds": round(time.time() - t0, 3)}
+    return doc
+
+
+def main(argv: list[str]) -> int:
+    _die_with_parent()
+    if len(argv) != 1:
+        print("usage: python -m aegis_cli.fleet.worker SPEC.json", file=sys.stderr)
+        return 3
+    with open(argv[0], encoding="utf-8") as fh:
+        spec = json.load(fh)
+    log("worker_start", device=spec["device"], pid=os.getpid())
+    try:
+        doc = run(spec)
+    except AegisError as exc:
+        print(f"Error: {exc}", file=sys.stderr, flush=True)
+        return 3
+    report_mod.atomic_write(spec["output"], report_mod.to_json(report_mod.sanitize(doc)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,14 @@
+#!/bin/sh
+# aegis on_readmit action for Kubernetes: lift aegis's taint; uncordon only a node that
+# carries aegis's annotation (never one cordoned by someone else).
+# usage: k8s-readmit.sh NODE
+set -eu
+node=$1
+mark=$(kubectl get node "$node" -o jsonpath='{.metadata.annotations.aegis\.dev/quarantined}')
+if [ -z "$mark" ]; then
+  echo "aegis: not uncordoning $node: aegis did not cordon it" >&2
+  exit 0
+fi
+kubectl taint nodes "$node" aegis.dev/sdc=quarantined:NoSchedule-
+kubectl annotate nodes "$node" aegis.dev/quarantined-
+exec kubectl uncordon "$node"

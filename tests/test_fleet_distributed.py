@@ -1,0 +1,92 @@
+"""Cross-device comparison: 3 gloo ranks on one CPU machine with one faulty rank, the
+comparison rules (odd one out vs INCONCLUSIVE), and `aegis report` merging node reports."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+
+from aegis_cli.fleet.compare import CONSISTENT, INCONCLUSIVE, ODD_ONE_OUT, PROBE_KEY, apply, compare, fleet_exit
+from aegis_cli.fleet.merge import merge
+from tests.fleet_helpers import aegis, env, write_config
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_three_gloo_ranks_flag_exactly_the_faulty_rank(tmp_path):
+    cfg = write_config(tmp_path, devices="auto", inject="bitflip:bit=exp,device=cpu:2",
+                       distributed={"fleet_report": "fleet.json", "timeout_seconds": 60})
+    port, world = free_port(), 3
+    t0 = time.time()
+    procs = [subprocess.Popen(aegis("sweep", "--config", str(cfg)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env(1, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+             for r in range(world)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    took = time.time() - t0
+    assert [p.returncode for p in procs] == [2, 2, 2], [o[1][-800:] for o in outs]
+    fleet = json.loads((tmp_path / "fleet.json").read_text())
+    assert fleet["kind"] == "fleet" and fleet["outcome"] == ODD_ONE_OUT and fleet["distributed"] == {"world_size": 3, "backend": "gloo"}
+    assert [o["device"].split("/")[1] for o in fleet["comparison"]["odd"]] == ["cpu:2"]
+    verdicts = {d["device"]["id"]: d["verdict"] for d in fleet["devices"]}
+    assert verdicts == {"cpu:0": "HEALTHY", "cpu:1": "HEALTHY", "cpu:2": "FAULTY"}
+    odd = next(d for d in fleet["devices"] if d["device"]["id"] == "cpu:2")
+    assert any(e["check"] == "fleet.cross_device_fingerprint" for e in odd["evidence"])
+    # every rank recorded its device; the node's exports list the faulty one
+    from aegis_cli.fleet.history import History
+
+    with History(tmp_path / "history.sqlite") as h:
+        assert sorted(r.device_id for r in h.results()) == ["cpu:0", "cpu:1", "cpu:2"]
+    q = [ln for ln in (tmp_path / "quarantine.tsv").read_text().splitlines() if not ln.startswith("#")]
+    assert len(q) == 1 and "\tcpu:2\t" in q[0]
+    print(f"3 gloo ranks: {took:.1f} s")
+
+
+def dev(host: str, idx: int, fps: dict, verdict: str = "HEALTHY", cls: str = "c1", noise: float = 1e-9) -> dict:
+    return {"device": {"id": f"cuda:{idx}", "uuid": f"{host}-{idx}", "host": host, "name": "H200"}, "verdict": verdict,
+            "workload": "w", "error": None, "stats": None, "timings": {"seconds": 1.0},
+            "evidence": [], "noise": {"clean_max": noise}, "probes": {PROBE_KEY: {"class": cls, "fingerprints": fps}}}
+
+
+def test_compare_rules():
+    a, b = {"x": "1", "y": "2"}, {"x": "1", "y": "9"}
+    three = [dev("n1", 0, a), dev("n2", 0, a), dev("n3", 0, b)]
+    c = compare(three)
+    assert c["outcome"] == ODD_ONE_OUT and [o["device"] for o in c["odd"]] == ["n3/cuda:0"] and c["odd"][0]["cases"] == ["y"]
+    assert [d["verdict"] for d in apply(three, c)] == ["HEALTHY", "HEALTHY", "FAULTY"]
+    two = [dev("n1", 0, a), dev("n2", 0, b)]
+    c = compare(two)
+    assert c["outcome"] == INCONCLUSIVE and not c["odd"] and "software cause" in c["note"]
+    assert fleet_exit(apply(two, c), c["outcome"]) == 3
+    # different classes (model/software) are never compared with each other
+    assert compare([dev("n1", 0, a, cls="h200"), dev("n2", 0, b, cls="a100")])["outcome"] == "NOT_COMPARED"
+    same = [dev("n1", 0, a), dev("n2", 0, a), dev("n3", 0, a, noise=1e-6)]
+    c = compare(same)
+    assert c["outcome"] == CONSISTENT and [o["device"] for o in c["noise_outliers"]] == ["n3/cuda:0"]
+    assert [d["verdict"] for d in apply(same, c)] == ["HEALTHY", "HEALTHY", "SUSPECT"]
+
+
+def test_report_merges_node_reports(tmp_path):
+    a = {"x": "1"}
+    paths = []
+    for host, fps in (("n1", a), ("n2", a), ("n3", {"x": "2"})):
+        rep = {"schema_version": "1.0", "kind": "sweep", "host": host, "finished": "2026-01-01T00:00:00+00:00",
+               "devices": [dev(host, 0, fps), dev(host, 1, fps)]}
+        p = tmp_path / f"{host}.json"
+        p.write_text(json.dumps(rep))
+        paths.append(str(p))
+    fleet = merge(paths)
+    assert fleet["outcome"] == ODD_ONE_OUT and sorted(o["device"] for o in fleet["comparison"]["odd"]) == ["n3/cuda:0", "n3/cuda:1"]
+    assert fleet["exit_code"] == 2 and fleet["hosts"] == ["n1", "n2", "n3"]
+    bad = tmp_path / "bad.json"
+    bad.write_text("{nope")
+    p = subprocess.run(aegis("report", *paths, str(bad)), env=env(1), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 3 and f"Error: {bad}: not a JSON report" in p.stderr
+    p = subprocess.run(aegis("report", *paths, "--format", "csv"), env=env(1), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stdout.count("\n") == 7 and "n3,cuda:1" in p.stdout

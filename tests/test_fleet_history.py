@@ -1,0 +1,165 @@
+"""History database: schema migrations, corrupt/garbage/truncated files refused and never
+overwritten, SIGKILL during writes, and the quarantine policy's state machine."""
+
+from __future__ import annotations
+
+import hashlib
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from aegis_cli.errors import HistoryError
+from aegis_cli.fleet import history as hist_mod
+from aegis_cli.fleet.history import History, ResultRow
+from aegis_cli.fleet.policy import ACTIVE, PROBATION, QUARANTINED, PolicyConfig, evaluate, parse_since, rate_text, wilson
+
+
+def doc(verdicts: dict[str, str]) -> dict:
+    return {"kind": "sweep", "host": "n1", "duration_seconds": 1.0, "exit_code": 0, "command_line": ["aegis"],
+            "devices": [{"device": {"id": f"cuda:{i}", "uuid": u, "serial": f"S{i}", "name": "H200", "backend": "cuda", "host": "n1"},
+                         "verdict": v, "workload": "w", "error": None, "timings": {"seconds": 2.0},
+                         "evidence": [{"check": "gemm.row_checksum", "case_id": "w/a/s+0+0", "severity": v}] if v in ("SUSPECT", "FAULTY") else []}
+                        for i, (u, v) in enumerate(verdicts.items())]}
+
+
+def sha(p) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def test_new_database_wal_and_schema_version(tmp_path):
+    with History(tmp_path / "h.sqlite") as h:
+        assert h.conn.execute("PRAGMA user_version").fetchone()[0] == hist_mod.SCHEMA_VERSION
+        assert h.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        h.record_sweep(doc({"GPU-a": "HEALTHY", "GPU-b": "FAULTY"}))
+        assert h.resolve("S1") == ["GPU-b"] and h.resolve("GPU-") == ["GPU-a", "GPU-b"] and h.resolve("cuda:0", "n1") == ["GPU-a"]
+        (b,) = h.results(["GPU-b"])
+        assert b.verdict == "FAULTY" and b.checks == ["gemm.row_checksum"] and b.cases == ["w/a/s+0+0"]
+
+
+def test_v1_database_is_migrated_keeping_rows(tmp_path):
+    db = tmp_path / "h.sqlite"
+    c = sqlite3.connect(db)
+    c.executescript(hist_mod.MIGRATIONS[0])
+    c.execute("INSERT INTO devices VALUES ('GPU-old', NULL, 'A100', 'cuda', 1.0, 1.0, 'n0', 'cuda:0')")
+    c.execute("INSERT INTO sweeps(id, started) VALUES (1, 1.0)")
+    c.execute("INSERT INTO results(sweep_id, uuid, ts, verdict) VALUES (1, 'GPU-old', 1.0, 'SUSPECT')")
+    c.execute("PRAGMA user_version = 1")
+    c.commit()
+    c.close()
+    with History(db) as h:
+        assert h.version == 2
+        assert [r.verdict for r in h.results(["GPU-old"])] == ["SUSPECT"]
+        h.record_action("GPU-old", "quarantine", QUARANTINED, "x", ["true"], False, None, None)  # v2 table exists
+        assert h.counts() == {"devices": 1, "sweeps": 1, "results": 1, "actions": 1}
+
+
+def test_newer_schema_is_refused(tmp_path):
+    db = tmp_path / "h.sqlite"
+    History(db).close()
+    c = sqlite3.connect(db)
+    c.execute("PRAGMA user_version = 99")
+    c.close()
+    with pytest.raises(HistoryError, match="schema version 99, newer than this aegis understands"):
+        History(db)
+
+
+@pytest.mark.parametrize("content", [b"this is not a database\n" * 10, b"\x00\xff" * 3000])
+def test_garbage_file_is_reported_and_not_overwritten(tmp_path, content):
+    db = tmp_path / "h.sqlite"
+    db.write_bytes(content)
+    before = sha(db)
+    with pytest.raises(HistoryError, match=r"is not an SQLite database .* left untouched"):
+        History(db)
+    assert sha(db) == before and not (tmp_path / "h.sqlite-wal").exists()
+
+
+def test_truncated_database_is_reported_and_not_overwritten(tmp_path):
+    db = tmp_path / "h.sqlite"
+    with History(db) as h:
+        for _ in range(30):
+            h.record_sweep(doc({f"GPU-{i}": "HEALTHY" for i in range(8)}))
+        h.conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    data = db.read_bytes()
+    for cut in (50, len(data) // 2):
+        db.write_bytes(data[:cut])
+        before = sha(db)
+        with pytest.raises(HistoryError, match=r"truncated|corrupt|integrity"), History(db) as h:
+            h.results()
+        assert sha(db) == before
+
+
+def test_history_cli_reports_garbage_clearly(tmp_path):
+    db = tmp_path / "h.sqlite"
+    db.write_text("garbage")
+    p = subprocess.run([sys.executable, "-m", "aegis_cli", "history", "--db", str(db)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 3 and "Error: history database" in p.stderr and "not an SQLite database" in p.stderr
+    assert db.read_text() == "garbage"
+
+
+def test_sigkill_during_writes_keeps_whole_sweeps(tmp_path):
+    """A writer killed at a random moment leaves every sweep either whole or absent."""
+    db = tmp_path / "h.sqlite"
+    script = textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {str(hist_mod.__file__.rsplit('/aegis_cli/', 1)[0])!r})
+        from aegis_cli.fleet.history import History
+        from tests.test_fleet_history import doc
+        h = History({str(db)!r})
+        print("ready", flush=True)
+        while True:
+            h.record_sweep(doc({{f"GPU-{{i}}": "SUSPECT" for i in range(16)}}))
+    """)
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, cwd=str(tmp_path))
+    assert p.stdout.readline().strip() == b"ready"
+    time.sleep(1.0)
+    p.kill()
+    p.wait()
+    with History(db) as h:
+        counts = h.counts()
+        per_sweep = h.conn.execute("SELECT count(*) FROM results GROUP BY sweep_id").fetchall()
+    assert counts["sweeps"] > 0 and {n for (n,) in per_sweep} == {16} and len(per_sweep) == counts["sweeps"]
+
+
+def rows(*verdicts: str, start: float = 0.0, step: float = 3600.0) -> list[ResultRow]:
+    return [ResultRow("U", start + i * step, v) for i, v in enumerate(verdicts)]
+
+
+def test_policy_faulty_once_quarantines_for_good_by_default():
+    cfg = PolicyConfig(probation_sweeps=2)
+    st = evaluate("U", rows("HEALTHY", "FAULTY", *["HEALTHY"] * 10), cfg)
+    assert st.state == QUARANTINED and st.permanent and st.clean_streak == 10 and "FAULTY 1×" in st.reason
+    st = evaluate("U", rows("FAULTY", "HEALTHY", "HEALTHY"), PolicyConfig(probation_sweeps=2, readmit_faulty=True))
+    assert st.state == ACTIVE
+
+
+def test_policy_suspects_within_window_then_probation():
+    cfg = PolicyConfig(suspect_count=3, window_days=1, probation_sweeps=3)
+    # three SUSPECTs spread over three days never meet within one day
+    assert evaluate("U", rows("SUSPECT", "SUSPECT", "SUSPECT", step=86400 * 1.1), cfg).state == ACTIVE
+    st = evaluate("U", rows("SUSPECT", "HEALTHY", "SUSPECT", "SUSPECT"), cfg)
+    assert st.state == QUARANTINED and st.reason.startswith("SUSPECT 3× within 1 days")
+    st = evaluate("U", rows("SUSPECT", "SUSPECT", "SUSPECT", "HEALTHY", "ERROR", "HEALTHY"), cfg)
+    assert st.state == PROBATION and st.clean_streak == 2  # ERROR neither counts nor resets
+    st = evaluate("U", rows("SUSPECT", "SUSPECT", "SUSPECT", "HEALTHY", "HEALTHY", "SUSPECT", "HEALTHY"), cfg)
+    assert st.state == PROBATION and st.clean_streak == 1  # a bad result restarts probation
+    st = evaluate("U", rows("SUSPECT", "SUSPECT", "SUSPECT", "HEALTHY", "HEALTHY", "HEALTHY", "SUSPECT"), cfg)
+    assert st.state == ACTIVE  # re-admitted; earlier SUSPECTs no longer count
+
+
+def test_wilson_bounds_and_rate_text():
+    assert wilson(0, 0) == (0.0, 1.0)
+    lo, hi = wilson(3, 40)
+    assert 0.02 < lo < 0.03 and 0.19 < hi < 0.21
+    assert rate_text(3, 40) == "failed 3 of 40 sweeps (95% CI 2.6–19.9%)"
+    assert wilson(0, 300)[1] < wilson(0, 3)[1]
+
+
+def test_parse_since():
+    now = 1_000_000.0
+    assert parse_since("30d", now) == now - 30 * 86400 and parse_since("12h", now) == now - 43200
+    assert parse_since("2025-01-31", now) == 1738281600.0
+    with pytest.raises(Exception, match="use a duration like 30d"):
+        parse_since("yesterday", now)

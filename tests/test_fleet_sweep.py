@@ -1,0 +1,253 @@
+"""aegis sweep on a simulated node (several CPU "devices"): history, policy, exports,
+dry-run commands, worker timeouts, the lock, and being killed midway."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from aegis_cli.errors import ConfigError
+from aegis_cli.fleet.history import History, ResultRow
+from aegis_cli.fleet.sweep import load_config, plan_devices
+from tests.fleet_helpers import aegis, env, start_sweep, wait_for, write_config
+
+
+def children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.fixture(scope="module")
+def node_sweep(tmp_path_factory):
+    """One sweep of 3 simulated devices: cpu:1 has a permanent exponent bit flip, cpu:2's
+    worker hangs past its 6 s timeout."""
+    tmp = tmp_path_factory.mktemp("node")
+    cfg = write_config(tmp, budget_seconds=40, device_timeout_seconds=6,
+                       inject="bitflip:bit=exp,device=cpu:1;hang:seconds=300,device=cpu:2",
+                       actions={"on_quarantine": ["scontrol", "update", "nodename={host_short}", "state=drain", "reason=AEGIS: {reason}"],
+                                "on_readmit": ["true"]})
+    t0 = time.time()
+    p = subprocess.run(aegis("sweep", "--config", str(cfg)), env=env(3), capture_output=True, text=True, timeout=120)
+    return tmp, p, time.time() - t0
+
+
+def test_sweep_verdicts_exit_code_and_budget(node_sweep):
+    tmp, p, took = node_sweep
+    assert p.returncode == 2, p.stderr
+    doc = json.loads((tmp / "report.json").read_text())
+    verdicts = {d["device"]["id"]: d["verdict"] for d in doc["devices"]}
+    assert verdicts == {"cpu:0": "HEALTHY", "cpu:1": "FAULTY", "cpu:2": "ERROR"}
+    err = next(d for d in doc["devices"] if d["device"]["id"] == "cpu:2")["error"]
+    assert "timed out after" in err and "device timeout" in err
+    assert took < 40, f"sweep took {took:.1f} s, over its 40 s budget"
+    assert doc["kind"] == "sweep" and doc["fault_injected"] is True
+    # structured log lines, no colour codes without a TTY
+    lines = p.stderr.strip().splitlines()
+    assert all(ln.startswith("ts=") and " event=" in ln for ln in lines), lines[:3]
+    assert "\x1b[" not in p.stderr and p.stdout == ""
+
+
+def test_sweep_records_history_per_uuid(node_sweep):
+    tmp, _, _ = node_sweep
+    with History(tmp / "history.sqlite") as h:
+        rows = h.results()
+        assert len(rows) == 3 and len({r.uuid for r in rows}) == 3
+        faulty = next(r for r in rows if r.device_id == "cpu:1")
+        assert faulty.verdict == "FAULTY" and "gemm.row_checksum" in faulty.checks and faulty.cases
+        assert h.counts()["sweeps"] == 1
+        assert h.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_sweep_policy_quarantine_list_and_prometheus(node_sweep):
+    tmp, _, _ = node_sweep
+    doc = json.loads((tmp / "report.json").read_text())
+    uuid1 = next(d["device"]["uuid"] for d in doc["devices"] if d["device"]["id"] == "cpu:1")
+    states = {u: s["state"] for u, s in doc["policy"].items()}
+    assert states[uuid1] == "QUARANTINED" and sorted(states.values()).count("ACTIVE") == 2
+    qlines = [ln for ln in (tmp / "quarantine.tsv").read_text().splitlines() if not ln.startswith("#")]
+    assert len(qlines) == 1 and qlines[0].split("\t")[0] == uuid1 and "\tQUARANTINED\t" in qlines[0]
+    fams = {f.name: f for f in text_string_to_metric_families((tmp / "aegis.prom").read_text())}
+    verdict = {s.labels["device"]: s.value for s in fams["aegis_device_verdict"].samples}
+    assert verdict == {"cpu:0": 0, "cpu:1": 2, "cpu:2": 3}
+    quarantined = {s.labels["uuid"]: s.value for s in fams["aegis_device_quarantined"].samples}
+    assert quarantined[uuid1] == 1 and sum(quarantined.values()) == 1
+    assert abs(fams["aegis_last_sweep_timestamp_seconds"].samples[0].value - time.time()) < 300
+    faulty_counts = {s.labels["device"]: s.value for s in fams["aegis_device_results"].samples if s.labels["verdict"] == "FAULTY"}
+    assert faulty_counts == {"cpu:0": 0, "cpu:1": 1, "cpu:2": 0}
+
+
+def test_sweep_dry_run_command_template(node_sweep):
+    tmp, p, _ = node_sweep
+    doc = json.loads((tmp / "report.json").read_text())
+    (act,) = doc["actions"]
+    host = doc["host"].split(".")[0]
+    assert act["executed"] is False and act["event"] == "quarantine"
+    assert act["argv"][:4] == ["scontrol", "update", f"nodename={host}", "state=drain"]
+    assert act["argv"][4].startswith("reason=AEGIS: FAULTY 1×") and "gemm.row_checksum" in act["argv"][4]
+    assert "event=action action=quarantine" in p.stderr and "executed=False" in p.stderr
+    with History(tmp / "history.sqlite") as h:
+        (rec,) = h.actions()
+        assert rec["argv"] == act["argv"] and rec["executed"] is False
+
+
+def test_history_and_report_commands(node_sweep):
+    tmp, _, _ = node_sweep
+    p = subprocess.run(aegis("history", "--config", str(tmp / "sweep.yaml"), "--device", "cpu:1", "--since", "30d", "--format", "json"),
+                       env=env(3), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    (dev,) = json.loads(p.stdout)["devices"]
+    assert dev["summary"].startswith("failed 1 of 1 sweeps (95% CI 20.7–100.0%)") and dev["state"] == "QUARANTINED"
+    assert [r["verdict"] for r in dev["results"]] == ["FAULTY"]
+    p = subprocess.run(aegis("report", str(tmp / "report.json"), "--format", "json"), env=env(3), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    fleet = json.loads(p.stdout)
+    assert fleet["kind"] == "fleet" and len(fleet["devices"]) == 3
+    # two fingerprinted devices that differ and no third: a software cause cannot be ruled out
+    assert fleet["outcome"] == "INCONCLUSIVE"
+
+
+def test_enabled_action_runs_argv_without_shell(tmp_path):
+    from aegis_cli.fleet.actions import ActionsConfig, run_actions
+    from aegis_cli.fleet.policy import DeviceState
+
+    out = tmp_path / "argv.json"
+    script = "import json, sys; json.dump(sys.argv[1:], open(sys.argv[1], 'w'))"
+    cfg = ActionsConfig(enabled=True, on_quarantine=[sys.executable, "-c", script, str(out), "{uuid}", "{reason}; rm -rf /"])
+    st = DeviceState("GPU-1", state="QUARANTINED", reason="FAULTY 1×  (gemm.row_checksum)")
+    (rec,) = run_actions(cfg, [({"uuid": "GPU-1", "id": "cuda:0", "host": "n1"}, st, "quarantine")])
+    assert rec.executed and rec.returncode == 0
+    assert json.loads(out.read_text()) == [str(out), "GPU-1", "FAULTY 1× (gemm.row_checksum); rm -rf /"]
+    with pytest.raises(ConfigError, match=r"unknown placeholder \{hostname\}"):
+        ActionsConfig(on_quarantine=["scontrol", "{hostname}"])
+
+
+def test_overlapping_sweeps_and_sigterm_leave_db_consistent(tmp_path):
+    cfg = write_config(tmp_path, budget_seconds=60, device_timeout_seconds=50, inject="hang:seconds=300,device=cpu:1")
+    first = start_sweep(cfg, n_devices=2)
+    try:
+        assert wait_for(lambda: len(children(first.pid)) == 2, 30)  # both workers running
+        second = subprocess.run(aegis("sweep", "--config", str(cfg)), env=env(2), capture_output=True, text=True, timeout=60)
+        assert second.returncode == 3
+        assert "Error: another aegis sweep holds the lock" in second.stderr and f"pid {first.pid}" in second.stderr
+        first.send_signal(signal.SIGTERM)
+        _, err = first.communicate(timeout=30)
+        assert first.returncode == 3 and "Error: sweep stopped by SIGTERM: 2 worker(s) killed" in err
+    finally:
+        if first.poll() is None:
+            first.kill()
+    # no worker survives its sweep, the database is readable
+    assert children(first.pid) == []
+    with History(tmp_path / "history.sqlite") as h:
+        assert h.conn.execute("PRAGMA quick_check").fetchone()[0] == "ok" and h.counts()["results"] == 0
+
+
+def test_sigkill_midway_leaves_db_consistent(tmp_path):
+    cfg = write_config(tmp_path, device_timeout_seconds=50, inject="hang:seconds=300,device=cpu:0")
+    p = start_sweep(cfg, n_devices=1)
+    try:
+        assert wait_for(lambda: len(children(p.pid)) == 1, 30)
+        (worker,) = children(p.pid)
+        p.kill()
+        p.wait(timeout=10)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    # the worker dies with its parent (PR_SET_PDEATHSIG) and the lock goes with the process
+    assert wait_for(lambda: not alive(worker), 10)
+    with History(tmp_path / "history.sqlite") as h:
+        assert h.counts()["sweeps"] == 0
+    from aegis_cli.fleet.lock import SweepLock
+
+    with SweepLock(tmp_path / "sweep.lock"):
+        pass
+
+
+def test_crashing_worker_is_error_for_its_device_only(tmp_path):
+    cfg = write_config(tmp_path, inject="crash:signal=9,device=cpu:1")
+    p = subprocess.run(aegis("sweep", "--config", str(cfg), "--format", "json"), env=env(2), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 3, p.stderr
+    doc = json.loads(p.stdout)
+    v = {d["device"]["id"]: (d["verdict"], d["error"]) for d in doc["devices"]}
+    assert v["cpu:0"] == ("HEALTHY", None)
+    assert v["cpu:1"][0] == "ERROR" and "killed by signal 9" in v["cpu:1"][1]
+
+
+def test_plan_prioritises_failed_devices_and_cases_when_budget_short(tmp_path):
+    cfg = load_config(write_config(tmp_path, budget_seconds=10, device_timeout_seconds=10))
+    now = time.time()
+    ids = [{"id": f"cpu:{i}", "uuid": f"U{i}"} for i in range(3)]
+    rows = [ResultRow("U0", now - 100, "HEALTHY", seconds=30.0), ResultRow("U2", now - 100, "HEALTHY", seconds=30.0),
+            ResultRow("U2", now - 50, "FAULTY", seconds=30.0, checks=["gemm.row_checksum"], cases=["wl/a/s+0+0", "wl/b/s+0+0"]),
+            ResultRow("U1", now - 50, "SUSPECT", seconds=5.0, checks=["gemm.col_checksum"], cases=["wl/c/s+0+0"])]
+    plans = plan_devices(cfg, ids, rows, now)
+    assert [p.device_id for p in plans][:2] in (["cpu:2", "cpu:1"], ["cpu:1", "cpu:2"]) and plans[-1].device_id == "cpu:0"
+    by = {p.device_id: p for p in plans}
+    assert by["cpu:2"].priority_cases == ["wl/a/s+0+0", "wl/b/s+0+0"]  # 30 s past scans > 10 s allowed
+    assert by["cpu:1"].priority_cases == []  # its full scan fits: no need to split it
+    assert by["cpu:0"].priority_cases == []
+
+
+def test_priority_cases_run_first_and_survive_a_timeout(tmp_path):
+    """A budget too short for the full scan: the previously failing case runs first, its
+    FAULTY finding stands although the worker is then killed."""
+    from aegis_cli.fleet import sweep as sweep_mod
+
+    cfg = load_config(write_config(tmp_path, devices="cpu:1", device_timeout_seconds=30, inject="bitflip:bit=exp,device=cpu:1"))
+    case = "fleet-tiny/mlp_down/fwd/normal/64x64x128/s+0+0"
+    ident = {"id": "cpu:1", "uuid": "U1", "host": "h", "backend": "cpu", "index": 1, "name": "cpu"}
+    plan = sweep_mod.DevicePlan("cpu:1", "U1", [case], ["gemm"], 1, 99.0)
+    os.environ["AEGIS_CPU_DEVICES"] = "2"
+    try:
+        cfg.inject = "bitflip:bit=exp,device=cpu:1"
+        docs = sweep_mod.run_workers(cfg, [plan], {"cpu:1": ident}, time.time() + 60, lambda *a, **k: None)
+    finally:
+        del os.environ["AEGIS_CPU_DEVICES"]
+    (doc,) = docs
+    assert doc["verdict"] == "FAULTY"
+    assert doc["probes"]["sweep"]["priority"]["verdicts"] == {case: "FAULTY"}
+
+
+def test_config_errors_name_file_and_line(tmp_path):
+    p = tmp_path / "sweep.yaml"
+    p.write_text("devices: cpu\npolicy:\n  faulty_count: 1\n  suspect_cont: 3\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"sweep\.yaml: line 4: unknown key 'suspect_cont'"):
+        load_config(p)
+    p.write_text("devices: cpu\ninject: 'hang:seconds=abc'\n", encoding="utf-8")
+    with pytest.raises(Exception, match="seconds='abc' is not a number"):
+        load_config(p)
+
+
+def test_scan_rejects_worker_hooks():
+    p = subprocess.run(aegis("scan", "--device", "cpu", "--inject", "hang:seconds=1"), env=env(1), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 3 and "test hook of sweep workers" in p.stderr
+
+
+def test_locked_database_is_a_clear_error(tmp_path):
+    from aegis_cli.errors import HistoryError
+
+    db = tmp_path / "h.sqlite"
+    History(db).close()
+    other = sqlite3.connect(db, isolation_level=None)
+    other.execute("BEGIN EXCLUSIVE")
+    try:
+        with pytest.raises(HistoryError, match="is locked by another process"), History(db, busy_timeout=0.2) as h:
+            h.record_sweep({"devices": [], "duration_seconds": 0})
+    finally:
+        other.execute("ROLLBACK")
+        other.close()
