@@ -42,7 +42,7 @@ def test_suspect_exit_code(capsys):
     code, _, _ = run_cli(capsys, "scan", "-q", "--workload", TINY, "--inject", "bitflip:bit=exp", "--confirm-margin", "1e300")
     # nonfinite/pow2 checks are rigorous and stay FAULTY; use a finite, checksum-only fault instead
     assert code in (ExitCode.FAULTY, ExitCode.SUSPECT)
-    code, out, _ = run_cli(capsys, "scan", "-q", "--workload", TINY, "--inject", "tile:mode=skipk,tile=0.0", "--confirm-margin", "1e300")
+    code, out, _ = run_cli(capsys, "scan", "-q", "--workload", TINY, "--inject", "tile:mode=skipk,tile=0.0", "--confirm-margin", "1e300", "--probes", "gemm")
     assert code == ExitCode.SUSPECT, out
     assert "SUSPECT" in out
 
