@@ -12,6 +12,7 @@ import traceback
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -28,7 +29,8 @@ class State:
 
 
 def _fail(message: str, code: int = ExitCode.UNKNOWN) -> None:
-    err_console.print(f"[bold red]Error:[/] {message}", highlight=False, markup=True, soft_wrap=True)
+    # escape: messages quote hostile input (bundle fields, paths) that must not act as rich markup
+    err_console.print(f"[bold red]Error:[/] {escape(message)}", highlight=False, markup=True, soft_wrap=True)
     sys.exit(code)
 
 
@@ -179,6 +181,83 @@ def info(fmt):
     for k, v in doc["kernel_hashes"].items():
         t.add_row(f"kernel {k}", v)
     console.print(t)
+
+
+# ==== aegis replay: vTask bundles (issue 3; library: aegis_cli/replay.py) =====================
+_OUTCOME_STYLE = {"reproduced": "bold red", "not_reproduced": "bold green", "inconsistent": "bold magenta"}
+_REPLAY_ROWS = 40  # per-vTask rows shown in the table; --format json has them all
+
+
+def _replay_table(console: Console, doc: dict) -> None:
+    title = f"aegis replay — {doc['options']['vtasks']} vTask(s) × {doc['options']['repeat']} run(s) per scale"
+    if doc.get("fault_injected"):
+        title += "  [bold red](FAULTS INJECTED ON PURPOSE)[/]"
+    t = Table(title=title, title_justify="left")
+    for col in ("device", "name", "uuid", "verdict", "reproduced", "not reproduced", "inconsistent", "GEMMs", "time"):
+        t.add_column(col, overflow="fold")
+    for d in doc["devices"]:
+        r = (d.get("probes") or {}).get("replay", {})
+        t.add_row(d["device"]["id"], d["device"]["name"], d["device"]["uuid"], f"[{VERDICT_STYLE[d['verdict']]}]{d['verdict']}[/]",
+                  str(r.get("reproduced", 0)), str(r.get("not_reproduced", 0)), str(r.get("inconsistent", 0)),
+                  str((d.get("stats") or {}).get("gemms", "")), f"{d['timings']['seconds']:.1f}s")
+    console.print(t)
+    v = Table(title="vTasks", title_justify="left")
+    for col in ("device", "vTask", "captured check", "outcome", "checks fired here", "matches capture", "severity"):
+        v.add_column(col, overflow="fold")
+    shown, meanings = 0, {}
+    for d in doc["devices"]:
+        if d.get("error"):
+            console.print(f"[bold magenta]{d['device']['id']} ERROR:[/] {d['error']}", highlight=False)
+        for o in (d.get("probes") or {}).get("replay", {}).get("outcomes", []):
+            meanings.setdefault((d["device"]["id"], o["label"], o["meaning"]), 0)
+            meanings[(d["device"]["id"], o["label"], o["meaning"])] += 1
+            if shown >= _REPLAY_ROWS:
+                continue
+            shown += 1
+            mc = {True: "yes", False: "no", None: "—"}[o["matches_capture"]]
+            v.add_row(d["device"]["id"], o["id"], o["check"], f"[{_OUTCOME_STYLE[o['outcome']]}]{o['label']}[/]",
+                      ", ".join(o["checks_fired"]) or "—", mc, f"[{VERDICT_STYLE[o['severity']]}]{o['severity']}[/]")
+    console.print(v)
+    total = sum(meanings.values())
+    if total > shown:
+        console.print(f"    … {total - shown} more vTasks (use --format json)")
+    console.print("What it means:")
+    for (dev, label, meaning), count in meanings.items():
+        console.print(f"  {dev}: {count} vTask(s) {label} — {escape(meaning)}", highlight=False)
+
+
+@cli.command()
+@click.argument("bundles", nargs=-1, required=True, metavar="BUNDLE...")
+@click.option("--device", "devices", default="auto", show_default=True,
+              help="auto, all, cpu, cuda, cpu:N, cuda:N or a comma-separated list.")
+@click.option("--repeat", default=3, show_default=True, type=int, help="Runs of each vTask per input scale, compared bit for bit.")
+@click.option("--scales", default="0,0;-8,8;8,-8", show_default=True, metavar="EA,EB;...",
+              help="Power-of-two input scales relative to the captured inputs (A·2^EA, B·2^EB); exact expectations.")
+@click.option("--inject", default=None, metavar="SPEC", help="Inject faults on purpose (self-test); see docs/fault-injection.md.")
+@click.option("--max-bundle-size", "max_bundle_size", default=None, type=int, metavar="BYTES",
+              help="Refuse bundles larger than this (default 2 GiB, or AEGIS_BUNDLE_MAX_BYTES).")
+@click.option("--format", "fmt", type=click.Choice(report_mod.FORMATS), default="table", show_default=True)
+@click.option("--output", "-o", default=None, metavar="PATH", help="Write the report here (atomically) instead of stdout.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+def replay(bundles, devices, repeat, scales, inject, max_bundle_size, fmt, output, quiet):
+    """Replay the vTasks of bundles (aegis scan --save-vtasks) and say where the fault lies."""
+    from aegis_cli.replay import ReplayOptions, parse_scales, run_replay
+
+    opts = ReplayOptions(bundles=list(bundles), devices=devices, repeat=repeat, scales=parse_scales(scales), inject=inject,
+                         max_bundle_bytes=max_bundle_size, command_line=["aegis", *sys.argv[1:]])
+    if inject:
+        from aegis_cli.inject import parse_spec
+
+        parse_spec(inject)
+        err_console.print(f"[bold red]FAULT INJECTION ACTIVE:[/] {inject} — results below are a self-test, not a diagnosis",
+                          highlight=False)
+    show = not quiet and err_console.is_terminal
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err_console, transient=True, disable=not show) as progress:
+        rep = run_replay(opts, _progress_callback(progress if show else None))
+    _emit(rep.to_dict(), fmt, output, _replay_table)
+    sys.exit(rep.exit_code)
+# ==== end of aegis replay =====================================================================
 
 
 # ---- fleet: sweep, history, report (issue 6; library in aegis_cli/fleet, guide in docs/fleet.md) ----------

@@ -1,0 +1,427 @@
+"""``aegis replay`` as a library call: bundles in, a Report (kind="replay") out. Never prints.
+
+Each vTask is replayed ``repeat`` times on each chosen device, at the captured input
+scale and at extra power-of-two scales (exact expectations, DESIGN §2.3), and compared
+with
+  (a) the fp64 reference: row/column checksums of the replayed (sub-)GEMM with the
+      replaying device's own tile, |Δ|/s > τ (τ from the vTask); the bf16-output sum
+      against a rigorous rounding bound; every element against the fp64 product within a
+      rigorous error bound; NaN/Inf from finite inputs;
+  (b) what was observed at capture: the output bits, and the captured checksums — bit for
+      bit when the tiles match, else per-row (per-column) totals across tiles;
+  (c) its own re-runs, bit for bit, and C(2^x·A, 2^y·B) = 2^(x+y)·C(A, B).
+A row-check vTask holding only the flagged rows replays the sub-GEMM A[rows,:]·B: its row
+checksums are those rows' checksums of the full GEMM (a row sum only involves its own
+row), so they are compared directly; its column checksums check the sub-GEMM only.
+
+Outcome per vTask: ``reproduced`` (a check fired here, the same way every run),
+``not_reproduced`` (every run clean and bit-identical), ``inconsistent`` (runs of the
+same inputs gave different bits: this device is faulty). See docs/bundle-format.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+import torch
+
+from aegis_cli import numerics, vtask
+from aegis_cli.backends import resolve_devices
+from aegis_cli.backends.base import Device, GemmResult
+from aegis_cli.errors import AegisError, BundleError, ConfigError
+from aegis_cli.inject import FaultPlan
+from aegis_cli.probes.gemm import ProbeStats, scaled, scaled_reference
+from aegis_cli.report import DeviceReport, Report
+from aegis_cli.verdict import Evidence, Verdict, worst
+
+DEFAULT_SCALES = ((0, 0), (-8, 8), (8, -8))
+ELEMENT_BUDGET = 1 << 28  # multiply-adds up to which every element is checked against fp64
+U_ACC = 2.0**-23  # fp32 accumulation unit roundoff, allowing truncating matrix units
+RIGOROUS = ("gemm.output_rowsum", "gemm.nonfinite", "gemm.pow2_exact", "gemm.element_reference")
+MAX_SAMPLES = 8
+SMALL_CPU_GEMM = 1 << 22  # multiply-adds below which a CPU replay uses one thread
+OUTCOMES = {"reproduced": "reproduced here", "not_reproduced": "not reproduced here",
+            "inconsistent": "inconsistent between runs"}
+_SCALE_SUFFIX = re.compile(r"/s[+-]\d+[+-]\d+$")
+
+Progress = Callable[..., None]  # progress("start", total=…), progress("case", device=…, case=vTask id)
+
+
+@dataclass
+class ReplayOptions:
+    bundles: list[str]
+    devices: str = "auto"
+    repeat: int = 3
+    scales: tuple[tuple[int, int], ...] = DEFAULT_SCALES  # relative to the captured inputs
+    inject: str | None = None
+    max_bundle_bytes: int | None = None
+    command_line: list[str] = field(default_factory=list)
+
+
+def parse_scales(text: str) -> tuple[tuple[int, int], ...]:
+    """``"0,0;-8,8"`` → ((0, 0), (-8, 8)); (0, 0) always runs first."""
+    out: list[tuple[int, int]] = [(0, 0)]
+    for part in filter(None, (p.strip() for p in re.split(r"[;\s]+", text))):
+        try:
+            ea, eb = (int(x) for x in part.split(","))
+        except ValueError:
+            raise ConfigError(f"--scales: {part!r} is not EA,EB (two integers, e.g. -8,8)") from None
+        if not (-64 <= ea <= 64 and -64 <= eb <= 64):
+            raise ConfigError(f"--scales: exponents must lie in -64…64, got {part!r}")
+        if (ea, eb) not in out:
+            out.append((ea, eb))
+    return tuple(out)
+
+
+def _op_id(vt: vtask.VTask, x: int, y: int) -> str:
+    """The op id the replayed launch carries: the capture's case id with the scale it now
+    runs at, so an injected fault lands where it landed at capture (inject.FaultPlan.active)."""
+    base = vt.case_id or vt.id
+    ea, eb = vt.scale[0] + x, vt.scale[1] + y
+    if _SCALE_SUFFIX.search(base):
+        return _SCALE_SUFFIX.sub(f"/s{ea:+d}{eb:+d}", base)
+    return base if (x, y) == (0, 0) else f"{base}/s{ea:+d}{eb:+d}"
+
+
+def _torch_device(dev: Device) -> str:
+    return "cpu" if dev.identity.backend == "cpu" else f"{dev.identity.backend}:{dev.identity.index}"
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    view = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    return a.shape == b.shape and torch.equal(a.contiguous().view(view), b.contiguous().view(view))
+
+
+def _result_bits_equal(r1: GemmResult, r2: GemmResult) -> bool:
+    return _same_bits(r1.c, r2.c) and _same_bits(r1.row_sums, r2.row_sums) and _same_bits(r1.col_sums, r2.col_sums)
+
+
+@dataclass
+class _Fired:
+    elements: int = 0
+    max_value: float = 0.0
+    rows: set[int] = field(default_factory=set)  # full-GEMM indices
+    cols: set[int] = field(default_factory=set)
+    samples: list[dict] = field(default_factory=list)
+    runs: int = 0  # runs in which it fired
+
+
+class _VTaskReplay:
+    """Replays one vTask on one device."""
+
+    def __init__(self, device: Device, vt: vtask.VTask, opts: ReplayOptions, fault: FaultPlan | None, stats: ProbeStats):
+        self.dev, self.vt, self.opts, self.fault, self.stats = device, vt, opts, fault, stats
+        g = vt.gemm
+        self.row_map = g.rows if g.rows is not None else None
+        self.col_map = g.cols if g.cols is not None else None
+        self.fired: dict[str, _Fired] = {}
+        self._this_run: set[str] = set()
+        self.notes: list[str] = []
+
+    def _full_row(self, i: int) -> int:
+        return self.row_map[i] if self.row_map is not None else i
+
+    def _full_col(self, j: int) -> int:
+        return self.col_map[j] if self.col_map is not None else j
+
+    def _fire(self, check: str, value: float, rows=(), cols=(), samples=(), elements: int = 1) -> None:
+        f = self.fired.setdefault(check, _Fired())
+        self._this_run.add(check)
+        f.elements = max(f.elements, elements)
+        f.max_value = max(f.max_value, value) if math.isfinite(f.max_value) else f.max_value
+        f.rows |= {self._full_row(int(r)) for r in rows}
+        f.cols |= {self._full_col(int(c)) for c in cols}
+        for s in samples:
+            if len(f.samples) < MAX_SAMPLES:
+                f.samples.append(s)
+
+    def run(self) -> dict:
+        t0 = time.perf_counter()
+        vt, dev = self.vt, self.dev
+        tdev = _torch_device(dev)
+        ops0 = vt.operands(tdev)
+        tile = dev.tile
+        ref0 = dev.reference_checksums(ops0, tile)
+        m, n, k = ops0.mnk
+        exact0 = bound0 = None
+        if m * n * k <= ELEMENT_BUDGET:
+            a64, b64 = ops0.a_mk.double(), ops0.b_kn.double()
+            exact0 = a64 @ b64  # (M', N') exact up to fp64 rounding
+            mag = a64.abs() @ b64.abs()
+            gamma = k * U_ACC / (1 - k * U_ACC) if k * U_ACC < 0.5 else math.inf
+            bound0 = (exact0.abs() + gamma * mag) * (numerics.U_BF16 * (1 + 2.0**-6)) + gamma * mag * 1.01
+        else:
+            self.notes.append(f"element-level fp64 comparison skipped ({m}x{n}x{k} is above the budget)")
+        clean_median = None
+        if self.fault is not None and self.fault.needs_clean_median():
+            clean = dev.checked_gemm(ops0)
+            clean_median = float((clean.row_sums.double() - ref0.row).abs().median()) / 2.0 ** (vt.scale[0] + vt.scale[1])
+        distinct_max, base_c, first0 = 1, None, None
+        scales_run, skipped = [], []
+        for x, y in self.opts.scales:
+            if (x, y) != (0, 0) and not numerics.pow2_exact_safe(ops0, x, y):
+                skipped.append([x, y])
+                continue
+            scales_run.append([x, y])
+            ops = scaled(ops0, x, y) if (x, y) != (0, 0) else ops0
+            ref = scaled_reference(ref0, x + y)
+            f = 2.0 ** (x + y)
+            exact, bound = (exact0 * f, bound0 * f) if exact0 is not None else (None, None)
+            expected = numerics.pow2_scale(base_c, x + y) if base_c is not None else None
+            reps: list[GemmResult] = []
+            for _ in range(self.opts.repeat):
+                res = dev.checked_gemm(ops, self.fault, op=_op_id(vt, x, y), clean_median=clean_median)
+                self.stats.gemms += 1
+                self.stats.flops += 2 * m * n * k
+                self.stats.checksums += res.row_sums.numel() + res.col_sums.numel()
+                self._this_run = set()
+                self._signals(res, ref, exact, bound, expected, (x, y))
+                for check in self._this_run:
+                    self.fired[check].runs += 1
+                if not any(_result_bits_equal(res, r) for r in reps):
+                    reps.append(res)
+            distinct_max = max(distinct_max, len(reps))
+            if (x, y) == (0, 0):
+                first0, base_c = reps[0], reps[0].c
+        self.stats.seconds += time.perf_counter() - t0
+        capture = self._compare_capture(first0) if first0 is not None else {"matches": None, "detail": "not run"}
+        return self._outcome(distinct_max, scales_run, skipped, capture, time.perf_counter() - t0)
+
+    # -- (a) fp64 reference and (c) exact expectations ---------------------------------------
+    def _signals(self, res: GemmResult, ref, exact, bound, expected, scale) -> None:
+        tau = self.vt.tau
+        tn = res.tile[1]
+        for check, obs, rv, sc, is_row in (("gemm.row_checksum", res.row_sums, ref.row, ref.row_scale, True),
+                                           ("gemm.col_checksum", res.col_sums, ref.col, ref.col_scale, False)):
+            d = numerics.normalised_diff(obs, rv, sc)
+            flag = d > tau
+            if bool(flag.any()):
+                where = flag.nonzero().cpu()
+                dmax = float(d.max())
+                samples = []
+                for r, c in where[:MAX_SAMPLES].tolist():
+                    key = ({"row": self._full_row(r), "col_tile": c} if is_row else {"row_tile": r, "col": self._full_col(c)})
+                    samples.append({**key, "scale": list(scale), "observed": float(obs[r, c]), "expected": float(rv[r, c]),
+                                    "normalised_diff": float(d[r, c])})
+                rows = where[:, 0].tolist() if is_row else []
+                cols = where[:, 1].tolist() if not is_row else []
+                self._fire(check, dmax, rows, cols, samples, int(flag.sum()))
+        c = res.c
+        finite_c = torch.isfinite(c)
+        if not bool(finite_c.all()):
+            bad = (~finite_c).nonzero().cpu()
+            self._fire("gemm.nonfinite", math.inf, bad[:, 0].tolist(), bad[:, 1].tolist(),
+                       [{"row": self._full_row(r), "col": self._full_col(cc), "scale": list(scale)} for r, cc in bad[:MAX_SAMPLES].tolist()],
+                       int(bad.shape[0]))
+        diff, rb = numerics.output_rowsum_diff(res, tn)
+        over = diff > rb
+        if bool(over.any()):
+            where = over.nonzero().cpu()
+            self._fire("gemm.output_rowsum", float((diff / rb.clamp(min=1e-300))[over].max()), where[:, 0].tolist(), (),
+                       [{"row": self._full_row(r), "col_tile": t, "scale": list(scale)} for r, t in where[:MAX_SAMPLES].tolist()],
+                       int(over.sum()))
+        if exact is not None:
+            err = torch.nan_to_num((c.double() - exact).abs(), nan=math.inf)
+            bad_el = err > bound
+            if bool(bad_el.any()):
+                where = bad_el.nonzero().cpu()
+                ratio = float((err / bound.clamp(min=1e-300))[bad_el].max())
+                self._fire("gemm.element_reference", ratio, where[:, 0].tolist(), where[:, 1].tolist(),
+                           [{"row": self._full_row(r), "col": self._full_col(cc), "scale": list(scale), "actual": float(c[r, cc]),
+                             "expected": float(exact[r, cc])} for r, cc in where[:MAX_SAMPLES].tolist()], int(bad_el.sum()))
+        if expected is not None and not _same_bits(c, expected):
+            ci, ei = c.view(torch.int16), expected.view(torch.int16)
+            where = (ci != ei).nonzero().cpu()
+            self._fire("gemm.pow2_exact", 1.0, where[:, 0].tolist(), where[:, 1].tolist(),
+                       [{"row": self._full_row(r), "col": self._full_col(cc), "scale": list(scale),
+                         "actual": f"0x{int(ci[r, cc]) & 0xFFFF:04x}", "expected": f"0x{int(ei[r, cc]) & 0xFFFF:04x}",
+                         "xor": f"0x{(int(ci[r, cc]) ^ int(ei[r, cc])) & 0xFFFF:04x}"} for r, cc in where[:MAX_SAMPLES].tolist()],
+                       int(where.shape[0]))
+
+    # -- (b) what was observed at capture -------------------------------------------------------
+    def _compare_capture(self, res: GemmResult) -> dict:
+        vt = self.vt
+        parts, matches = [], []
+        cap_c = vt.tensors.get("c")
+        if cap_c is not None:
+            c = res.c.to("cpu")
+            if _same_bits(c, cap_c):
+                parts.append("output bit-identical to the capture")
+                matches.append(True)
+            else:
+                diff = (c.view(torch.int16) != cap_c.view(torch.int16))
+                parts.append(f"{int(diff.sum())} of {diff.numel()} output elements differ from the capture")
+                matches.append(False)
+        for role, obs, axis in (("row_sums", res.row_sums, 1), ("col_sums", res.col_sums, 0)):
+            cap = vt.tensors.get(role)
+            if cap is None:
+                continue
+            obs = obs.to("cpu")
+            if tuple(res.tile) == tuple(vt.gemm.tile) and obs.shape == cap.shape:
+                same = _same_bits(obs, cap)
+                parts.append(f"{role} {'bit-identical to' if same else 'differ from'} the capture")
+            else:  # other tile: compare per-row (per-column) totals across tiles
+                a, b = obs.double().sum(axis), cap.double().sum(axis)
+                tol = (obs.double().abs().sum(axis) + cap.double().abs().sum(axis)) * 2.0**-20 + 1e-300
+                same = bool(((a - b).abs() <= tol).all())
+                parts.append(f"{role} totals {'agree with' if same else 'differ from'} the capture (tiles {list(res.tile)} vs {list(vt.gemm.tile)})")
+            matches.append(same)
+        if not matches:
+            return {"matches": None, "detail": "nothing observed at capture to compare with"}
+        return {"matches": all(matches), "detail": "; ".join(parts)}
+
+    # -- outcome and what it means ---------------------------------------------------------------
+    def _outcome(self, distinct: int, scales_run, skipped, capture: dict, seconds: float) -> dict:
+        vt, dev = self.vt, self.dev
+        fired = sorted(self.fired)
+        margin = None
+        cs = [self.fired[c].max_value for c in ("gemm.row_checksum", "gemm.col_checksum") if c in self.fired]
+        if cs:
+            margin = max(cs) / vt.tau if all(math.isfinite(x) for x in cs) else math.inf
+        runs_total = self.opts.repeat * len(scales_run)
+        if distinct > 1:
+            outcome, severity = "inconsistent", Verdict.FAULTY
+        elif fired:
+            outcome = "reproduced"
+            rigorous = [c for c in fired if c in RIGOROUS]
+            severity = Verdict.FAULTY if rigorous or (margin or 0) >= vt.confirm_margin else Verdict.SUSPECT
+        else:
+            outcome, severity = "not_reproduced", Verdict.HEALTHY
+        prov = vt.provenance
+        same_device = bool(prov.get("gpu_uuid")) and prov.get("gpu_uuid") == dev.identity.uuid
+        where = f"{prov.get('gpu_uuid', 'unknown device')} on {prov.get('host', 'unknown host')}"
+        injected = " (the capture had faults injected on purpose)" if prov.get("injected") else ""
+        if outcome == "inconsistent":
+            meaning = (f"identical inputs gave {distinct} different results on this device: a deterministic GEMM must not "
+                       "differ between runs, so this device is faulty")
+        elif outcome == "reproduced" and same_device:
+            meaning = ("reproduces on the capturing device" + (" with the captured bits" if capture["matches"] else "")
+                       + ": likely this GPU; replay on a healthy GPU — if it does not reproduce there, the GPU is faulty; "
+                       "if it reproduces everywhere, suspect the data or the software")
+        elif outcome == "reproduced":
+            meaning = (f"reproduces on this device too, not only on {where}: a computation that fails on every device points "
+                       "at the data or the software, not at one GPU (unless this device is faulty as well)")
+        elif same_device:
+            meaning = (f"does not reproduce on the capturing device now{injected}: an intermittent fault or a transient; "
+                       "replay with more --repeat, or keep the device under watch")
+        else:
+            meaning = f"does not reproduce here: if this device is healthy, this points at the capturing GPU {where}{injected}"
+        return {"id": vt.id, "check": vt.check, "case_id": vt.case_id, "op": vt.op, "layout": vt.gemm.layout.value,
+                "shape": {"m": vt.gemm.m, "n": vt.gemm.n, "k": vt.gemm.k}, "subset": vt.gemm.subset,
+                "replayed_shape": {"m": vt.gemm.m_sub, "n": vt.gemm.n_sub, "k": vt.gemm.k}, "capture_scale": list(vt.scale),
+                "outcome": outcome, "label": OUTCOMES[outcome], "severity": severity.value, "checks_fired": fired,
+                "captured_check_fired": vt.check in self.fired, "margin": margin, "runs": runs_total,
+                "distinct_outputs": distinct, "scales_run": scales_run, "scales_skipped": skipped,
+                "matches_capture": capture["matches"], "capture_comparison": capture["detail"],
+                "same_device": same_device, "captured_on": where, "meaning": meaning, "notes": self.notes,
+                "seconds": round(seconds, 4),
+                "_fired": self.fired}
+
+
+def _evidence(vt: vtask.VTask, out: dict, bundle: str, repeat: int, kernel: str, fault: FaultPlan | None) -> Evidence:
+    fired: dict[str, _Fired] = out["_fired"]
+    check = vt.check if vt.check in fired else (out["checks_fired"][0] if fired else "replay.nondeterministic")
+    f = fired.get(check, _Fired())
+    g = vt.gemm
+    ev = Evidence(check=check, severity=Verdict(out["severity"]), case_id=vt.case_id or vt.id,
+                  summary=f"vTask {vt.id} from {bundle}: {out['label']} ({', '.join(out['checks_fired']) or 'bits differ between runs'}); "
+                          f"{out['meaning']}",
+                  op=vt.op, layout=g.layout.value, shape={"m": g.m, "n": g.n, "k": g.k}, dist=vt.dist or "",
+                  scale=list(vt.scale), seed=vt.seed or 0, elements=f.elements, samples=f.samples,
+                  localised=[[r, c] for r in sorted(f.rows)[:4] for c in sorted(f.cols)[:4]][:16],
+                  reruns=max(out["runs"] - 1, 0), reproduced=max(min(f.runs, out['runs']) - 1, 0), distinct_outputs=out["distinct_outputs"],
+                  kernel=kernel, injected=list(fault.injected[-4:]) if fault is not None else [])
+    if check in ("gemm.row_checksum", "gemm.col_checksum"):
+        ev.threshold, ev.max_value, ev.margin = vt.tau, f.max_value, out["margin"]
+    else:
+        ev.max_value = f.max_value
+    return ev
+
+
+@contextlib.contextmanager
+def _cpu_threads(device: Device, macs: int):
+    """One intra-op thread for small CPU GEMMs: thousands of tiny multi-threaded launches
+    spend their time in thread hand-offs (20-40x slower on a busy 2-core host)."""
+    if device.identity.backend != "cpu" or macs > SMALL_CPU_GEMM or torch.get_num_threads() == 1:
+        yield
+        return
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def replay_device(device: Device, bundles: list[vtask.Bundle], opts: ReplayOptions, fault: FaultPlan | None,
+                  progress: Progress) -> DeviceReport:
+    """Every vTask of every bundle on one device; a device failure → ERROR, never HEALTHY."""
+    t0 = time.time()
+    dr = DeviceReport(identity=device.identity, verdict=Verdict.ERROR, workload="replay")
+    stats = ProbeStats()
+    outcomes: list[dict] = []
+    try:
+        for b in bundles:
+            for vt in b.vtasks:
+                with _cpu_threads(device, vt.gemm.m_sub * vt.gemm.n_sub * vt.gemm.k):
+                    out = _VTaskReplay(device, vt, opts, fault, stats).run()
+                out["bundle"] = b.path
+                if out["outcome"] != "not_reproduced":
+                    dr.evidence.append(_evidence(vt, out, b.path, opts.repeat, "", fault))
+                out.pop("_fired")
+                outcomes.append(out)
+                progress("case", device=device.identity.id, case=vt.id)
+        dr.verdict = worst([Verdict.HEALTHY, *(Verdict(o["severity"]) for o in outcomes)])
+    except AegisError as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        dr.error = str(exc)
+    except Exception as exc:  # a driver or runtime failure during the replay: the device is not trusted
+        dr.error = f"{type(exc).__name__}: {exc}"
+    dr.stats = stats
+    counts = {k: sum(o["outcome"] == k for o in outcomes) for k in OUTCOMES}
+    dr.probe_stats = {"replay": {"vtasks": len(outcomes), **counts, "repeat": opts.repeat,
+                                 "scales": [list(s) for s in opts.scales], "outcomes": outcomes}}
+    dr.seconds = time.time() - t0
+    progress("device_done", device=device.identity.id, verdict=dr.verdict.value)
+    return dr
+
+
+def load_bundles(paths: list[str], max_bytes: int | None = None) -> list[vtask.Bundle]:
+    """Read and validate every bundle before anything runs (no partial work on bad input)."""
+    if not paths:
+        raise BundleError("no bundle given")
+    limits = vtask.Limits.from_env(max_bytes)
+    bundles = [vtask.read_bundle(p, limits) for p in paths]
+    if not any(b.vtasks for b in bundles):
+        raise BundleError(f"bundle {', '.join(paths)}: holds no vTasks, nothing to replay")
+    return bundles
+
+
+def run_replay(opts: ReplayOptions, progress: Progress | None = None) -> Report:
+    progress = progress or (lambda *a, **k: None)
+    if not 1 <= opts.repeat <= 100_000:
+        raise ConfigError(f"--repeat must lie in 1…100000, got {opts.repeat}")
+    plan = FaultPlan.parse(opts.inject) if opts.inject else None
+    bundles = load_bundles(opts.bundles, opts.max_bundle_bytes)
+    devices = resolve_devices(opts.devices)
+    total = sum(len(b.vtasks) for b in bundles)
+    report = Report(kind="replay", command_line=list(opts.command_line) or list(sys.argv), seed=0,
+                    options={"devices": opts.devices, "bundles": list(opts.bundles), "vtasks": total, "repeat": opts.repeat,
+                             "scales": [list(s) for s in opts.scales], "threshold": "per vTask (threshold in force at capture)"},
+                    started=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                    injected=[opts.inject] if opts.inject else [], tau=numerics.Thresholds().tau)
+    progress("start", total=total * len(devices), devices=[d.identity.id for d in devices])
+    for device in devices:
+        fault = plan.for_device(device.identity.id) if plan else None
+        report.devices.append(replay_device(device, bundles, opts, fault, progress))
+    report.finish()
+    return report
+

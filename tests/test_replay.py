@@ -1,0 +1,187 @@
+"""``aegis scan --save-vtasks`` and ``aegis replay``: where does a fault lie?"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from aegis_cli import cli, vtask
+from aegis_cli.backends.base import Layout
+from aegis_cli.errors import ConfigError
+from aegis_cli.replay import ReplayOptions, parse_scales, run_replay
+from aegis_cli.scan import ScanOptions, run_scan
+from aegis_cli.vtask import BundleWriter, read_bundle
+from tests.test_vtask import make_vtask
+
+CASE = "cpu-quick/qkv/fwd/normal/192x384x256/s+0+0"
+FAULT = "bitflip:target=acc,bit=exp"
+
+
+def run_cli(argv: list[str]) -> int:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    return exc.value.code
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory) -> Path:
+    """One scanned case with an exponent bit flip injected in the accumulator, saved as vTasks."""
+    d = tmp_path_factory.mktemp("capture")
+    bundle = d / "b.aegis"
+    code = run_cli(["scan", "--device", "cpu", "--case", CASE, "--reruns", "1", "--probes", "gemm", "--inject", FAULT,
+                    "--save-vtasks", str(bundle), "--format", "json", "-o", str(d / "scan.json"), "-q"])
+    assert code == 2  # the scan caught it
+    return bundle
+
+
+def replay_json(bundle: Path, tmp_path: Path, *extra: str) -> tuple[int, dict]:
+    out = tmp_path / "replay.json"
+    code = run_cli(["replay", str(bundle), "--device", "cpu", "--format", "json", "-o", str(out), "-q", *extra])
+    return code, json.loads(out.read_text())
+
+
+def outcomes(doc: dict, device: int = 0) -> list[dict]:
+    return doc["devices"][device]["probes"]["replay"]["outcomes"]
+
+
+def test_scan_saves_the_flagged_case_as_vtasks(captured):
+    b = read_bundle(captured)
+    assert sorted(v.check for v in b.vtasks) == ["gemm.col_checksum", "gemm.row_checksum"]
+    for v in b.vtasks:
+        assert v.case_id == CASE and v.gemm.subset == "full" and (v.gemm.m, v.gemm.n, v.gemm.k) == (192, 384, 256)
+        assert v.gemm.flagged_rows and v.gemm.flagged_cols
+        assert v.provenance["injected"] is True and v.provenance["device_id"] == "cpu:0"
+        assert v.provenance["gpu_uuid"].startswith("CPU-") and "torch" in v.provenance["versions"]
+        assert v.observed["severity"] == "FAULTY" and v.observed["elements"] >= 1
+        assert set(v.tensors) == {"a", "b", "c", "row_sums", "col_sums"}
+    assert b.vtasks[0].tensors["a"] is b.vtasks[1].tensors["a"]  # stored once
+
+
+def test_clean_device_does_not_reproduce(captured, tmp_path):
+    code, doc = replay_json(captured, tmp_path)
+    assert code == 0 and doc["kind"] == "replay" and doc["devices"][0]["verdict"] == "HEALTHY"
+    for o in outcomes(doc):
+        assert o["outcome"] == "not_reproduced" and o["label"] == "not reproduced here"
+        assert o["checks_fired"] == [] and o["distinct_outputs"] == 1
+        assert o["matches_capture"] is False and "differ from the capture" in o["capture_comparison"]
+        assert "does not reproduce on the capturing device" in o["meaning"] and "injected on purpose" in o["meaning"]
+        assert o["scales_run"] == [[0, 0], [-8, 8], [8, -8]] and o["runs"] == 9
+
+
+def test_same_injection_reproduces(captured, tmp_path):
+    code, doc = replay_json(captured, tmp_path, "--inject", FAULT)
+    assert code == 2 and doc["devices"][0]["verdict"] == "FAULTY" and doc["fault_injected"]
+    for o in outcomes(doc):
+        assert o["outcome"] == "reproduced" and o["label"] == "reproduced here"
+        assert o["captured_check_fired"] and o["matches_capture"] is True
+        assert o["capture_comparison"].startswith("output bit-identical to the capture")
+        assert "likely this GPU" in o["meaning"]
+    ev = doc["devices"][0]["evidence"]
+    assert {e["check"] for e in ev} == {"gemm.row_checksum", "gemm.col_checksum"}
+    assert all(e["severity"] == "FAULTY" and e["case_id"] == CASE for e in ev)
+    row = next(e for e in ev if e["check"] == "gemm.row_checksum")
+    flagged = read_bundle(captured).vtasks[0].gemm.flagged_rows
+    assert {s["row"] for s in row["samples"]} <= set(flagged)
+
+
+def test_replay_on_another_device_points_at_the_capturing_gpu(captured, tmp_path, monkeypatch):
+    monkeypatch.setenv("AEGIS_CPU_DEVICES", "2")
+    out = tmp_path / "r.json"
+    assert run_cli(["replay", str(captured), "--device", "cpu:1", "--format", "json", "-o", str(out), "-q", "--repeat", "1"]) == 0
+    o = outcomes(json.loads(out.read_text()))[0]
+    assert o["same_device"] is False and "points at the capturing GPU CPU-" in o["meaning"]
+
+
+def test_reproducing_elsewhere_points_at_data_or_software(captured, monkeypatch):
+    monkeypatch.setenv("AEGIS_CPU_DEVICES", "2")
+    rep = run_replay(ReplayOptions(bundles=[str(captured)], devices="cpu:1", repeat=1, inject=FAULT))
+    o = rep.devices[0].probe_stats["replay"]["outcomes"][0]
+    assert o["outcome"] == "reproduced" and "data or the software" in o["meaning"]
+
+
+def test_intermittent_fault_is_inconsistent_between_runs(captured):
+    rep = run_replay(ReplayOptions(bundles=[str(captured)], devices="cpu", repeat=4, inject=FAULT + ",prob=0.5"))
+    assert rep.exit_code == 2
+    for o in rep.devices[0].probe_stats["replay"]["outcomes"]:
+        assert o["outcome"] == "inconsistent" and o["distinct_outputs"] == 2 and o["severity"] == "FAULTY"
+        assert "different results on this device" in o["meaning"]
+
+
+def test_large_operands_are_saved_as_row_and_column_subsets(tmp_path, monkeypatch):
+    monkeypatch.setattr(vtask, "FULL_OPERANDS_LIMIT", 0)
+    opts = ScanOptions(devices="cpu", case=CASE, reruns=1, probes=("gemm",), inject=FAULT)
+    rep = run_scan(opts)
+    path = tmp_path / "sub.aegis"
+    assert vtask.save_scan_vtasks(rep, opts, path) == 2
+    by_check = {v.check: v for v in read_bundle(path).vtasks}
+    row, col = by_check["gemm.row_checksum"], by_check["gemm.col_checksum"]
+    assert row.gemm.subset == "rows" and row.tensors["a"].shape == (len(row.gemm.rows), 256) and "col_sums" not in row.tensors
+    assert col.gemm.subset == "cols" and col.tensors["b"].shape == (len(col.gemm.cols), 256) and "row_sums" not in col.tensors
+    clean = run_replay(ReplayOptions(bundles=[str(path)], devices="cpu", repeat=2))
+    outs = {o["check"]: o for o in clean.devices[0].probe_stats["replay"]["outcomes"]}
+    assert all(o["outcome"] == "not_reproduced" for o in outs.values())
+    # the row subset's row checksums are exactly the full GEMM's: the captured (corrupted) ones differ
+    assert "row_sums differ from the capture" in outs["gemm.row_checksum"]["capture_comparison"]
+    assert outs["gemm.row_checksum"]["replayed_shape"] == {"m": len(row.gemm.rows), "n": 384, "k": 256}
+
+
+def test_subset_vtask_matching_its_capture(tmp_path):
+    path = tmp_path / "b.aegis"
+    with BundleWriter(path) as w:
+        w.add(make_vtask("rows", Layout.WGRAD, 40, 24, 32, rows=[3, 17, 39], tile=(8, 8)))
+        w.add(make_vtask("cols", Layout.FWD, 20, 30, 16, cols=[0, 29], tile=(8, 8), check="gemm.col_checksum"))
+    rep = run_replay(ReplayOptions(bundles=[str(path)], devices="cpu", repeat=2))
+    assert rep.exit_code == 0
+    for o in rep.devices[0].probe_stats["replay"]["outcomes"]:
+        assert o["outcome"] == "not_reproduced" and o["matches_capture"] is True
+        assert "totals agree with the capture (tiles [128, 128] vs [8, 8])" in o["capture_comparison"]
+        assert "points at the capturing GPU" in o["meaning"]
+
+
+def test_corrupted_stored_output_is_seen_as_a_capture_mismatch(tmp_path):
+    vt = make_vtask("v", Layout.DGRAD, 16, 16, 16, tile=(128, 128))
+    vt.tensors["c"] = vt.tensors["c"].clone()
+    vt.tensors["c"].view(torch.int16)[2, 5] ^= 0x0040
+    path = tmp_path / "b.aegis"
+    with BundleWriter(path) as w:
+        w.add(vt)
+    o = run_replay(ReplayOptions(bundles=[str(path)], devices="cpu", repeat=1)).devices[0].probe_stats["replay"]["outcomes"][0]
+    assert o["outcome"] == "not_reproduced" and o["matches_capture"] is False
+    assert o["capture_comparison"].startswith("1 of 256 output elements differ from the capture")
+    assert "row_sums bit-identical to the capture" in o["capture_comparison"]
+
+
+def test_unsafe_scales_are_skipped_and_reported(tmp_path):
+    path = tmp_path / "b.aegis"
+    with BundleWriter(path) as w:
+        w.add(make_vtask("v"))
+    rep = run_replay(ReplayOptions(bundles=[str(path)], devices="cpu", repeat=1, scales=parse_scales("0,0;64,64;-4,4")))
+    o = rep.devices[0].probe_stats["replay"]["outcomes"][0]
+    assert o["scales_skipped"] == [[64, 64]] and o["scales_run"] == [[0, 0], [-4, 4]]
+
+
+def test_parse_scales():
+    assert parse_scales("-8,8; 8,-8") == ((0, 0), (-8, 8), (8, -8))
+    assert parse_scales("") == ((0, 0),)
+    for bad in ("8", "a,b", "1,2,3", "100,0"):
+        with pytest.raises(ConfigError, match="--scales"):
+            parse_scales(bad)
+
+
+def test_bad_options_exit_3(captured, capsys):
+    assert run_cli(["replay", str(captured), "--device", "cpu", "--repeat", "0"]) == 3
+    assert "--repeat must lie in" in capsys.readouterr().err
+    assert run_cli(["replay", str(captured), "--device", "cpu", "--scales", "x"]) == 3
+    assert run_cli(["replay", str(captured), "--device", "cpu:7"]) == 3
+    assert run_cli(["replay"]) == 3
+
+
+def test_table_and_machine_formats(captured, capsys):
+    assert run_cli(["replay", str(captured), "--device", "cpu", "--repeat", "1", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "not reproduced here" in out and "What it means" in out
+    assert run_cli(["replay", str(captured), "--device", "cpu", "--repeat", "1", "-q", "--format", "prom"]) == 0
+    assert 'aegis_device_verdict{device="cpu:0"' in capsys.readouterr().out
