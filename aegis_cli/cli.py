@@ -125,16 +125,23 @@ def _progress_callback(progress: Progress | None):
 @click.option("--output", "-o", default=None, metavar="PATH", help="Write the report here (atomically) instead of stdout.")
 @click.option("--probes", default=",".join(DEFAULT_PROBES), show_default=True, help="Comma-separated probes to run.")
 @click.option("--golden", default=None, metavar="FILE", help="Compare fingerprints against a golden file (aegis golden record).")
+@click.option("--probe-option", "probe_options", multiple=True, metavar="PROBE.KEY=VALUE",
+              help="Probe setting, repeatable, e.g. memory.mode=full (docs/probes.md).")
 @click.option("--threshold", default=None, type=float, help="Normalised checksum threshold τ (default: calibrated, see docs/calibration.md).")
 @click.option("--confirm-margin", default=None, type=float, help="How far over τ a reproducible flag must be to count as FAULTY.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def scan(devices, workload, seed, case, reruns, inject, save_vtasks, probes, golden, threshold, confirm_margin, fmt, output, quiet):
+def scan(devices, workload, seed, case, reruns, inject, save_vtasks, probes, golden, probe_options, threshold, confirm_margin, fmt, output, quiet):
     """Scan this node's devices with checked training-shaped GEMMs and print a verdict per device."""
     from aegis_cli.scan import ScanOptions, run_scan
 
     opts = ScanOptions(devices=devices, workload=workload, seed=seed, reruns=reruns, inject=inject, case=case,
                        probes=tuple(p.strip() for p in probes.split(",") if p.strip()), golden=golden,
                        thresholds=_thresholds(threshold, confirm_margin), command_line=["aegis", *sys.argv[1:]])
+    for item in probe_options:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise click.BadParameter(f"expected PROBE.KEY=VALUE, got {item!r}", param_hint="--probe-option")
+        opts.probe_options[key.strip()] = value.strip()
     if inject:
         from aegis_cli.inject import parse_spec
 
@@ -410,6 +417,34 @@ def report_cmd(files, fmt, output):
     _emit(doc, fmt, output, _fleet_table)
     sys.exit(doc["exit_code"])
 # ---- end fleet ---------------------------------------------------------------------------------------------
+
+
+# -- golden fingerprints -----------------------------------------------------------------
+@cli.group()
+def golden() -> None:
+    """Golden fingerprints of the canonical workloads (docs/fingerprints.md)."""
+
+
+@golden.command("record")
+@click.option("--device", "devices", default="auto", show_default=True, help="Devices to record on (assumed known-good).")
+@click.option("--seed", default=None, type=int, help="Seed of the canonical inputs (default: the golden seed).")
+@click.option("--output", "-o", required=True, metavar="FILE", help="Golden file to write (JSON, atomically).")
+def golden_record(devices, seed, output):
+    """Record fingerprints of the canonical workloads, keyed by GPU model, driver, CUDA, torch and kernel hash."""
+    from aegis_cli import golden as golden_mod
+    from aegis_cli.backends import resolve_devices
+
+    doc = golden_mod.record(resolve_devices(devices), golden_mod.GOLDEN_SEED if seed is None else seed)
+    golden_mod.save(doc, output)
+    t = Table(title=f"golden fingerprints → {output}", title_justify="left")
+    for col in ("key", "devices", "computations", "outputs"):
+        t.add_column(col, overflow="fold")
+    for r in doc["records"]:
+        k = r["key"]
+        t.add_row(f"{k['model']} · driver {k.get('driver')} · cuda {k.get('cuda')} · torch {k['torch']} · kernels {k['kernels']}",
+                  str(len(r["devices"])), ", ".join(r["computations"]),
+                  str(sum(len(c["outputs"]) for c in r["computations"].values())))
+    Console(stderr=True).print(t)
 
 
 def main(argv: list[str] | None = None) -> None:

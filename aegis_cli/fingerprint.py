@@ -1,18 +1,28 @@
-"""Bitwise tensor fingerprints (DESIGN §2.3), CPU implementation.
+"""Bitwise tensor fingerprints (DESIGN §2.3), CPU implementation (docs/fingerprints.md).
 
-    h = Σ_i mix64(bits_i ⊕ salt(i))  mod 2^64,   salt(i) = mix64(i ⊕ SALT_KEY)
+A tensor's bytes, in contiguous row-major order, are read as little-endian 64-bit words
+(the last one zero-padded)::
 
-``bits_i`` are the raw bits of element i (flat, row-major order) zero-extended to 64
-bits; ``mix64`` is the murmur3 64-bit finaliser, a bijection. Hence:
-- any change of one element changes h (a bijection of a changed input changes its term);
-- the salt makes the term position-dependent, so swapping two unequal elements changes h
-  (with probability ≈ 1 − 2⁻⁶⁴), and two identical flips in different elements don't cancel;
-- addition mod 2^64 is order-independent, so a parallel GPU reduction gives the same bits.
--0.0 and +0.0 differ; NaN payloads count. The CUDA kernel (kernels/fingerprint.cu) must
-produce the same value for the same bytes.
+    h = Σ_w mix64(word_w ⊕ KEY ⊕ w·GOLDEN)  mod 2^64
 
-Per-block fingerprints (``BLOCK_ELEMS`` elements per block) localise a difference; the
-whole-tensor value is the sum of the block values mod 2^64.
+``mix64`` is the murmur3 64-bit finaliser, a bijection; ``w`` is the word's position.
+Hence:
+- any change of the bits of one word (one element, or several elements sharing a word)
+  changes h, with certainty (a bijection of a changed input changes its term);
+- the position term makes a word's contribution depend on where it sits, so swapping two
+  unequal elements changes h, and two identical flips in different words don't cancel
+  (each fails only with probability ≈ 2⁻⁶⁴);
+- addition mod 2^64 is exact and order-independent, so a parallel GPU reduction gives the
+  same bits as this code (kernels/fingerprint.cu is the GPU twin; the two must agree).
+-0.0 and +0.0 differ; NaN payloads count. Words, not elements, are hashed so the GPU pays
+one mix per 8 bytes whatever the dtype (1-, 2-, 4- and 8-byte elements are supported).
+
+Per-block fingerprints (``block`` elements each, ``block × element size`` a multiple of
+8 bytes) localise a difference; the whole-tensor value is the sum of the block values.
+``device_fingerprint`` / ``device_block_fingerprints`` compute on the tensor's own
+device (the CUDA kernel for GPU tensors) and ``diff_records`` turns a mismatch into
+miscompare records (index, expected/actual bits, XOR mask) reading back only the
+differing blocks.
 """
 
 from __future__ import annotations
@@ -21,7 +31,9 @@ import numpy as np
 import torch
 
 SALT_KEY = np.uint64(0xA5E615D0C0FFEE11)
+GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 BLOCK_ELEMS = 1 << 16
+MASK64 = (1 << 64) - 1
 _M1 = np.uint64(0xFF51AFD7ED558CCD)
 _M2 = np.uint64(0xC4CEB9FE1A85EC53)
 _S33 = np.uint64(33)
@@ -31,29 +43,44 @@ _BITS_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def mix64(k: np.ndarray) -> np.ndarray:
     """murmur3 fmix64 on a uint64 array (wrapping arithmetic)."""
-    k = k ^ (k >> _S33)
-    k = k * _M1
-    k = k ^ (k >> _S33)
-    k = k * _M2
-    return k ^ (k >> _S33)
+    with np.errstate(over="ignore"):
+        k = k ^ (k >> _S33)
+        k = k * _M1
+        k = k ^ (k >> _S33)
+        k = k * _M2
+        return k ^ (k >> _S33)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.element_size() not in _BITS_VIEW:
+        raise ValueError(f"unsupported element size {t.element_size()} for fingerprinting")
+    return t.contiguous().reshape(-1)
 
 
 def raw_bits(t: torch.Tensor) -> np.ndarray:
     """The tensor's element bits as a flat uint64 array (zero-extended), host side."""
-    t = t.detach().contiguous().reshape(-1).to("cpu")
+    t = _flat(t).to("cpu")
     size = t.element_size()
-    if size not in _BITS_VIEW:
-        raise ValueError(f"unsupported element size {size} for fingerprinting")
     ints = t.view(_BITS_VIEW[size]).numpy()
     unsigned = ints.view(np.dtype(f"u{size}"))
     return unsigned.astype(np.uint64)
 
 
-def element_terms(bits: np.ndarray, start: int = 0) -> np.ndarray:
-    """mix64(bits_i ⊕ salt(i)) for i = start … start+len−1."""
-    idx = np.arange(start, start + bits.size, dtype=np.uint64)
+def words(t: torch.Tensor) -> np.ndarray:
+    """The tensor's bytes as little-endian uint64 words, the last one zero-padded (host)."""
+    raw = _flat(t).to("cpu").view(torch.uint8).numpy()
+    pad = (-raw.size) % 8
+    if pad:
+        raw = np.concatenate([raw, np.zeros(pad, dtype=np.uint8)])
+    return raw.view("<u8").astype(np.uint64, copy=False)
+
+
+def word_terms(w: np.ndarray, start: int = 0) -> np.ndarray:
+    """mix64(word ⊕ KEY ⊕ pos·GOLDEN) for positions start … start+len−1."""
+    pos = np.arange(start, start + w.size, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        return mix64(bits ^ mix64(idx ^ SALT_KEY))
+        return mix64(w ^ SALT_KEY ^ (pos * GOLDEN))
 
 
 def _wrapping_sum(x: np.ndarray) -> int:
@@ -63,13 +90,21 @@ def _wrapping_sum(x: np.ndarray) -> int:
 
 def fingerprint(t: torch.Tensor) -> int:
     """The 64-bit fingerprint of ``t``'s bits, as a Python int in [0, 2^64)."""
-    return _wrapping_sum(element_terms(raw_bits(t)))
+    return _wrapping_sum(word_terms(words(t)))
+
+
+def _block_words(t: torch.Tensor, block: int) -> int:
+    size = t.element_size()
+    if block < 1 or (block * size) % 8:
+        raise ValueError(f"block of {block} elements × {size} B is not a whole number of 8-byte words")
+    return block * size // 8
 
 
 def block_fingerprints(t: torch.Tensor, block: int = BLOCK_ELEMS) -> list[int]:
     """Fingerprint of each run of ``block`` consecutive elements (last one may be short)."""
-    terms = element_terms(raw_bits(t))
-    return [_wrapping_sum(terms[s : s + block]) for s in range(0, terms.size, block)]
+    bw = _block_words(t, block)
+    terms = word_terms(words(t))
+    return [_wrapping_sum(terms[s : s + bw]) for s in range(0, terms.size, bw)]
 
 
 def combine(blocks: list[int]) -> int:
@@ -77,22 +112,74 @@ def combine(blocks: list[int]) -> int:
     return sum(blocks) % (1 << 64)
 
 
+# -- on the tensor's own device ----------------------------------------------------------
+def device_fingerprint(t: torch.Tensor) -> int:
+    """``fingerprint(t)`` computed where ``t`` lives (the CUDA kernel for GPU tensors)."""
+    if t.device.type == "cuda":
+        from aegis_cli.fingerprint_cuda import gpu_fingerprint
+
+        return gpu_fingerprint(t)
+    return fingerprint(t)
+
+
+def device_block_fingerprints(t: torch.Tensor, block: int = BLOCK_ELEMS) -> list[int]:
+    """``block_fingerprints(t, block)`` computed where ``t`` lives."""
+    if t.device.type == "cuda":
+        from aegis_cli.fingerprint_cuda import gpu_block_fingerprints
+
+        return gpu_block_fingerprints(t, block)
+    return block_fingerprints(t, block)
+
+
+def differing_blocks(expected: list[int], actual: list[int]) -> list[int]:
+    if len(expected) != len(actual):
+        raise ValueError(f"cannot compare {len(expected)} and {len(actual)} block fingerprints")
+    return [i for i, (e, a) in enumerate(zip(expected, actual, strict=True)) if e != a]
+
+
 def first_difference(expected: torch.Tensor, actual: torch.Tensor, limit: int = 8) -> list[dict]:
     """Up to ``limit`` miscompare records (flat index, expected/actual bits, XOR mask)."""
     e, a = raw_bits(expected), raw_bits(actual)
     if e.size != a.size:
         raise ValueError(f"cannot compare tensors of {e.size} and {a.size} elements")
-    where = np.flatnonzero(e != a)[:limit]
-    width = expected.element_size() * 2
+    return _records(e, a, np.flatnonzero(e != a)[:limit], expected.element_size(), 0)
+
+
+def _records(e: np.ndarray, a: np.ndarray, where: np.ndarray, size: int, offset: int) -> list[dict]:
+    width = size * 2
     return [
         {
-            "index": int(i),
+            "index": int(i) + offset,
             "expected": f"0x{int(e[i]):0{width}x}",
             "actual": f"0x{int(a[i]):0{width}x}",
             "xor": f"0x{int(e[i] ^ a[i]):0{width}x}",
         }
         for i in where
     ]
+
+
+def diff_records(expected: torch.Tensor, actual: torch.Tensor, block: int = BLOCK_ELEMS, limit: int = 8,
+                 blocks: list[int] | None = None) -> tuple[list[int], int, list[dict]]:
+    """Localise how ``actual`` differs from ``expected`` (same shape and dtype).
+
+    Returns (differing block indices, differing elements in them, up to ``limit`` records
+    with flat index, expected/actual bits and XOR mask). Only differing blocks are read
+    back to the host; ``blocks`` skips the fingerprinting when the caller already knows them.
+    """
+    if expected.shape != actual.shape or expected.dtype != actual.dtype:
+        raise ValueError(f"cannot compare {tuple(expected.shape)}/{expected.dtype} with {tuple(actual.shape)}/{actual.dtype}")
+    if blocks is None:
+        blocks = differing_blocks(device_block_fingerprints(expected, block), device_block_fingerprints(actual, block))
+    ef, af = _flat(expected), _flat(actual)
+    count, records = 0, []
+    for b in blocks:
+        sl = slice(b * block, min(ef.numel(), (b + 1) * block))
+        e, a = raw_bits(ef[sl]), raw_bits(af[sl])
+        where = np.flatnonzero(e != a)
+        count += int(where.size)
+        if len(records) < limit:
+            records += _records(e, a, where[: limit - len(records)], expected.element_size(), sl.start)
+    return blocks, count, records
 
 
 def count_differences(expected: torch.Tensor, actual: torch.Tensor) -> int:

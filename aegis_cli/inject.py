@@ -9,7 +9,11 @@ Each fault acts where the hardware fault it models would act:
 - target=acc  the fp32 accumulator, before the fused checksums (a matrix-unit fault);
 - target=out  the bf16 output after the epilogue (a store-path fault; checksums don't see it);
 - target=a|b  an operand tile as the matrix unit read it (the reference reads global memory,
-              so the error spreads along a row or column of C and the checksum sees it).
+              so the error spreads along a row or column of C and the checksum sees it);
+- target=mem  a tensor a probe holds between writing and re-reading or comparing it (memory
+              probe buffers, repeated outputs of the determinism, golden and cross-device
+              probes): ``memflip`` flips stored bits, ``swap`` exchanges two stored elements.
+              Only those probes apply it (docs/fingerprints.md); the GEMM backends never see it.
 A fault is permanent by default (fires on every launch, at positions fixed by its seed);
 ``prob=p`` makes it intermittent. The backend calls ``FaultPlan`` at each stage.
 """
@@ -33,7 +37,10 @@ MODELS = {
     "perturb": ({"rate", "r"}, {"acc"}),
     "tile": ({"mode", "tile", "every", "sm", "value", "kstep"}, {"acc"}),
     "row": ({"mode", "row", "value"}, {"acc"}),
+    "memflip": ({"bit", "count", "index"}, {"mem"}),
+    "swap": ({"count", "index"}, {"mem"}),
 }
+DEFAULT_TARGET = {"memflip": "mem", "swap": "mem"}  # every other model defaults to acc
 COMMON_KEYS = {"target", "prob", "seed", "device", "op"}
 # Test hooks for fleet sweeps, applied by the per-device sweep worker (aegis_cli/fleet/worker.py)
 # before it scans, never by `aegis scan` (parse_spec rejects them unless worker=True):
@@ -54,7 +61,7 @@ class FaultSpec:
 
     @property
     def target(self) -> str:
-        return self.params.get("target", "acc")
+        return self.params.get("target", DEFAULT_TARGET.get(self.model, "acc"))
 
     @property
     def prob(self) -> float:
@@ -106,7 +113,7 @@ def _validate(text: str, f: FaultSpec) -> None:
     if f.target not in targets:
         raise InjectSpecError(f"--inject {text!r}: target={f.target} not valid for {f.model} (valid: {', '.join(sorted(targets))})")
     p = f.params
-    for key in ("count", "row", "col", "stride", "offset", "every", "sm", "seed", "kstep"):
+    for key in ("count", "row", "col", "stride", "offset", "every", "sm", "seed", "kstep", "index"):
         if key in p:
             _check_int(text, key, p[key], lo=1 if key in ("count", "stride", "every") else 0)
     if "prob" in p:
@@ -121,8 +128,9 @@ def _validate(text: str, f: FaultSpec) -> None:
         _check_int(text, "mask", p["mask"], lo=1)
     if "bit" in p and p["bit"] not in BIT_CLASSES:
         _check_int(text, "bit", p["bit"])
-        if int(p["bit"], 0) > 31:
-            raise InjectSpecError(f"--inject {text!r}: bit={p['bit']} must be 0..31 or one of {', '.join(BIT_CLASSES)}")
+        top = 63 if f.model == "memflip" else 31
+        if int(p["bit"], 0) > top:
+            raise InjectSpecError(f"--inject {text!r}: bit={p['bit']} must be 0..{top} or one of {', '.join(BIT_CLASSES)}")
     if f.model == "tile":
         if p.get("mode", "zero") not in TILE_MODES:
             raise InjectSpecError(f"--inject {text!r}: mode must be one of {', '.join(TILE_MODES)}")
@@ -221,12 +229,12 @@ class FaultPlan:
 
     # -- per-launch ---------------------------------------------------------------
     def active(self, ctx: LaunchContext, stage: str) -> list[tuple[FaultSpec, np.random.Generator]]:
-        """Faults that fire at ``stage`` (operands|acc|out) on this launch. Positions come
+        """Faults that fire at ``stage`` (operands|acc|out|mem) on this launch. Positions come
         from a generator seeded by (fault seed, op) so a permanent fault sits still;
         firing of an intermittent fault is drawn per launch."""
         fired = []
         for i, f in enumerate(self.faults):
-            st = {"a": "operands", "b": "operands", "acc": "acc", "out": "out"}[f.target]
+            st = {"a": "operands", "b": "operands", "acc": "acc", "out": "out", "mem": "mem"}[f.target]
             if st != stage or not f.applies_to(ctx.device_id, ctx.op):
                 continue
             if f.prob < 1.0:

@@ -15,7 +15,7 @@ from aegis_cli.backends import resolve_devices
 from aegis_cli.backends.base import Device
 from aegis_cli.errors import AegisError, ConfigError
 from aegis_cli.inject import FaultPlan
-from aegis_cli.probes import DEFAULT_PROBES, PROBES, ProbeContext, load_all, register
+from aegis_cli.probes import DEFAULT_PROBES, NODE_PROBES, PROBES, ProbeContext, load_all, parse_probe_options, register
 from aegis_cli.probes.gemm import GemmCase, GemmProbe
 from aegis_cli.report import DeviceReport, Report, new_report
 from aegis_cli.verdict import Evidence, Verdict, worst
@@ -37,6 +37,7 @@ class ScanOptions:
     case: str | None = None  # re-run exactly one case id from a report
     probes: tuple[str, ...] = DEFAULT_PROBES
     golden: str | None = None  # golden fingerprint file to compare against (probes that use it)
+    probe_options: dict[str, str] = field(default_factory=dict)  # "probe.key" → value (--probe-option)
     thresholds: numerics.Thresholds = field(default_factory=numerics.Thresholds)
     command_line: list[str] = field(default_factory=list)
 
@@ -80,6 +81,8 @@ def scan_device(device: Device, opts: ScanOptions, fault: FaultPlan | None, prog
     try:
         evidence: list[Evidence] = []
         for name in opts.probes:
+            if name in NODE_PROBES:
+                continue  # node probes run once over all devices (run_node_probes)
             evidence += PROBES[name](device, ctx)
         dr.evidence = evidence
         dr.verdict = worst([Verdict.HEALTHY, *(e.severity for e in evidence)])
@@ -95,6 +98,30 @@ def scan_device(device: Device, opts: ScanOptions, fault: FaultPlan | None, prog
     dr.seconds = time.time() - t0
     progress("device_done", device=device.identity.id, verdict=dr.verdict.value)
     return dr
+
+
+def run_node_probes(devices: list[Device], reports: list[DeviceReport], opts: ScanOptions, plan: FaultPlan | None,
+                    progress: Progress) -> None:
+    """Node probes (e.g. crossdevice) over every scanned device; their evidence joins each
+    device's report and can only worsen its verdict. A failure marks the devices ERROR."""
+    by_id = {r.identity.id: r for r in reports}
+    for name in (p for p in opts.probes if p in NODE_PROBES):
+        ctx = ProbeContext(opts=opts, fault=plan, progress=progress)
+        try:
+            found = NODE_PROBES[name](devices, ctx)
+        except ConfigError:
+            raise
+        except Exception as exc:  # a device failed during the node probe: none of them is trusted
+            for r in reports:
+                r.error = (r.error + "; " if r.error else "") + f"{name}: {type(exc).__name__}: {exc}"
+                r.verdict = Verdict.ERROR
+            continue
+        for dev_id, evidence in found.items():
+            r = by_id[dev_id]
+            r.evidence += evidence
+            r.verdict = worst([r.verdict, *(e.severity for e in evidence)])
+            if name in ctx.stats:
+                r.probe_stats[name] = ctx.stats[name]
 
 
 def count_cases(opts: ScanOptions, devices: list[Device]) -> int:
@@ -113,14 +140,22 @@ def run_scan(opts: ScanOptions, progress: Progress | None = None) -> Report:
     if opts.reruns < 1:
         raise ConfigError(f"--reruns must be ≥ 1, got {opts.reruns}")
     load_all()
-    unknown = [p for p in opts.probes if p not in PROBES]
+    unknown = [p for p in opts.probes if p not in PROBES and p not in NODE_PROBES]
     if unknown:
-        raise ConfigError(f"unknown probe(s) {', '.join(unknown)} (known: {', '.join(sorted(PROBES))})")
+        raise ConfigError(f"unknown probe(s) {', '.join(unknown)} (known: {', '.join(sorted([*PROBES, *NODE_PROBES]))})")
+    parse_probe_options(opts.probe_options)
+    if opts.golden and "golden" not in opts.probes:
+        opts.probes = (*opts.probes, "golden")
     devices = resolve_devices(opts.devices)
+    if opts.golden:
+        from aegis_cli import golden
+
+        golden.check_keys(golden.load(opts.golden), devices)  # refuse before any work
     report = new_report(opts)
     progress("start", total=count_cases(opts, devices), devices=[d.identity.id for d in devices])
     for device in devices:
         fault = plan.for_device(device.identity.id) if plan else None
         report.devices.append(scan_device(device, opts, fault, progress))
+    run_node_probes(devices, report.devices, opts, plan, progress)
     report.finish()
     return report

@@ -6,6 +6,12 @@ them (default ``DEFAULT_PROBES``). Signature::
     probe(device, ctx: ProbeContext) -> list[Evidence]
 
 and it may add a JSON-able summary under ``ctx.stats[name]`` (shown in the report).
+
+A node probe (``register_node``) sees every scanned device at once, after the per-device
+probes: ``probe(devices, ctx) -> {device_id: [Evidence]}``, with ``ctx.fault`` the whole
+plan (``plan.for_device`` picks a device's faults) and ``ctx.stats[name]`` copied into
+each device's report. Probes may declare options, set with ``--probe-option NAME.KEY=V``
+and read with ``ctx.option(NAME, KEY)``.
 """
 
 from __future__ import annotations
@@ -28,18 +34,55 @@ class ProbeContext:
     progress: Callable[..., None]  # progress("case", device=..., case=...)
     stats: dict[str, Any] = field(default_factory=dict)
 
+    def option(self, probe: str, key: str) -> Any:
+        """The value of ``--probe-option probe.key=…`` converted to its declared type, else its default."""
+        typ, default, _help = PROBE_OPTIONS[probe][key]
+        raw = getattr(self.opts, "probe_options", {}).get(f"{probe}.{key}")
+        return default if raw is None else typ(raw)
+
 
 ProbeFn = Callable[["Device", ProbeContext], "list[Evidence]"]
+NodeProbeFn = Callable[["list[Device]", ProbeContext], "dict[str, list[Evidence]]"]
 PROBES: dict[str, ProbeFn] = {}
-DEFAULT_PROBES = ("gemm",)
+NODE_PROBES: dict[str, NodeProbeFn] = {}
+PROBE_OPTIONS: dict[str, dict[str, tuple[type, Any, str]]] = {}  # probe → key → (type, default, help)
+DEFAULT_PROBES = ("gemm", "determinism", "pow2", "memory", "crossdevice")
 
 
-def register(name: str):
+def register(name: str, options: dict[str, tuple[type, Any, str]] | None = None):
     def deco(fn: ProbeFn) -> ProbeFn:
         PROBES[name] = fn
+        PROBE_OPTIONS[name] = dict(options or {})
         return fn
 
     return deco
+
+
+def register_node(name: str, options: dict[str, tuple[type, Any, str]] | None = None):
+    def deco(fn: NodeProbeFn) -> NodeProbeFn:
+        NODE_PROBES[name] = fn
+        PROBE_OPTIONS[name] = dict(options or {})
+        return fn
+
+    return deco
+
+
+def parse_probe_options(items: dict[str, str]) -> dict[str, str]:
+    """Check ``probe.key`` names and values against the declared options (ConfigError)."""
+    from aegis_cli.errors import ConfigError
+
+    load_all()
+    for name, raw in items.items():
+        probe, _, key = name.partition(".")
+        if probe not in PROBE_OPTIONS or key not in PROBE_OPTIONS[probe]:
+            known = ", ".join(f"{p}.{k}" for p in sorted(PROBE_OPTIONS) for k in sorted(PROBE_OPTIONS[p]))
+            raise ConfigError(f"unknown probe option {name!r} (known: {known})")
+        typ = PROBE_OPTIONS[probe][key][0]
+        try:
+            typ(raw)
+        except ValueError:
+            raise ConfigError(f"probe option {name}={raw!r} is not a valid {typ.__name__}") from None
+    return dict(items)
 
 
 def load_all() -> None:

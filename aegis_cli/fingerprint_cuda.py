@@ -1,0 +1,127 @@
+"""GPU fingerprints: kernels/fingerprint.cu launched on torch CUDA tensors.
+
+    gpu_fingerprint(t) -> int                      == fingerprint.fingerprint(t)
+    gpu_block_fingerprints(t, block) -> list[int]  == fingerprint.block_fingerprints(t, block)
+    gpu_block_tensor(t, block) -> int64 tensor     the same, left on the device (many blocks)
+
+Launches go through the CUDA driver (CuPy's binding) on torch's current stream for the
+tensor's device, so they order correctly with the torch work that produced the tensor. Importing this module
+does not import CuPy or touch CUDA.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import torch
+
+from aegis_cli.backends.loader import get_module
+from aegis_cli.errors import DeviceError
+from aegis_cli.fingerprint import BLOCK_ELEMS, MASK64, _block_words, _flat
+
+KERNEL = "fingerprint.cu"
+THREADS = 256
+MAX_GRID = 1 << 20
+WHOLE_BLOCK_WORDS = 1 << 14  # 128 KiB per CTA for whole-tensor fingerprints
+_LOCK = threading.Lock()
+_FUNCS: dict[tuple[str, int], int] = {}
+
+
+def _function(entry: str, dev: int) -> int:
+    """CUfunction handle of one entry of kernels/fingerprint.cu on device ``dev`` (compiled once)."""
+    key = (entry, dev)
+    with _LOCK:
+        ptr = _FUNCS.get(key)
+    if ptr is None:
+        import cupy
+
+        with cupy.cuda.Device(dev):
+            try:
+                ptr = get_module(KERNEL, device_id=dev).get_function(entry).kernel.ptr
+            except Exception as exc:
+                raise DeviceError(f"cuda:{dev}: cannot build {KERNEL} ({entry}): {exc}") from exc
+        with _LOCK:
+            _FUNCS[key] = ptr
+    return ptr
+
+
+def _launch(entry: str, dev: int, grid: int, block: int, args: list) -> None:
+    """Launch on torch's current stream of ``dev``; a launch error raises DeviceError."""
+    import cupy
+
+    ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    try:
+        with cupy.cuda.Device(dev):
+            cupy.cuda.driver.launchKernel(_function(entry, dev), grid, 1, 1, block, 1, 1, 0, stream, ctypes.addressof(ptrs), 0)
+    except Exception as exc:
+        raise DeviceError(f"cuda:{dev}: {entry} launch failed: {exc}") from exc
+
+
+def _prepare(t: torch.Tensor) -> torch.Tensor:
+    if t.device.type != "cuda":
+        raise DeviceError(f"gpu fingerprint of a tensor on {t.device}")
+    t = _flat(t)
+    if t.numel() and t.data_ptr() % 16:
+        t = t.clone()  # the kernel reads 16-byte vectors
+    return t
+
+
+def _launch_blocks(t: torch.Tensor, bw: int) -> torch.Tensor:
+    """int64 (nblocks,) on t's device: Σ of word terms over each run of ``bw`` words."""
+    nbytes = t.numel() * t.element_size()
+    nwords = -(-nbytes // 8)
+    nblocks = -(-nwords // bw)
+    out = torch.empty(nblocks, dtype=torch.int64, device=t.device)
+    dev = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    _launch("aegis_fp_blocks", dev, min(nblocks, MAX_GRID), THREADS,
+            [ctypes.c_uint64(t.data_ptr()), ctypes.c_int64(nbytes), ctypes.c_int64(bw), ctypes.c_uint64(out.data_ptr()),
+             ctypes.c_int64(nblocks)])
+    return out
+
+
+def _check(dev: torch.device) -> None:
+    try:
+        torch.cuda.synchronize(dev)
+    except RuntimeError as exc:
+        raise DeviceError(f"fingerprint kernel failed on {dev}: {exc}") from exc
+
+
+def _whole_block_words(t: torch.Tensor) -> int:
+    """Words per CTA for a whole-tensor fingerprint: enough CTAs to fill the GPU, at
+    most 128 KiB each; even, so every CTA starts on a 16-byte vector."""
+    nwords = -(-t.numel() * t.element_size() // 8)
+    sms = torch.cuda.get_device_properties(t.device).multi_processor_count
+    bw = -(-nwords // (sms * 16))
+    return max(256, min(WHOLE_BLOCK_WORDS, bw + (bw & 1)))
+
+
+def gpu_fingerprint(t: torch.Tensor) -> int:
+    """64-bit fingerprint of a CUDA tensor's bits (same value as the CPU implementation)."""
+    t = _prepare(t)
+    if t.numel() == 0:
+        return 0
+    blocks = _launch_blocks(t, _whole_block_words(t))
+    res = torch.empty(1, dtype=torch.int64, device=t.device)
+    dev = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    _launch("aegis_fp_sum", dev, 1, 1024,
+            [ctypes.c_uint64(blocks.data_ptr()), ctypes.c_int64(blocks.numel()), ctypes.c_uint64(res.data_ptr())])
+    _check(t.device)
+    return int(res.item()) & MASK64
+
+
+def gpu_block_tensor(t: torch.Tensor, block: int = BLOCK_ELEMS) -> torch.Tensor:
+    """Per-block fingerprints as an int64 tensor on the device (two's complement bits)."""
+    t = _prepare(t)
+    bw = _block_words(t, block)
+    if t.numel() == 0:
+        return torch.empty(0, dtype=torch.int64, device=t.device)
+    out = _launch_blocks(t, bw)
+    _check(t.device)
+    return out
+
+
+def gpu_block_fingerprints(t: torch.Tensor, block: int = BLOCK_ELEMS) -> list[int]:
+    """Fingerprint of each run of ``block`` consecutive elements (last one may be short)."""
+    return [v & MASK64 for v in gpu_block_tensor(t, block).cpu().tolist()]

@@ -1,0 +1,91 @@
+"""NVML memory-health counters (ECC, retired pages, remapped rows), absent gracefully.
+
+``snapshot(identity)`` reads what the driver knows about a GPU's memory health; the memory
+probe takes one before and one after it fills and holds the GPU's memory, and ``delta``
+says what changed. Without nvidia-ml-py (``pynvml``), without a driver, or for a CPU
+device the snapshot is ``{"available": False, "reason": …}``: never an exception. Counters
+a GPU does not support are ``None``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from aegis_cli.backends.base import DeviceIdentity
+
+COUNTERS = ("ecc_volatile_corrected", "ecc_volatile_uncorrected", "ecc_aggregate_corrected", "ecc_aggregate_uncorrected",
+            "retired_pages_sbe", "retired_pages_dbe", "remapped_rows_correctable", "remapped_rows_uncorrectable")
+FLAGS = ("retired_pages_pending", "remap_pending", "remap_failure")
+
+
+def _handle(nv, identity: DeviceIdentity):
+    if identity.uuid and identity.uuid.startswith(("GPU-", "MIG-")):
+        with contextlib.suppress(Exception):
+            return nv.nvmlDeviceGetHandleByUUID(identity.uuid)
+    if identity.pci_bus_id:
+        with contextlib.suppress(Exception):
+            return nv.nvmlDeviceGetHandleByPciBusId_v2(identity.pci_bus_id)
+    return nv.nvmlDeviceGetHandleByIndex(identity.index)
+
+
+def snapshot(identity: DeviceIdentity) -> dict:
+    """ECC error totals, retired pages and remapped rows of one GPU, as the driver reports them."""
+    if identity.backend != "cuda":
+        return {"available": False, "reason": f"{identity.backend} device: no NVML counters"}
+    try:
+        import pynvml as nv
+    except ImportError:
+        return {"available": False, "reason": "nvidia-ml-py (pynvml) is not installed"}
+    try:
+        nv.nvmlInit()
+    except Exception as exc:
+        return {"available": False, "reason": f"NVML init failed: {exc}"}
+    try:
+        try:
+            h = _handle(nv, identity)
+        except Exception as exc:
+            return {"available": False, "reason": f"NVML has no handle for {identity.id}: {exc}"}
+
+        def get(fn, *args):
+            try:
+                return fn(*args)
+            except Exception:  # NotSupported, NoPermission …: the counter is unknown, not zero
+                return None
+
+        out: dict = {"available": True}
+        mode = get(nv.nvmlDeviceGetEccMode, h)
+        out["ecc_enabled"] = None if mode is None else bool(mode[0])
+        for kind, err in (("corrected", nv.NVML_MEMORY_ERROR_TYPE_CORRECTED), ("uncorrected", nv.NVML_MEMORY_ERROR_TYPE_UNCORRECTED)):
+            out[f"ecc_volatile_{kind}"] = get(nv.nvmlDeviceGetTotalEccErrors, h, err, nv.NVML_VOLATILE_ECC)
+            out[f"ecc_aggregate_{kind}"] = get(nv.nvmlDeviceGetTotalEccErrors, h, err, nv.NVML_AGGREGATE_ECC)
+        sbe = get(nv.nvmlDeviceGetRetiredPages, h, nv.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS)
+        dbe = get(nv.nvmlDeviceGetRetiredPages, h, nv.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR)
+        out["retired_pages_sbe"] = None if sbe is None else len(sbe)
+        out["retired_pages_dbe"] = None if dbe is None else len(dbe)
+        pending = get(nv.nvmlDeviceGetRetiredPagesPendingStatus, h)
+        out["retired_pages_pending"] = None if pending is None else bool(pending)
+        rows = get(nv.nvmlDeviceGetRemappedRows, h)  # (correctable, uncorrectable, pending, failure)
+        if rows is not None:
+            out.update(remapped_rows_correctable=int(rows[0]), remapped_rows_uncorrectable=int(rows[1]),
+                       remap_pending=bool(rows[2]), remap_failure=bool(rows[3]))
+        else:
+            out.update(remapped_rows_correctable=None, remapped_rows_uncorrectable=None, remap_pending=None, remap_failure=None)
+        return out
+    finally:
+        with contextlib.suppress(Exception):
+            nv.nvmlShutdown()
+
+
+def delta(before: dict, after: dict) -> dict:
+    """Counters that grew and flags that turned on between two snapshots."""
+    if not (before.get("available") and after.get("available")):
+        return {}
+    out = {}
+    for key in COUNTERS:
+        b, a = before.get(key), after.get(key)
+        if isinstance(b, int) and isinstance(a, int) and a != b:
+            out[key] = a - b
+    for key in FLAGS:
+        if after.get(key) and not before.get(key):
+            out[key] = True
+    return out

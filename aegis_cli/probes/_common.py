@@ -1,0 +1,278 @@
+"""What the bitwise probes share: the canonical computations, stored-tensor faults, and
+turning a fingerprint mismatch into evidence (docs/probes.md).
+
+A computation is a deterministic workload: seeded bf16 inputs drawn on the device, then
+a function of them with named outputs. The determinism probe repeats each one, the golden
+and cross-device probes compare their fingerprints across time and devices.
+
+    checked_gemm   our checked GEMM (Device.checked_gemm): c, row_sums, col_sums
+    matmul         torch.matmul, bf16 (cuBLAS on GPUs)
+    sdpa_fwd       F.scaled_dot_product_attention, causal: o
+    sdpa_bwd       its backward, as training runs it: dq, dk, dv
+    sdpa_bwd_det   the same under torch.use_deterministic_algorithms(True)
+    rmsnorm        F.rms_norm over the hidden dimension (with a weight)
+    gelu, silu     elementwise activations
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import warnings
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from aegis_cli import fingerprint
+from aegis_cli.backends.base import Device, GemmOperands, Layout
+from aegis_cli.inject import FaultPlan, FaultSpec, LaunchContext
+
+LOCAL_BLOCK = 4096  # elements per localisation block (a whole number of words for every dtype)
+MAX_SAMPLES = 8
+
+# Computations whose repeated runs differ on a healthy device of this backend (measured:
+# docs/probes.md). Their mismatches are reported in the stats, never as evidence; every
+# other computation is assumed bitwise deterministic and a mismatch is corruption.
+NONDETERMINISTIC: dict[str, set[str]] = {"cpu": set(), "cuda": {"sdpa_bwd", "sdpa_bwd_det"}}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Shapes of the canonical computations."""
+
+    gemm: tuple[int, int, int]  # M, N, K
+    attn: tuple[int, int, int, int]  # B, H, S, D
+    rows: tuple[int, int]  # tokens, hidden (norms, activations)
+
+
+CPU_SIZES = Sizes(gemm=(128, 192, 256), attn=(1, 2, 96, 32), rows=(64, 384))
+GPU_SIZES = Sizes(gemm=(4096, 4096, 4096), attn=(2, 16, 2048, 128), rows=(8192, 8192))
+
+
+def sizes_for(device: Device) -> Sizes:
+    return CPU_SIZES if device.identity.backend == "cpu" else GPU_SIZES
+
+
+def sub_seed(seed: int, *parts: object) -> int:
+    key = "/".join(str(p) for p in parts).encode()
+    return (seed * 0x9E3779B1 + zlib.crc32(key)) & 0x7FFF_FFFF
+
+
+@contextlib.contextmanager
+def deterministic_algorithms():
+    """torch.use_deterministic_algorithms(True) for the block, restored after."""
+    was, warn = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        try:
+            yield
+        finally:
+            torch.use_deterministic_algorithms(was, warn_only=warn)
+
+
+@dataclass
+class Computation:
+    name: str
+    inputs: Callable[[Device, Sizes, int], dict[str, torch.Tensor]]
+    run: Callable[..., dict[str, torch.Tensor]]  # run(device, inputs, fault, op) -> outputs
+    shape: Callable[[Sizes], dict]
+    vendor: bool = True  # runs a library kernel (torch/cuBLAS/cuDNN), not ours
+
+
+def _gemm_inputs(dev: Device, s: Sizes, seed: int) -> dict[str, torch.Tensor]:
+    m, n, k = s.gemm
+    return {"a": dev.generate((m, k), "normal", sub_seed(seed, "gemm", "A")),
+            "b": dev.generate((n, k), "normal", sub_seed(seed, "gemm", "B"))}  # fwd layout: B stored (N, K)
+
+
+def _checked_gemm(dev: Device, x: dict, fault: FaultPlan | None, op: str) -> dict[str, torch.Tensor]:
+    res = dev.checked_gemm(GemmOperands(x["a"], x["b"], Layout.FWD), fault, op=op)
+    return {"c": res.c, "row_sums": res.row_sums, "col_sums": res.col_sums}
+
+
+def _matmul(dev: Device, x: dict, fault: FaultPlan | None, op: str) -> dict[str, torch.Tensor]:
+    return {"c": torch.matmul(x["a"], x["b"].t())}
+
+
+def _attn_inputs(dev: Device, s: Sizes, seed: int) -> dict[str, torch.Tensor]:
+    return {n: dev.generate(s.attn, "normal", sub_seed(seed, "attn", n)) for n in ("q", "k", "v", "do")}
+
+
+def _sdpa_fwd(dev: Device, x: dict, fault: FaultPlan | None, op: str) -> dict[str, torch.Tensor]:
+    with torch.no_grad():
+        return {"o": F.scaled_dot_product_attention(x["q"], x["k"], x["v"], is_causal=True)}
+
+
+def _sdpa_bwd(dev: Device, x: dict, fault: FaultPlan | None, op: str) -> dict[str, torch.Tensor]:
+    q, k, v = (x[n].detach().requires_grad_(True) for n in ("q", "k", "v"))
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    dq, dk, dv = torch.autograd.grad(o, (q, k, v), x["do"])
+    return {"dq": dq, "dk": dk, "dv": dv}
+
+
+def _sdpa_bwd_det(dev: Device, x: dict, fault: FaultPlan | None, op: str) -> dict[str, torch.Tensor]:
+    with deterministic_algorithms():
+        return _sdpa_bwd(dev, x, fault, op)
+
+
+def _rows_inputs(dev: Device, s: Sizes, seed: int) -> dict[str, torch.Tensor]:
+    t, h = s.rows
+    return {"x": dev.generate((t, h), "heavy", sub_seed(seed, "rows", "x")),
+            "w": dev.generate((h,), "uniform", sub_seed(seed, "rows", "w"))}
+
+
+def _rmsnorm(dev: Device, x: dict, fault: FaultPlan | None, op: str) -> dict[str, torch.Tensor]:
+    return {"y": F.rms_norm(x["x"], (x["x"].shape[-1],), x["w"], eps=1e-6)}
+
+
+def _gelu(dev: Device, x: dict, fault: FaultPlan | None, op: str) -> dict[str, torch.Tensor]:
+    return {"y": F.gelu(x["x"])}
+
+
+def _silu(dev: Device, x: dict, fault: FaultPlan | None, op: str) -> dict[str, torch.Tensor]:
+    return {"y": F.silu(x["x"])}
+
+
+_gemm_shape = lambda s: dict(zip("mnk", s.gemm, strict=True))
+_attn_shape = lambda s: dict(zip(("batch", "heads", "seq", "head_dim"), s.attn, strict=True))
+_rows_shape = lambda s: {"tokens": s.rows[0], "hidden": s.rows[1]}
+
+COMPUTATIONS: dict[str, Computation] = {c.name: c for c in (
+    Computation("checked_gemm", _gemm_inputs, _checked_gemm, _gemm_shape, vendor=False),
+    Computation("matmul", _gemm_inputs, _matmul, _gemm_shape),
+    Computation("sdpa_fwd", _attn_inputs, _sdpa_fwd, _attn_shape),
+    Computation("sdpa_bwd", _attn_inputs, _sdpa_bwd, _attn_shape),
+    Computation("sdpa_bwd_det", _attn_inputs, _sdpa_bwd_det, _attn_shape),
+    Computation("rmsnorm", _rows_inputs, _rmsnorm, _rows_shape),
+    Computation("gelu", _rows_inputs, _gelu, _rows_shape),
+    Computation("silu", _rows_inputs, _silu, _rows_shape),
+)}
+
+
+def assumed_deterministic(device: Device, name: str) -> bool:
+    return name not in NONDETERMINISTIC.get(device.identity.backend, set())
+
+
+# -- faults in stored tensors (inject target=mem) ----------------------------------------
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_CLASS_BITS = {  # element bits → class → (lo, hi)
+    16: {"sign": (15, 15), "exp": (7, 14), "mant": (0, 6), "hi-mant": (4, 6), "lo-mant": (0, 2)},
+    32: {"sign": (31, 31), "exp": (23, 30), "mant": (0, 22), "hi-mant": (16, 22), "lo-mant": (0, 6)},
+    64: {"sign": (63, 63), "exp": (52, 62), "mant": (0, 51), "hi-mant": (40, 51), "lo-mant": (0, 6)},
+}
+
+
+def _signed(v: int, bits: int) -> int:
+    v &= (1 << bits) - 1
+    return v - (1 << bits) if v >= 1 << (bits - 1) else v
+
+
+def _bit(spec: str, bits: int, rng: np.random.Generator) -> int:
+    if spec.isdigit() or spec.startswith("0x"):
+        return int(spec, 0) % bits
+    lo, hi = _CLASS_BITS.get(bits, {}).get(spec, (0, bits - 1))
+    return int(rng.integers(lo, hi + 1))
+
+
+def _apply_memflip(plan: FaultPlan, f: FaultSpec, rng: np.random.Generator, ctx: LaunchContext, t: torch.Tensor) -> None:
+    flat = t.view(_INT[t.element_size()]).reshape(-1)  # t is contiguous: a view, edits land in t
+    bits = t.element_size() * 8
+    n = flat.numel()
+    count = min(int(f.get("count", "1")), n)
+    if f.get("index") is not None:
+        idx = (int(f.get("index"), 0) + np.arange(count)) % n
+    else:
+        idx = rng.choice(n, size=count, replace=False) if n > count else np.arange(n)
+    masks = [1 << _bit(f.get("bit", "exp" if t.is_floating_point() else "0"), bits, rng) for _ in idx]
+    ii = torch.from_numpy(np.asarray(idx, dtype=np.int64)).to(t.device)
+    vals = masks if flat.dtype == torch.uint8 else [_signed(m, bits) for m in masks]
+    mv = torch.tensor(vals, dtype=flat.dtype, device=t.device)
+    flat[ii] = flat[ii] ^ mv
+    plan.record(f, ctx, target="mem", positions=[int(i) for i in idx[:16]], masks=[f"0x{m:x}" for m in masks[:16]],
+                elements=len(idx))
+
+
+def _apply_swap(plan: FaultPlan, f: FaultSpec, rng: np.random.Generator, ctx: LaunchContext, t: torch.Tensor) -> None:
+    flat = t.view(_INT[t.element_size()]).reshape(-1)
+    n = flat.numel()
+    pairs = []
+    for c in range(int(f.get("count", "1"))):
+        i = (int(f.get("index"), 0) + 2 * c) % n if f.get("index") is not None else int(rng.integers(0, n))
+        # the partner: the next element whose bits differ (a swap of equal bits changes nothing)
+        for step in range(1, min(n, 4096)):
+            j = (i + step) % n
+            if int(flat[i]) != int(flat[j]):
+                break
+        else:
+            continue
+        vi, vj = flat[i].clone(), flat[j].clone()
+        flat[i], flat[j] = vj, vi
+        pairs.append([i, j])
+    plan.record(f, ctx, target="mem", pairs=pairs[:16], elements=2 * len(pairs))
+
+
+def stored_faults(fault: FaultPlan | None, device: Device, op: str, tensors: dict[str, torch.Tensor]) -> bool:
+    """Apply ``target=mem`` faults to tensors a probe holds (in place; contiguous tensors).
+    Each call is one 'launch' of the plan (``prob=`` draws per call). True if any fired."""
+    if fault is None:
+        return False
+    ctx = LaunchContext(device.identity.id, op, (1, 1))
+    fired = False
+    for f, rng in fault.active(ctx, "mem"):
+        name = sorted(tensors)[int(rng.integers(0, len(tensors)))] if len(tensors) > 1 else next(iter(tensors))
+        t = tensors[name]
+        if not t.is_contiguous():
+            raise ValueError(f"stored fault on a non-contiguous tensor {name}")
+        ctx_named = LaunchContext(ctx.device_id, f"{op}:{name}", ctx.tile)
+        (_apply_memflip if f.model == "memflip" else _apply_swap)(fault, f, rng, ctx_named, t)
+        fired = True
+    fault.launches += 1
+    return fired
+
+
+# -- mismatch → evidence fields ------------------------------------------------------------
+def unravel(index: int, shape: tuple[int, ...]) -> list[int]:
+    out = []
+    for d in reversed(shape):
+        index, r = divmod(index, d) if d else (index, 0)
+        out.append(r)
+    return out[::-1]
+
+
+def localise(expected: torch.Tensor, actual: torch.Tensor, *, tile: tuple[int, int] | None = None,
+             limit: int = MAX_SAMPLES) -> dict:
+    """Where ``actual`` differs from ``expected``: blocks (by block fingerprint), element
+    count, samples with coordinates, bits and XOR mask, GEMM tiles for 2-D outputs."""
+    blocks, count, records = fingerprint.diff_records(expected, actual, LOCAL_BLOCK, limit)
+    shape = tuple(expected.shape)
+    tiles = set()
+    for r in records:
+        r["coords"] = unravel(r["index"], shape)
+        r["block"] = r["index"] // LOCAL_BLOCK
+        if tile is not None and len(shape) == 2:
+            r["tile"] = [r["coords"][0] // tile[0], r["coords"][1] // tile[1]]
+            tiles.add(tuple(r["tile"]))
+    return {"blocks": blocks, "elements": count, "samples": records, "tiles": [list(t) for t in sorted(tiles)],
+            "localised": [r["coords"] for r in records]}
+
+
+def majority(prints: list) -> tuple[object, list[int]]:
+    """The most common value and the indices that differ from it (ties: the first seen)."""
+    counts: dict = {}
+    for p in prints:
+        counts[p] = counts.get(p, 0) + 1
+    best = max(counts, key=lambda p: (counts[p], -prints.index(p)))
+    return best, [i for i, p in enumerate(prints) if p != best]
+
+
+def bytes_of(outputs: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in outputs.values())
+
+
+def finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None

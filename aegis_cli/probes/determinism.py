@@ -1,0 +1,149 @@
+"""The determinism probe (DESIGN §2.3): the same computation, N times, identical inputs.
+
+Every canonical computation (_common.COMPUTATIONS: our checked GEMM, torch.matmul, SDPA
+forward and backward, RMSNorm, GeLU, SiLU) runs ``runs`` times on one set of seeded
+inputs; each run's outputs are fingerprinted on the device (fingerprint.device_fingerprint:
+the CUDA kernel for GPU tensors). All runs of a deterministic
+computation must give the same bits:
+
+  determinism.mismatch   a run's fingerprint differs from the majority's. The differing
+                         run is localised against a majority run by block fingerprints
+                         to the block, element, (GEMM) tile, with expected/actual bits
+                         and XOR mask. FAULTY: a deterministic computation changed its bits.
+
+Computations known to be nondeterministic on a healthy device of the backend
+(_common.NONDETERMINISTIC, measured on an H200: docs/probes.md) are run and reported in
+the stats (``deterministic: false``) but never produce evidence: their mismatches mean
+nothing. The stats say, for every computation, whether it was bitwise deterministic here.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from aegis_cli.backends.base import Device
+from aegis_cli.fingerprint import device_fingerprint
+from aegis_cli.probes import ProbeContext, register
+from aegis_cli.probes._common import (
+    COMPUTATIONS,
+    MAX_SAMPLES,
+    assumed_deterministic,
+    bytes_of,
+    localise,
+    majority,
+    sizes_for,
+    stored_faults,
+)
+from aegis_cli.verdict import Evidence, Verdict
+
+MAX_HELD = 4  # distinct results whose tensors are kept for localisation
+
+
+def _mode(v: str) -> str:
+    if v not in ("quick", "full"):
+        raise ValueError(v)
+    return v
+
+
+OPTIONS = {
+    "mode": (_mode, "quick", "quick: 4 runs per computation (3 on the CPU backend, without sdpa_bwd_det); full: 16"),
+    "runs": (int, 0, "runs per computation (0: by mode)"),
+    "only": (str, "", "comma-separated computations to run (default: all)"),
+}
+
+
+def run_computation(device: Device, name: str, runs: int, seed: int, ctx: ProbeContext) -> tuple[dict, Evidence | None]:
+    """Run one computation ``runs`` times; (stats, evidence or None)."""
+    comp = COMPUTATIONS[name]
+    sizes = sizes_for(device)
+    t0 = time.perf_counter()
+    x = comp.inputs(device, sizes, seed)
+    prints: list[tuple[int, ...]] = []
+    held: dict[tuple[int, ...], tuple[int, dict[str, torch.Tensor]]] = {}
+    keys: list[str] = []
+    for r in range(runs):
+        op = f"determinism/{name}/run{r}"
+        out = {k: v.contiguous() for k, v in comp.run(device, x, ctx.fault, op).items()}
+        stored_faults(ctx.fault, device, op, out)
+        keys = sorted(out)
+        fp = tuple(device_fingerprint(out[k]) for k in keys)
+        prints.append(fp)
+        if fp not in held and len(held) < MAX_HELD:
+            held[fp] = (r, out)
+        ctx.progress("case", device=device.identity.id, case=op)
+    device.synchronize()
+    best, odd = majority(prints)
+    assumed = assumed_deterministic(device, name)
+    stats = {"runs": runs, "distinct": len(set(prints)), "deterministic": not odd, "assumed_deterministic": assumed,
+             "shape": comp.shape(sizes), "bytes_per_run": bytes_of(held[best][1]),
+             "fingerprints": {k: f"{v:016x}" for k, v in zip(keys, best, strict=True)},
+             "seconds": round(time.perf_counter() - t0, 4)}
+    if not odd:
+        return stats, None
+    stats["differing_runs"] = odd
+    if not assumed:
+        return stats, None
+    ref_run, ref = held[best]
+    samples, tiles, localised, count, blocks = [], set(), [], 0, {}
+    tile = device.tile if name in ("checked_gemm", "matmul") else None
+    for fp in dict.fromkeys(prints[r] for r in odd):
+        if fp not in held:
+            continue
+        run, out = held[fp]
+        for i, k in enumerate(keys):
+            if fp[i] == best[i]:
+                continue
+            loc = localise(ref[k], out[k], tile=tile if k == "c" else None)
+            count += loc["elements"]
+            blocks[f"run{run}:{k}"] = loc["blocks"][:16]
+            for s in loc["samples"]:
+                if len(samples) < MAX_SAMPLES:
+                    samples.append({"output": k, "run": run, "reference_run": ref_run, **s})
+            tiles.update(tuple(t) for t in loc["tiles"])
+            localised += loc["localised"][: MAX_SAMPLES - len(localised)]
+    distinct = len(set(prints))
+    where = ", ".join(f"{k} blocks {v[:4]}" for k, v in blocks.items())
+    ev = Evidence(
+        check="determinism.mismatch", severity=Verdict.FAULTY,
+        case_id=f"determinism/{name}/" + "x".join(str(v) for v in comp.shape(sizes).values()),
+        summary=(f"determinism.mismatch: {name}: {len(odd)} of {runs} runs differ from the majority ({distinct} distinct "
+                 f"results of a computation that is bitwise deterministic on a healthy device); {count} element(s) differ "
+                 f"({where})"),
+        op=name, shape=comp.shape(sizes), dist="normal", seed=seed, max_value=1.0, elements=count, samples=samples,
+        tiles=[list(t) for t in sorted(tiles)][:16], localised=localised, reruns=runs - 1, reproduced=runs - 1 - len(odd),
+        distinct_outputs=distinct, kernel="aegis" if not comp.vendor else "torch",
+        injected=list(ctx.fault.injected[-4:]) if ctx.fault is not None else [],
+    )
+    return stats, ev
+
+
+@register("determinism", OPTIONS)
+def determinism_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
+    """Repeat each canonical computation on identical inputs; bits must not change."""
+    mode = ctx.option("determinism", "mode")
+    cpu_quick = mode == "quick" and device.identity.backend == "cpu"
+    runs = ctx.option("determinism", "runs") or (16 if mode == "full" else 3 if cpu_quick else 4)
+    if runs < 2:
+        from aegis_cli.errors import ConfigError
+
+        raise ConfigError(f"determinism.runs must be ≥ 2, got {runs}")
+    # torch's CPU kernels have no separate deterministic mode: sdpa_bwd_det repeats sdpa_bwd there
+    only = [n.strip() for n in ctx.option("determinism", "only").split(",") if n.strip()] or [
+        n for n in COMPUTATIONS if not (cpu_quick and n == "sdpa_bwd_det")]
+    unknown = [n for n in only if n not in COMPUTATIONS]
+    if unknown:
+        from aegis_cli.errors import ConfigError
+
+        raise ConfigError(f"determinism.only: unknown computation(s) {', '.join(unknown)} (known: {', '.join(COMPUTATIONS)})")
+    evidence: list[Evidence] = []
+    stats: dict[str, dict] = {}
+    for name in only:
+        st, ev = run_computation(device, name, runs, ctx.opts.seed, ctx)
+        stats[name] = st
+        if ev is not None:
+            evidence.append(ev)
+    ctx.stats["determinism"] = {"mode": mode, "runs": runs, "computations": stats,
+                                "nondeterministic": sorted(n for n, s in stats.items() if not s["deterministic"])}
+    return evidence

@@ -1,0 +1,72 @@
+"""The golden probe: compare the canonical workloads against fingerprints recorded on a
+known-good device of the same model and software stack (aegis_cli/golden.py).
+
+Runs only with ``aegis scan --golden FILE`` (the scan adds it then, and refuses first when
+the file has no record for a device's key).
+
+  golden.mismatch   an input or output fingerprint differs from the golden one. The
+                    computation is re-run ``min(reruns, 3)`` times: the same wrong bits every
+                    time (a device wrong the same way every time), or differing bits, are
+                    FAULTY; a return to the golden bits is SUSPECT (did not reproduce).
+                    Differing blocks (golden block fingerprints) localise it to element ranges.
+"""
+
+from __future__ import annotations
+
+from aegis_cli import golden
+from aegis_cli.backends.base import Device
+from aegis_cli.fingerprint import device_block_fingerprints, hex64
+from aegis_cli.probes import ProbeContext, register
+from aegis_cli.verdict import Evidence, Verdict
+
+
+@register("golden")
+def golden_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
+    """Fingerprints of the canonical workloads against a golden file."""
+    if not ctx.opts.golden:
+        ctx.stats["golden"] = {"compared": False, "reason": "no --golden FILE given"}
+        return []
+    doc = golden.load(ctx.opts.golden)
+    rec = golden.match(doc, device)
+    seed, block = int(doc["seed"]), int(doc["block"])
+    evidence: list[Evidence] = []
+    checked = 0
+    for name, want in rec["computations"].items():
+        tensors, got = golden.fingerprint_outputs(device, name, seed, ctx.fault)
+        ctx.progress("case", device=device.identity.id, case=f"golden/{name}")
+        bad = [o for o, v in want["outputs"].items() if got.get(o, {}).get("fingerprint") != v["fingerprint"]]
+        checked += len(want["outputs"])
+        if not bad:
+            continue
+        reruns = max(1, min(ctx.opts.reruns, 3))
+        seen = [tuple(got[o]["fingerprint"] for o in bad)]
+        for _ in range(reruns):
+            _, again = golden.fingerprint_outputs(device, name, seed, ctx.fault)
+            seen.append(tuple(again.get(o, {}).get("fingerprint") for o in bad))
+        golden_bits = tuple(want["outputs"][o]["fingerprint"] for o in bad)
+        wrong_runs = sum(s != golden_bits for s in seen)
+        samples, tiles, elements = [], [], 0
+        for o in bad:
+            t = tensors[o]
+            blocks = [hex64(b) for b in device_block_fingerprints(t.contiguous(), block)]
+            differing = [i for i, (a, b) in enumerate(zip(want["outputs"][o]["blocks"], blocks, strict=False)) if a != b]
+            elements += sum(min(t.numel(), (i + 1) * block) - i * block for i in differing)
+            tiles += [[i] for i in differing[:8]]
+            for i in differing[:4]:
+                samples.append({"output": o, "block": i, "elements": [i * block, min(t.numel(), (i + 1) * block)],
+                                "expected_block_fingerprint": want["outputs"][o]["blocks"][i], "actual_block_fingerprint": blocks[i]})
+        if wrong_runs == len(seen) and len(set(seen)) == 1:
+            sev, why = Verdict.FAULTY, f"the same wrong bits in all {len(seen)} runs: this device is wrong the same way every time"
+        elif wrong_runs == len(seen):
+            sev, why = Verdict.FAULTY, f"wrong in all {len(seen)} runs, with {len(set(seen))} different results"
+        else:
+            sev, why = Verdict.SUSPECT, f"wrong in {wrong_runs} of {len(seen)} runs (did not reproduce every time)"
+        evidence.append(Evidence(
+            check="golden.mismatch", severity=sev, case_id=f"golden/{name}",
+            summary=f"golden.mismatch: {name}: {', '.join(bad)} differ from the golden fingerprint; {why}",
+            op=name, shape=want["shape"], dist="normal", seed=seed, max_value=1.0, elements=elements, samples=samples[:8],
+            tiles=tiles[:16], reruns=reruns, reproduced=wrong_runs - 1, distinct_outputs=len(set(seen)),
+            injected=list(ctx.fault.injected[-4:]) if ctx.fault is not None else []))
+    ctx.stats["golden"] = {"compared": True, "file": ctx.opts.golden, "key": rec["key"], "outputs_checked": checked,
+                           "mismatches": len(evidence)}
+    return evidence

@@ -1,0 +1,164 @@
+"""The power-of-two scale probe (DESIGN §2.3): C(2ᵃA, 2ᵇB) = 2ᵃ⁺ᵇ·C(A, B), bit for bit.
+
+Scaling a bf16 operand by a power of two changes only exponents, so every product, every
+fp32 partial sum and the bf16 output scale exactly, as long as nothing overflows,
+underflows or goes subnormal (numerics.pow2_exact_safe decides; pairs outside are skipped
+and counted). The probe draws one pair of operands and sweeps a and b across the bf16
+exponent range on a grid, for our checked GEMM (output and both fp32-accumulator checksum
+vectors) and for torch.matmul (cuBLAS on GPUs):
+
+  pow2.inexact   some (a, b) pairs inside the exact regime gave other bits than the scaled
+                 base result. FAULTY. The evidence names the regime where the device
+                 deviates (the ranges of a, b and a+b over deviating pairs, and how many
+                 of the tested pairs) with samples: element, expected/actual bits, XOR mask.
+
+The gemm probe checks a few scales of every training GEMM; this probe sweeps the range.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from aegis_cli import numerics
+from aegis_cli.backends.base import Device, GemmOperands, Layout
+from aegis_cli.probes import ProbeContext, register
+from aegis_cli.probes._common import MAX_SAMPLES, localise, stored_faults, sub_seed
+from aegis_cli.probes.determinism import _mode
+from aegis_cli.verdict import Evidence, Verdict
+
+EXP_RANGE = (-112, 112)  # inputs ~2^-14…2^2 reach the bf16 normal range −126 … 127 at the ends
+CPU_SHAPE = (64, 96, 128)
+GPU_SHAPE = (1024, 1024, 1024)
+IMPLS = ("checked_gemm", "matmul")
+
+OPTIONS = {
+    "mode": (_mode, "quick", "quick: exponent step 16 (GPU) / 56 (CPU); full: step 4"),
+    "step": (int, 0, "exponent grid step (0: by mode)"),
+}
+
+
+def _int_view(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def _run(device: Device, impl: str, ops: GemmOperands, ctx: ProbeContext, op: str) -> dict[str, torch.Tensor]:
+    if impl == "checked_gemm":
+        res = device.checked_gemm(ops, ctx.fault, op=op)
+        out = {"c": res.c, "row_sums": res.row_sums, "col_sums": res.col_sums}
+    else:
+        out = {"c": torch.matmul(ops.a, ops.b.t())}
+    out = {k: v.contiguous() for k, v in out.items()}
+    stored_faults(ctx.fault, device, op, out)
+    return out
+
+
+def _magnitudes(ops: GemmOperands) -> tuple[float, float, float, float, int]:
+    """(min|A|, max|A|, min|B|, max|B|, K) over nonzero elements, read once for the sweep."""
+    a, b = ops.a_mk.float().abs(), ops.b_kn.float().abs()
+    a_nz, b_nz = a[a != 0], b[b != 0]
+    return (a_nz.min().item(), a_nz.max().item(), b_nz.min().item(), b_nz.max().item(), a.shape[1])
+
+
+def exact_safe(mag: tuple[float, float, float, float, int], ea: int, eb: int) -> bool:
+    """numerics.pow2_exact_safe on precomputed magnitudes (same rule, no tensor work)."""
+    amin, amax, bmin, bmax, k = mag
+    amin, amax, bmin, bmax = amin * 2.0**ea, amax * 2.0**ea, bmin * 2.0**eb, bmax * 2.0**eb
+    if amin < numerics.BF16_MIN_NORMAL or bmin < numerics.BF16_MIN_NORMAL or amin * bmin < 2.0**-100:
+        return False
+    return amax * bmax * k < numerics.BF16_MAX / 4
+
+
+def _regime(devs: list[dict]) -> dict:
+    a = [d["a"] for d in devs]
+    b = [d["b"] for d in devs]
+    s = [d["a"] + d["b"] for d in devs]
+    return {"a": [min(a), max(a)], "b": [min(b), max(b)], "a_plus_b": [min(s), max(s)]}
+
+
+def sweep(device: Device, impl: str, step: int, ctx: ProbeContext) -> tuple[dict, Evidence | None]:
+    t0 = time.perf_counter()
+    m, n, k = CPU_SHAPE if device.identity.backend == "cpu" else GPU_SHAPE
+    seed = ctx.opts.seed
+    a = device.generate((m, k), "normal", sub_seed(seed, "pow2", "A"))
+    b = device.generate((n, k), "normal", sub_seed(seed, "pow2", "B"))
+    base_ops = GemmOperands(a, b, Layout.FWD)
+    case = f"pow2/{impl}/{m}x{n}x{k}"
+    base = _run(device, impl, base_ops, ctx, f"{case}/a+0b+0")
+    exps = list(range(EXP_RANGE[0], EXP_RANGE[1] + 1, step))
+    mag = _magnitudes(base_ops)
+    tested, skipped, deviating = 0, 0, []
+    safe_sums: list[int] = []
+    for ea in exps:
+        for eb in exps:
+            if (ea, eb) == (0, 0):
+                continue
+            if not exact_safe(mag, ea, eb):
+                skipped += 1
+                continue
+            tested += 1
+            safe_sums.append(ea + eb)
+            op = f"{case}/a{ea:+d}b{eb:+d}"
+            out = _run(device, impl, GemmOperands(numerics.pow2_scale(a, ea), numerics.pow2_scale(b, eb), Layout.FWD), ctx, op)
+            for key, got in out.items():
+                want = numerics.pow2_scale(base[key], ea + eb)
+                if not torch.equal(_int_view(got), _int_view(want)):
+                    deviating.append({"a": ea, "b": eb, "output": key, "expected": want, "actual": got})
+        ctx.progress("case", device=device.identity.id, case=f"{case}/a{ea:+d}")
+    device.synchronize()
+    stats = {"shape": {"m": m, "n": n, "k": k}, "step": step, "tested": tested, "skipped_unsafe": skipped,
+             "exact_regime_tested": {"a_plus_b": [min(safe_sums), max(safe_sums)]} if safe_sums else None,
+             "deviating_pairs": len({(d["a"], d["b"]) for d in deviating}), "seconds": round(time.perf_counter() - t0, 4)}
+    if not deviating:
+        return stats, None
+    regime = _regime(deviating)
+    stats["deviating_regime"] = regime
+    pairs = sorted({(d["a"], d["b"]) for d in deviating})
+    stats["deviating"] = [list(p) for p in pairs[:64]]
+    # confirm: the first deviating pair once more
+    first = deviating[0]
+    again = _run(device, impl, GemmOperands(numerics.pow2_scale(a, first["a"]), numerics.pow2_scale(b, first["b"]), Layout.FWD),
+                 ctx, f"{case}/a{first['a']:+d}b{first['b']:+d}")
+    reproduced = int(not torch.equal(_int_view(again[first["output"]]), _int_view(first["expected"])))
+    samples, tiles, localised, count = [], set(), [], 0
+    for d in deviating:
+        loc = localise(d["expected"], d["actual"], tile=device.tile if d["output"] == "c" else None, limit=2)
+        count += loc["elements"]
+        tiles.update(tuple(t) for t in loc["tiles"])
+        for s in loc["samples"]:
+            if len(samples) < MAX_SAMPLES:
+                samples.append({"a": d["a"], "b": d["b"], "output": d["output"], **s})
+                localised.append(s["coords"])
+    base_note = " (most pairs deviate: the base run C(A, B) itself may be the wrong one)" if len(pairs) > tested // 2 else ""
+    ev = Evidence(
+        check="pow2.inexact", severity=Verdict.FAULTY, case_id=case,
+        summary=(f"pow2.inexact: {impl}: {len(pairs)} of {tested} (a, b) pairs inside the exact regime broke "
+                 f"C(2^a·A, 2^b·B) = 2^(a+b)·C(A, B): a ∈ [{regime['a'][0]}, {regime['a'][1]}], "
+                 f"b ∈ [{regime['b'][0]}, {regime['b'][1]}], a+b ∈ [{regime['a_plus_b'][0]}, {regime['a_plus_b'][1]}]"
+                 f"{base_note}"),
+        op=impl, layout="fwd", shape={"m": m, "n": n, "k": k}, dist="normal", scale=[first["a"], first["b"]], seed=seed,
+        max_value=1.0, elements=count, samples=samples, tiles=[list(t) for t in sorted(tiles)][:16], localised=localised,
+        reruns=1, reproduced=reproduced, kernel="aegis" if impl == "checked_gemm" else "torch",
+        injected=list(ctx.fault.injected[-4:]) if ctx.fault is not None else [],
+    )
+    return stats, ev
+
+
+@register("pow2", OPTIONS)
+def pow2_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
+    """Sweep power-of-two input scales; outputs must scale exactly."""
+    mode = ctx.option("pow2", "mode")
+    step = ctx.option("pow2", "step") or (4 if mode == "full" else (56 if device.identity.backend == "cpu" else 16))
+    if not 1 <= step <= 128:
+        from aegis_cli.errors import ConfigError
+
+        raise ConfigError(f"pow2.step must lie in 1…128, got {step}")
+    evidence, stats = [], {}
+    for impl in IMPLS:
+        st, ev = sweep(device, impl, step, ctx)
+        stats[impl] = st
+        if ev is not None:
+            evidence.append(ev)
+    ctx.stats["pow2"] = {"mode": mode, "step": step, "implementations": stats}
+    return evidence

@@ -1,0 +1,96 @@
+"""Golden fingerprints: record, compare, refuse a foreign key, catch a device that is wrong
+the same way every time."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from aegis_cli import golden
+from aegis_cli.backends.cpu import CpuDevice
+from aegis_cli.cli import main
+from aegis_cli.errors import GoldenError
+from aegis_cli.scan import ScanOptions, run_scan
+
+
+@pytest.fixture(scope="module")
+def golden_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("golden") / "cpu.json"
+    golden.save(golden.record([CpuDevice(0)], seed=11), path)
+    return path
+
+
+def test_record_format(golden_file):
+    doc = golden.load(golden_file)
+    assert doc["format"] == "aegis-golden" and doc["format_version"] == 1 and doc["seed"] == 11
+    (rec,) = doc["records"]
+    assert rec["key"] == golden.device_key(CpuDevice(0))
+    assert {"checked_gemm", "matmul", "sdpa_fwd", "rmsnorm"} <= set(rec["computations"])
+    out = rec["computations"]["checked_gemm"]["outputs"]
+    assert {"input:a", "input:b", "c", "row_sums", "col_sums"} == set(out) and len(out["c"]["fingerprint"]) == 16
+
+
+def test_scan_against_golden_is_healthy(golden_file):
+    rep = run_scan(ScanOptions(devices="cpu:0", probes=("golden",), golden=str(golden_file)))
+    d = rep.devices[0]
+    assert d.verdict.value == "HEALTHY" and d.probe_stats["golden"]["outputs_checked"] > 20
+
+
+def test_wrong_the_same_way_every_time_is_faulty(golden_file):
+    # a permanent fault: every run repeats the same wrong bits, so determinism cannot see it
+    rep = run_scan(ScanOptions(devices="cpu:0", probes=("golden", "determinism"), golden=str(golden_file),
+                               inject="bitflip:target=out,bit=exp,op=golden/checked_gemm", reruns=2,
+                               probe_options={"determinism.only": "checked_gemm"}))
+    d = rep.devices[0]
+    assert d.verdict.value == "FAULTY"
+    (ev,) = d.evidence
+    assert ev.check == "golden.mismatch" and "same way every time" in ev.summary
+    assert ev.samples[0]["output"] == "c" and ev.tiles
+
+
+def test_key_mismatch_refuses_with_clear_message(golden_file, tmp_path):
+    doc = json.loads(golden_file.read_text())
+    doc["records"][0]["key"]["torch"] = "0.0.1"
+    doc["records"][0]["key"]["model"] = "NVIDIA H200"
+    bad = tmp_path / "other.json"
+    bad.write_text(json.dumps(doc))
+    with pytest.raises(GoldenError, match=r"torch: recorded '0.0.1'") as exc:
+        run_scan(ScanOptions(devices="cpu:0", probes=("gemm",), golden=str(bad)))
+    assert "model: recorded 'NVIDIA H200'" in str(exc.value)
+
+
+@pytest.mark.parametrize("content,match", [("{", "not readable JSON"), ('{"format": "x"}', "not an aegis golden"),
+                                           ('{"format": "aegis-golden", "format_version": 9}', "format_version"),
+                                           ('{"format": "aegis-golden", "format_version": 1, "seed": 1}', "malformed")])
+def test_bad_files(tmp_path, content, match):
+    p = tmp_path / "g.json"
+    p.write_text(content)
+    with pytest.raises(GoldenError, match=match):
+        golden.load(p)
+    with pytest.raises(GoldenError, match="not found"):
+        golden.load(tmp_path / "missing.json")
+
+
+def test_cli_record_and_refusal(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "g.json"
+    with pytest.raises(SystemExit) as e:
+        main(["golden", "record", "--device", "cpu:0", "-o", str(out)])
+    assert e.value.code == 0 and golden.load(out)["records"]
+    doc = json.loads(out.read_text())
+    doc["records"][0]["key"]["kernels"] = "0000"
+    out.write_text(json.dumps(doc))
+    with pytest.raises(SystemExit) as e:
+        main(["scan", "--device", "cpu:0", "--probes", "memory", "--golden", str(out), "-q"])
+    assert e.value.code == 3 and "kernels: recorded '0000'" in capsys.readouterr().err
+
+
+def test_devices_that_disagree_cannot_record(monkeypatch):
+    monkeypatch.setenv("AEGIS_CPU_DEVICES", "2")
+
+    class Odd(CpuDevice):
+        def generate(self, shape, dist, seed):
+            return super().generate(shape, dist, seed + 1)
+
+    with pytest.raises(GoldenError, match="disagree"):
+        golden.record([CpuDevice(0), Odd(1)], seed=1)

@@ -1,0 +1,148 @@
+"""The bitwise probes on the CPU backend: clean runs stay quiet, injected faults are
+detected and localised (determinism, pow2, memory, cross-device; docs/probes.md)."""
+
+from __future__ import annotations
+
+import pytest
+
+from aegis_cli.backends.cpu import CpuDevice
+from aegis_cli.errors import ConfigError, InjectSpecError
+from aegis_cli.inject import FaultPlan, parse_spec
+from aegis_cli.probes import ProbeContext
+from aegis_cli.scan import ScanOptions, run_scan
+
+
+def ctx(spec: str | None = None, **options) -> ProbeContext:
+    return ProbeContext(opts=ScanOptions(probe_options={k.replace("__", "."): str(v) for k, v in options.items()}),
+                        fault=FaultPlan.parse(spec) if spec else None, progress=lambda *a, **k: None)
+
+
+def test_determinism_clean_cpu_is_deterministic_everywhere():
+    from aegis_cli.probes.determinism import determinism_probe
+
+    c = ctx()
+    assert determinism_probe(CpuDevice(0), c) == []
+    comps = c.stats["determinism"]["computations"]
+    assert {"checked_gemm", "matmul", "sdpa_fwd", "sdpa_bwd", "rmsnorm", "gelu", "silu"} <= set(comps)
+    assert all(s["deterministic"] and s["distinct"] == 1 for s in comps.values())
+
+
+def test_determinism_localises_a_flip_in_one_of_n_gemm_outputs():
+    from aegis_cli.probes.determinism import determinism_probe
+
+    c = ctx("memflip:op=checked_gemm/run1,bit=exp,seed=4", determinism__only="checked_gemm")
+    (ev,) = determinism_probe(CpuDevice(0), c)
+    assert ev.check == "determinism.mismatch" and ev.severity.value == "FAULTY"
+    inj = c.fault.injected[0]
+    assert ev.elements == 1 and ev.distinct_outputs == 2
+    s = ev.samples[0]
+    out = inj["op"].rsplit(":", 1)[1]
+    assert s["run"] == 1 and s["output"] == out and s["index"] == inj["positions"][0]
+    assert int(s["xor"], 16) == int(inj["masks"][0], 16)
+    assert int(s["expected"], 16) ^ int(s["actual"], 16) == int(s["xor"], 16)
+
+
+def test_determinism_sees_an_intermittent_accumulator_fault_inside_the_gemm():
+    from aegis_cli.probes.determinism import determinism_probe
+
+    c = ctx("bitflip:target=acc,bit=exp,prob=0.5,seed=3,op=determinism/checked_gemm", determinism__only="checked_gemm",
+            determinism__runs=8)
+    (ev,) = determinism_probe(CpuDevice(0), c)
+    assert ev.severity.value == "FAULTY" and 0 < len(c.stats["determinism"]["computations"]["checked_gemm"]["differing_runs"]) < 8
+    assert ev.tiles and all(len(t) == 2 for t in ev.tiles)
+
+
+def test_determinism_localises_an_element_swap():
+    from aegis_cli.probes.determinism import determinism_probe
+
+    c = ctx("swap:op=matmul/run2,index=1000", determinism__only="matmul")
+    (ev,) = determinism_probe(CpuDevice(0), c)
+    pair = c.fault.injected[0]["pairs"][0]
+    assert ev.elements == 2 and sorted(s["index"] for s in ev.samples) == pair
+    assert ev.samples[0]["expected"] == ev.samples[1]["actual"]
+
+
+def test_pow2_clean_and_injected_regime():
+    from aegis_cli.probes.pow2 import pow2_probe
+
+    c = ctx()
+    assert pow2_probe(CpuDevice(0), c) == []
+    st = c.stats["pow2"]["implementations"]["checked_gemm"]
+    assert st["tested"] > 5 and st["skipped_unsafe"] > 0
+    # a fault that fires only when A is scaled by 2^56: the regime is exactly a = 56
+    c = ctx("bitflip:target=acc,bit=mant,op=pow2/checked_gemm/64x96x128/a+56")
+    evs = pow2_probe(CpuDevice(0), c)
+    assert [e.check for e in evs] == ["pow2.inexact"] and evs[0].op == "checked_gemm"
+    reg = c.stats["pow2"]["implementations"]["checked_gemm"]["deviating_regime"]
+    assert reg["a"] == [56, 56] and evs[0].reproduced == 1
+    assert all(s["a"] == 56 for s in evs[0].samples)
+
+
+def test_memory_clean_then_flip_and_swap_with_address_and_mask():
+    from aegis_cli.probes.memory import memory_probe
+
+    c = ctx(memory__mb=8)
+    assert memory_probe(CpuDevice(0), c) == []
+    st = c.stats["memory"]
+    assert st["bytes_covered"] == 8 << 20 and st["coverage_of_free"] == 1.0 and not st["nvml"]["before"]["available"]
+    c = ctx("memflip:bit=6,index=777777", memory__mb=8)
+    (ev,) = memory_probe(CpuDevice(0), c)
+    inj = c.fault.injected[0]
+    chunk = int(inj["op"].rsplit("chunk", 1)[1])
+    s = ev.samples[0]
+    assert ev.check == "memory.bitflip" and ev.severity.value == "FAULTY" and ev.reproduced == 1
+    assert s["chunk"] == chunk and s["offset"] == 777777 // 8 * 8 and s["flipped_bits"] == 1
+    assert int(s["xor"], 16) == (1 << 6) << (8 * (777777 % 8))
+    c = ctx("swap:index=4096", memory__mb=8)
+    (ev,) = memory_probe(CpuDevice(0), c)
+    assert ev.elements >= 1 and all(int(x["xor"], 16) for x in ev.samples if "xor" in x)
+
+
+def test_crossdevice_three_cpus_majority_flags_the_odd_one(monkeypatch):
+    monkeypatch.setenv("AEGIS_CPU_DEVICES", "3")
+    rep = run_scan(ScanOptions(devices="cpu", probes=("crossdevice",), inject="memflip:device=cpu:1,op=crossdevice/matmul"))
+    v = {d.identity.id: d.verdict.value for d in rep.devices}
+    assert v == {"cpu:0": "HEALTHY", "cpu:1": "FAULTY", "cpu:2": "HEALTHY"}
+    (ev,) = rep.devices[1].evidence
+    assert ev.check == "crossdevice.mismatch" and "majority" in ev.summary and ev.samples[0]["reference_device"] == "cpu:0"
+    assert rep.devices[0].probe_stats["crossdevice"]["groups"][0]["compared"]
+
+
+def test_crossdevice_two_cpus_fp64_reference_decides(monkeypatch):
+    monkeypatch.setenv("AEGIS_CPU_DEVICES", "2")
+    rep = run_scan(ScanOptions(devices="cpu", probes=("crossdevice",),
+                               inject="memflip:device=cpu:0,op=crossdevice/checked_gemm,bit=exp"))
+    v = {d.identity.id: d.verdict.value for d in rep.devices}
+    assert v == {"cpu:0": "FAULTY", "cpu:1": "HEALTHY"}
+    assert "fp64 reference decides" in rep.devices[0].evidence[0].summary
+
+
+def test_crossdevice_clean_and_single_device():
+    rep = run_scan(ScanOptions(devices="cpu:0", probes=("crossdevice",)))
+    assert rep.devices[0].verdict.value == "HEALTHY"
+    assert rep.devices[0].probe_stats["crossdevice"]["groups"][0]["compared"] is False
+
+
+def test_inject_grammar_for_stored_faults():
+    assert parse_spec("memflip")[0].target == "mem" and parse_spec("swap:count=2")[0].target == "mem"
+    assert parse_spec("memflip:bit=63,index=5")[0].get("bit") == "63"
+    for bad in ("memflip:target=acc", "swap:bit=3", "memflip:bit=64", "swap:index=-1"):
+        with pytest.raises(InjectSpecError):
+            parse_spec(bad)
+
+
+def test_probe_options_are_validated():
+    with pytest.raises(ConfigError, match="unknown probe option"):
+        run_scan(ScanOptions(devices="cpu:0", probes=("memory",), probe_options={"memory.nope": "1"}))
+    with pytest.raises(ConfigError, match="not a valid"):
+        run_scan(ScanOptions(devices="cpu:0", probes=("memory",), probe_options={"memory.mode": "slow"}))
+
+
+def test_default_scan_includes_the_bitwise_probes_and_stays_healthy():
+    from aegis_cli.probes import DEFAULT_PROBES
+
+    assert {"determinism", "pow2", "memory", "crossdevice"} <= set(DEFAULT_PROBES)
+    rep = run_scan(ScanOptions(devices="cpu:0", probes=("determinism", "pow2", "memory", "crossdevice")))
+    d = rep.devices[0]
+    assert d.verdict.value == "HEALTHY", [e.summary for e in d.evidence]
+    assert {"determinism", "pow2", "memory", "crossdevice"} <= set(d.probe_stats)
