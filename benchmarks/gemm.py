@@ -11,6 +11,7 @@ input sets so no run reads operands another left in L2. Inputs are seeded random
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -23,23 +24,42 @@ from aegis_cli.backends.base import Layout
 N_SETS = 3
 
 
-def _time(fns: dict, reps: int, warmup: int = 3) -> dict[str, float]:
-    """Median milliseconds of each ``fn(i)`` (i rotates input sets) over ``reps`` event-timed
-    calls, the candidates interleaved call by call so clock and power drift hit all alike."""
+def _time(fns: dict, reps: int, warmup: int = 3, burst: int = 4) -> dict[str, float]:
+    """Median milliseconds per call of each ``fn(i)`` (i rotates input sets). Each sample times
+    ``burst`` back-to-back calls between two events (no host sync inside, so the GPU never idles
+    between them); candidates alternate sample by sample so clock and power drift hit all alike."""
     for i in range(warmup):
         for fn in fns.values():
             fn(i)
     torch.cuda.synchronize()
     times: dict[str, list[float]] = {k: [] for k in fns}
-    for i in range(reps):
+    for r in range(reps):
         for key, fn in fns.items():
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            fn(i)
+            for j in range(burst):
+                fn(r * burst + j)
             end.record()
             end.synchronize()
-            times[key].append(start.elapsed_time(end))
+            times[key].append(start.elapsed_time(end) / burst)
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _clocks() -> dict:
+    """SM clock (MHz), power (W) and clock-event reasons right now, when NVML answers."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        out = {"sm_mhz": pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
+               "power_w": pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0,
+               "temp_c": pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)}
+        with contextlib.suppress(Exception):
+            out["clock_reasons"] = hex(pynvml.nvmlDeviceGetCurrentClocksEventReasons(h))
+        return out
+    except Exception:
+        return {}
 
 
 def _torch_matmul(a: torch.Tensor, b: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -61,6 +81,7 @@ def bench_shape(dev, name: str, layout: Layout, m: int, n: int, k: int, reps: in
         row["kernel"] = f"gemm_{launches[0].kernel}"
         fns[key] = lambda i, launches=launches: launches[i % N_SETS].run()
     ms = _time(fns, reps)
+    row.update(_clocks())  # read right after the timed bursts: the state they ran in
     dev.synchronize()
     for key, t in ms.items():
         row[f"{key}_tflops"] = flop / t / 1e9
@@ -76,7 +97,7 @@ def shapes() -> list[tuple[str, Layout, int, int, int]]:
     return out
 
 
-def run(reps: int = 20, kernel: str | None = None, only_square: bool = False) -> list[dict]:
+def run(reps: int = 12, kernel: str | None = None, only_square: bool = False) -> list[dict]:
     from aegis_cli.backends.cuda import CudaDevice
 
     dev = CudaDevice(0, kernel=kernel)
@@ -92,13 +113,14 @@ def run(reps: int = 20, kernel: str | None = None, only_square: bool = False) ->
 def format_row(r: dict) -> str:
     return (f"{r['name']:<24} {r['layout']:<6} {r['m']:>5}x{r['n']:>5}x{r['k']:>5}  cuBLAS {r['cublas_tflops']:7.1f}  "
             f"{r['kernel']} plain {r['plain_tflops']:7.1f}  checked {r['checked_tflops']:7.1f}  "
-            f"ratio {r['checked_vs_cublas']:.3f}  checksum cost {100 * r['checksum_overhead']:+.1f}%")
+            f"ratio {r['checked_vs_cublas']:.3f}  checksum cost {100 * r['checksum_overhead']:+.1f}%  "
+            f"SM {r.get('sm_mhz', '?')} MHz {r.get('power_w', 0):.0f} W")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write rows here")
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--reps", type=int, default=12)
     ap.add_argument("--kernel", choices=["wgmma", "mma"], default=None)
     ap.add_argument("--square", action="store_true", help="8192³ only")
     args = ap.parse_args(argv)

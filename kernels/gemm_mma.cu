@@ -2,11 +2,12 @@
 //
 // C[M,N] = A[M,K]·B[K,N]: bf16 operands, fp32 accumulation, bf16 output, plus the
 // fp32-accumulator checksums of DESIGN §2.1 taken in the epilogue *before* rounding:
-//   row_sums[i, bn] = Σ_{j in column tile bn} acc[i, j]      (M, ceil(N/TN))
-//   col_sums[bm, j] = Σ_{i in row tile bm}    acc[i, j]      (ceil(M/TM), N)
-// Each slot is written by exactly one CTA after a fixed-order reduction (in-thread,
-// xor-shuffle butterfly, then shared memory in warp order): no atomics, so repeated
-// runs are bit-identical. tile_sm[bm, bn] records the SM that ran the tile.
+//   row_sums[i, t] = Σ_{j in column tile t} acc[i, j]      (M, ceil(N/128))
+//   col_sums[t, j] = Σ_{i in row tile t}    acc[i, j]      (ceil(M/64), N)
+// i.e. checksum tiles of 64 rows x 128 columns (a CTA computes two of them, one per warp
+// row). Each slot is written by exactly one warp or thread after a fixed-order reduction
+// (in-thread, xor-shuffle butterfly, then shared memory in warp order): no atomics, so
+// repeated runs are bit-identical. tile_sm[t_m, t_n] records the SM that ran each tile.
 //
 // Layouts (base.py Layout): A is K-major (M,K) or M-major (stored (K,M), wgrad);
 // B is K-major (stored (N,K), fwd) or N-major (K,N). K-major tiles feed ldmatrix,
@@ -20,6 +21,7 @@
 
 #define TM 128
 #define TN 128
+#define CTM 64  // checksum tile rows (one warp row of the CTA)
 #define TK 32
 #define STAGES 3
 #define PAD 8  // 16 B per row: ldmatrix rows land in distinct banks
@@ -109,8 +111,8 @@ __device__ __forceinline__ void gemm_mma_body(const bf16* __restrict__ A, const 
 
     int a_m0 = bm * TM;
 #ifdef AEGIS_INJECT
-    const int tile_id = bm * tiles_n + bn;
-    const int mode = inject_tile_mode(inj, tile_id, smid);
+    // mainloop faults act on the whole CTA; the host gives both its checksum tiles the mode
+    const int mode = inject_tile_mode(inj, (2 * bm) * tiles_n + bn, smid);
     if (mode == TILE_SHIFT) a_m0 = ((bm + 1) % tiles_m) * TM;  // wrong address: next row tile's A block
 #else
     (void)inj;
@@ -189,19 +191,22 @@ __device__ __forceinline__ void gemm_mma_body(const bf16* __restrict__ A, const 
     // acc[mi][ni][e] sits at row wm*64 + mi*16 + g + 8*(e>>1), col wn*32 + ni*8 + 2*tig + (e&1)
 #ifdef AEGIS_INJECT
     {
-        const int e0 = inj.n_edits ? inj.edit_off[tile_id] : 0, e1 = inj.n_edits ? inj.edit_off[tile_id + 1] : 0;
+        const int tr = 2 * bm + wm, tile_id = tr * tiles_n + bn;  // this warp's checksum tile
+        const bool live = tr * CTM < M;                            // else every row is padding
+        const int e0 = (live && inj.n_edits) ? inj.edit_off[tile_id] : 0;
+        const int e1 = (live && inj.n_edits) ? inj.edit_off[tile_id + 1] : 0;
+        const int wmode = live ? inject_tile_mode(inj, tile_id, smid) : TILE_NONE;
         const int r0 = bm * TM + wm * 64 + g, c0 = n0 + wn * 32 + 2 * tig;
         auto pos = [&](int i, int& r, int& c) {  // i = (mi*4 + ni)*4 + e
             r = r0 + (i >> 4) * 16 + 8 * ((i & 3) >> 1);
             c = c0 + ((i >> 2) & 3) * 8 + (i & 1);
         };
-        inject_fragment<64>(inj, &acc[0][0][0], pos, [&](int) { return mode; }, M, N, e0, e1);
+        inject_fragment<64>(inj, &acc[0][0][0], pos, [&](int) { return wmode; }, M, N, e0, e1);
     }
 #endif
 
 #ifndef AEGIS_NOSUMS
     float* red_row = reinterpret_cast<float*>(smem_raw);  // [4 wn][128 rows]
-    float* red_col = red_row + 4 * TM;                    // [2 wm][128 cols]
     // row partials: in-thread over ni, e&1, then butterfly over the 4 lanes sharing a row
 #pragma unroll
     for (int mi = 0; mi < 4; ++mi)
@@ -214,7 +219,9 @@ __device__ __forceinline__ void gemm_mma_body(const bf16* __restrict__ A, const 
             s += __shfl_xor_sync(0xffffffffu, s, 2);
             if (tig == 0) red_row[wn * TM + wm * 64 + mi * 16 + g + 8 * h] = s;
         }
-    // column partials: in-thread over mi, h, then butterfly over the 8 lanes sharing a column
+    // column sums of this warp row's checksum tile: in-thread over mi, h, then butterfly over
+    // the 8 lanes sharing a column; the warp owns those 32 columns of the tile outright
+    const int tr = 2 * bm + wm;
 #pragma unroll
     for (int ni = 0; ni < 4; ++ni)
 #pragma unroll
@@ -225,7 +232,8 @@ __device__ __forceinline__ void gemm_mma_body(const bf16* __restrict__ A, const 
             s += __shfl_xor_sync(0xffffffffu, s, 4);
             s += __shfl_xor_sync(0xffffffffu, s, 8);
             s += __shfl_xor_sync(0xffffffffu, s, 16);
-            if (g == 0) red_col[wm * TN + wn * 32 + ni * 8 + 2 * tig + j] = s;
+            const int c = n0 + wn * 32 + ni * 8 + 2 * tig + j;
+            if (g == 0 && c < N && tr * CTM < M) col_sums[(long long)tr * N + c] = s;
         }
     __syncthreads();
     {
@@ -234,18 +242,13 @@ __device__ __forceinline__ void gemm_mma_body(const bf16* __restrict__ A, const 
             int r = bm * TM + t;
             float s = ((red_row[t] + red_row[TM + t]) + red_row[2 * TM + t]) + red_row[3 * TM + t];
             if (r < M) row_sums[(long long)r * tiles_n + bn] = s;
-        } else {
-            int c = n0 + (t - TM);
-            float s = red_col[t - TM] + red_col[TN + t - TM];
-            if (c < N) col_sums[(long long)bm * N + c] = s;
         }
-        if (t == 0) tile_sm[bm * tiles_n + bn] = smid;
     }
 #else
     (void)row_sums;
     (void)col_sums;
-    if (threadIdx.x == 0) tile_sm[bm * tiles_n + bn] = smid;
 #endif
+    if (threadIdx.x < 2 && (2 * bm + (int)threadIdx.x) * CTM < M) tile_sm[(2 * bm + threadIdx.x) * tiles_n + bn] = smid;
 
     // bf16 output; pairs as one 32-bit store when both columns exist and are aligned
     const bool pair_ok = (N & 1) == 0;

@@ -1,7 +1,7 @@
 // gemm_wgmma.cu — Hopper checked GEMM: TMA + mbarrier pipeline + wgmma (v1, sm_90a).
 //
 // Same contract as gemm_mma.cu (bf16 in, fp32 accumulate, bf16 out, fp32-accumulator
-// row/column checksums per 128x128 checksum tile in a fixed order, SM id per tile), built
+// row/column checksums per 64x128 checksum tile in a fixed order, SM id per tile), built
 // for speed on H100/H200:
 // - persistent grid (one CTA per SM) walking 128x256 output tiles in grouped order, so the
 //   producer prefetches the next tile while consumers run the epilogue;
@@ -14,16 +14,18 @@
 // Layouts: K-major operands use the standard swizzled K-major descriptor; MN-major
 // operands (A of wgrad, B of dgrad/wgrad) are loaded as 64(MN)x64(K) boxes and fed with
 // the wgmma transpose bit, so no layout needs a transpose pass.
-// Epilogue: row sums reduce in-thread then over the 4 lanes of a row (one warp owns each
-// row, no shared memory); column sums reduce in-thread, over the 8 row-lanes, then over
-// the 8 consumer warps in warp order through shared memory. Each checksum slot has one
-// owner; no atomics. -DAEGIS_INJECT and -DAEGIS_NOSUMS variants as in gemm_mma.cu.
+// Epilogue (per consumer, no barrier shared between the two, so one's epilogue overlaps the
+// other's last wgmma): row sums reduce in-thread then over the 4 lanes of a row (one warp
+// owns each row); column sums reduce in-thread, over the 8 row-lanes by halving exchange,
+// then over the warpgroup's 4 warps in warp order through shared memory. Each checksum
+// slot has one owner; no atomics. -DAEGIS_INJECT and -DAEGIS_NOSUMS as in gemm_mma.cu.
 #include "common.cuh"
 
 #define BM 128
 #define BN 256
 #define BK 64
-#define CT 128  // checksum tile edge (matches gemm_mma.cu and the CPU backend)
+#define CTM 64   // checksum tile: 64 rows (one consumer warpgroup) x 128 columns (half the CTA
+#define CTN 128  // tile), as in gemm_mma.cu
 #ifndef STAGES
 #define STAGES 4
 #endif
@@ -102,7 +104,14 @@ __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.a
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
-__device__ __forceinline__ void consumer_bar() { asm volatile("bar.sync 1, 256;" ::: "memory"); }
+// Barrier of one consumer warpgroup only (ids 1, 2): the two consumers never wait on each
+// other in the epilogue, so one can run its epilogue while the other still issues wgmma.
+__device__ __forceinline__ void wg_bar(int c) {
+    if (c == 0)
+        asm volatile("bar.sync 1, 128;" ::: "memory");
+    else
+        asm volatile("bar.sync 2, 128;" ::: "memory");
+}
 
 // One step of the halving exchange: lanes LANE_XOR apart each give away HALF partials and
 // add the partner's copy of the ones they keep (upper: keep v[HALF..2*HALF)).
@@ -126,15 +135,12 @@ __device__ __forceinline__ void tile_coords(int t, int tiles_m, int tiles_n, int
     bc = r / gsz;
 }
 
-// Which mainloop fault (shift/skipk) a CTA tile runs under; both checksum tiles of the CTA
-// tile carry the same mode (the host expands the selection).
-__device__ __forceinline__ int cta_mode(const InjectParams& inj, int bm, int bc, int tn128, int smid) {
+// Which mainloop fault (shift/skipk) a CTA tile runs under: the host gives all checksum
+// tiles of a CTA tile the same mainloop mode, so its first one decides.
+__device__ __forceinline__ int cta_mode(const InjectParams& inj, int bm, int bc, int tnc, int smid) {
 #ifdef AEGIS_INJECT
-    int t0 = bm * tn128 + 2 * bc;
-    int m0 = inject_tile_mode(inj, t0, smid);
-    int m1 = (2 * bc + 1 < tn128) ? inject_tile_mode(inj, t0 + 1, smid) : TILE_NONE;
-    if (m0 == TILE_SHIFT || m1 == TILE_SHIFT) return TILE_SHIFT;
-    if (m0 == TILE_SKIPK || m1 == TILE_SKIPK) return TILE_SKIPK;
+    const int m = inject_tile_mode(inj, (2 * bm) * tnc + 2 * bc, smid);
+    if (m == TILE_SHIFT || m == TILE_SKIPK) return m;
 #endif
     return TILE_NONE;
 }
@@ -150,16 +156,15 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
     const uint32_t sA = smem_u32(smem);
     const uint32_t sB = sA + STAGES * A_STAGE_BYTES;
     uint64_t* bars = reinterpret_cast<uint64_t*>(smem + STAGES * (A_STAGE_BYTES + B_STAGE_BYTES));
-    float* red_col = reinterpret_cast<float*>(bars + 2 * STAGES);  // [8 warps][BN]
+    float* red_col = reinterpret_cast<float*>(bars + 2 * STAGES);  // [8 consumer warps][BN]
     const uint32_t full0 = smem_u32(bars), empty0 = smem_u32(bars + STAGES);
 
     const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
-    const int tm128 = (M + CT - 1) / CT, tn128 = (N + CT - 1) / CT;
+    const int tn128 = (N + CTN - 1) / CTN;
     const int n_tiles = tiles_m * tiles_n;
     const int KT = (K + BK - 1) / BK;
     const int smid = aegis_smid();
     const int wg = threadIdx.x >> 7;
-    (void)tm128;
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
@@ -252,11 +257,12 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
         const int col0 = bc * BN + 2 * tig;
 #ifdef AEGIS_INJECT
         {
-            const int t0 = bm * tn128 + 2 * bc;
-            const int mode0 = inject_tile_mode(inj, t0, smid);
-            const int mode1 = (2 * bc + 1 < tn128) ? inject_tile_mode(inj, t0 + 1, smid) : TILE_NONE;
-            const int e0 = inj.n_edits ? inj.edit_off[t0] : 0;
-            const int e1 = inj.n_edits ? inj.edit_off[min(t0 + 2, bm * tn128 + tn128)] : 0;
+            const int tr = 2 * bm + c, t0 = tr * tn128 + 2 * bc;  // this consumer's checksum tiles
+            const bool live = tr * CTM < M, two = 2 * bc + 1 < tn128;
+            const int mode0 = live ? inject_tile_mode(inj, t0, smid) : TILE_NONE;
+            const int mode1 = live && two ? inject_tile_mode(inj, t0 + 1, smid) : TILE_NONE;
+            const int e0 = live && inj.n_edits ? inj.edit_off[t0] : 0;
+            const int e1 = live && inj.n_edits ? inj.edit_off[t0 + (two ? 2 : 1)] : 0;
             auto pos = [&](int i, int& r, int& cc) {
                 r = row0 + 8 * ((i >> 1) & 1);
                 cc = col0 + (i >> 2) * 8 + (i & 1);
@@ -312,22 +318,28 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
 #pragma unroll
             for (int r = 0; r < 8; ++r) red_col[cw * BN + (4 * g + (r >> 1)) * 8 + 2 * tig + (r & 1)] = v[r];
         }
-        consumer_bar();
+        wg_bar(c);
         {
-            const int col = threadIdx.x - 128;  // 0..255
-            float s = red_col[col];
+            const int tr = 2 * bm + c, t = threadIdx.x & 127;  // each thread: columns t and t + 128
+            const float* p = red_col + 4 * c * BN;
 #pragma unroll
-            for (int w = 1; w < 8; ++w) s += red_col[w * BN + col];
-            const int cc = bc * BN + col;
-            if (cc < N) col_sums[(long long)bm * N + cc] = s;
-            if (col < 2 && 2 * bc + col < tn128) tile_sm[bm * tn128 + 2 * bc + col] = smid;
+            for (int hc = 0; hc < 2; ++hc) {
+                const int col = t + 128 * hc;
+                const float s = ((p[col] + p[BN + col]) + p[2 * BN + col]) + p[3 * BN + col];
+                const int cc = bc * BN + col;
+                if (cc < N && tr * CTM < M) col_sums[(long long)tr * N + cc] = s;
+            }
+            if (t < 2 && 2 * bc + t < tn128 && tr * CTM < M) tile_sm[tr * tn128 + 2 * bc + t] = smid;
         }
-        consumer_bar();  // red_col is reused by the next tile
+        wg_bar(c);  // red_col is reused by the next tile
 #else
         (void)row_sums;
         (void)col_sums;
         (void)red_col;
-        if (threadIdx.x - 128 < 2 && 2 * bc + (int)threadIdx.x - 128 < tn128) tile_sm[bm * tn128 + 2 * bc + threadIdx.x - 128] = smid;
+        {
+            const int tr = 2 * bm + c, t = threadIdx.x & 127;
+            if (t < 2 && 2 * bc + t < tn128 && tr * CTM < M) tile_sm[tr * tn128 + 2 * bc + t] = smid;
+        }
         // bf16 output straight from the accumulator; pairs as one 32-bit store
         const bool pair_ok = (N & 1) == 0;
 #pragma unroll

@@ -2,7 +2,9 @@
 
 Same contract as the CPU reference backend (cpu.py): bf16 operands stored as training
 stores them, fp32 accumulation, bf16 output, row/column checksums of the fp32 accumulator
-per (128, 128) checksum tile in a fixed order, and the SM that ran each tile.
+per (64, 128) checksum tile in a fixed order, and the SM that ran each tile. (64-row tiles:
+one consumer warpgroup of the wgmma kernel, one warp row of the mma kernel, so no two warp
+groups wait on each other to finish a column sum; finer tiles also localise better.)
 
 Kernels: ``gemm_wgmma.cu`` (TMA + wgmma, sm_90a) on Hopper when both operands suit TMA
 (16-byte aligned rows), otherwise ``gemm_mma.cu`` (mma.sync, any sm_80+ GPU, any pitch).
@@ -37,7 +39,8 @@ from aegis_cli.backends.base import Backend, Device, DeviceIdentity, GemmOperand
 from aegis_cli.errors import DeviceError, InjectSpecError
 from aegis_cli.inject import KSTEP, FaultPlan, FaultSpec, LaunchContext
 
-CHECK_TILE = (128, 128)  # checksum tile of both kernels (the wgmma CTA tile holds two)
+CHECK_TILE = (64, 128)  # checksum tile of both kernels
+CTA_TILES = {"wgmma": (2, 2), "mma": (2, 1)}  # checksum tiles per CTA tile (128x256, 128x128)
 _MMA_SMEM = 3 * 2 * (128 * 40) * 2  # STAGES · (A + B) · stage elements · 2 B (gemm_mma.cu)
 _WGMMA_STAGES = 4
 _WGMMA_SMEM = _WGMMA_STAGES * (128 * 64 * 2 + 256 * 64 * 2) + 16 * _WGMMA_STAGES + 8 * 256 * 4 + 1024
@@ -209,7 +212,7 @@ def _elementwise_acc(acc: _AccFaults, plan: FaultPlan, f: FaultSpec, rng: np.ran
         corrupt._record(plan, f, ctx, shape, flat, span=span, value=how)
 
 
-def _acc_faults(plan: FaultPlan, ctx: LaunchContext, m: int, n: int, k: int, pair_tiles: bool) -> _AccFaults | None:
+def _acc_faults(plan: FaultPlan, ctx: LaunchContext, m: int, n: int, k: int, cta: tuple[int, int]) -> _AccFaults | None:
     """Translate this launch's accumulator faults into kernel parameters (None: none fire)."""
     active = plan.active(ctx, "acc")
     if not active:
@@ -236,12 +239,12 @@ def _acc_faults(plan: FaultPlan, ctx: LaunchContext, m: int, n: int, k: int, pai
             acc.add(flat, EDIT_SET, 0 if mode == "zero" else _u32(float(f.get("value", "1.0"))))
             corrupt._record(plan, f, ctx, (m, n), flat, row=i, mode=mode)
         elif f.model == "tile":
-            _tile_fault(acc, plan, f, rng, ctx, tiles, k, pair_tiles)
+            _tile_fault(acc, plan, f, rng, ctx, tiles, k, cta)
     return acc
 
 
 def _tile_fault(acc: _AccFaults, plan: FaultPlan, f: FaultSpec, rng: np.random.Generator, ctx: LaunchContext,
-                tiles: tuple[int, int], k: int, pair_tiles: bool) -> None:
+                tiles: tuple[int, int], k: int, cta: tuple[int, int]) -> None:
     mode = f.get("mode", "zero")
     code = TILE_CODES[mode]
     if mode == "stuck":
@@ -254,8 +257,10 @@ def _tile_fault(acc: _AccFaults, plan: FaultPlan, f: FaultSpec, rng: np.random.G
         chosen = None
     else:
         chosen = corrupt._tiles_for(f, ctx, tiles, rng)
-        if pair_tiles and mode in ("shift", "skipk"):  # the wgmma CTA computes two checksum tiles in one main loop
-            chosen = sorted({(i, j2) for i, j in chosen for j2 in (j - j % 2, j - j % 2 + 1) if j2 < tiles[1]})
+        if mode in ("shift", "skipk"):  # a main-loop fault hits every checksum tile of the CTA tile
+            rs, cs = cta
+            chosen = sorted({(i - i % rs + di, j - j % cs + dj) for i, j in chosen for di in range(rs) for dj in range(cs)
+                             if i - i % rs + di < tiles[0] and j - j % cs + dj < tiles[1]})
         if acc.tile_mode is None:
             acc.tile_mode = np.zeros(tiles[0] * tiles[1], dtype=np.int8)
         for i, j in chosen:
@@ -391,9 +396,7 @@ class CudaDevice(Device):
         ops = GemmOperands(a, b, layout)
         m, n, k = ops.mnk
         a, b = _row_major(a), _row_major(b)
-        kind = kernel or self.kernel
-        if kind == "wgmma" and not (k > 0 and _tma_ok(a) and _tma_ok(b)):
-            kind = "mma"  # TMA needs 16-byte aligned rows
+        kind = self.kernel_for(a, b, k, kernel)
         tm, tn = self.tile
         dev = self.torch_device
         fill = float("nan") if self.poison else None
@@ -424,6 +427,13 @@ class CudaDevice(Device):
         stream = torch.cuda.current_stream(dev).cuda_stream
         return _Launch(kind, func, grid, block, smem, args, keep=[a, b, c, row_sums, col_sums, tile_sm], stream=stream)
 
+    def kernel_for(self, a: torch.Tensor, b: torch.Tensor, k: int, kernel: str | None = None) -> str:
+        """The kernel a launch will use: wgmma needs TMA-able operands (16-byte aligned rows)."""
+        kind = kernel or self.kernel
+        if kind == "wgmma" and not (k > 0 and _tma_ok(_row_major(a)) and _tma_ok(_row_major(b))):
+            return "mma"
+        return kind
+
     def checked_gemm(self, ops: GemmOperands, fault: FaultPlan | None = None, *, op: str = "",
                      clean_median: float | None = None) -> GemmResult:
         m, n, k = ops.mnk
@@ -440,7 +450,7 @@ class CudaDevice(Device):
         if fault is not None:
             ctx = LaunchContext(self.identity.id, op, self.tile, None, clean_median)
             a, b = self._operand_faults(fault, ctx, ops)
-            acc = _acc_faults(fault, ctx, m, n, k, pair_tiles=self.kernel == "wgmma")
+            acc = _acc_faults(fault, ctx, m, n, k, CTA_TILES[self.kernel_for(a, b, k)])
             if acc is not None:
                 inj, keep = _inject_params(acc, m, n, self.tile, self.torch_device)
         with torch.cuda.device(self.torch_device):
