@@ -112,13 +112,17 @@ class GemmProbe:
     """Runs GEMM cases on one device and turns what it sees into evidence."""
 
     def __init__(self, device: Device, thresholds: numerics.Thresholds, *, reruns: int = 5,
-                 fault: FaultPlan | None = None, on_case: Callable[[str], None] | None = None):
+                 fault: FaultPlan | None = None, on_case: Callable[[str], None] | None = None, keep_flagged: bool = False):
         self.device = device
         self.th = thresholds
         self.reruns = reruns
         self.fault = fault
         self.on_case = on_case or (lambda _cid: None)
         self.stats = ProbeStats()
+        # case id → the flagged run itself (C and fused sums as observed), for vTask capture;
+        # kept only on request since a 70B-shape C is 128 MiB of device memory
+        self.keep_flagged = keep_flagged
+        self.flagged_runs: dict[str, GemmResult] = {}
 
     # -- one group of scale variants -----------------------------------------------
     def run(self, case: GemmCase, scales: list[list[int]], only: str | None = None) -> list[Evidence]:
@@ -154,6 +158,8 @@ class GemmProbe:
                 base = res
             if signals and (only is None or cid == only):
                 evidence += self._confirm(case, ea, eb, res, signals, once)
+                if self.keep_flagged:
+                    self.flagged_runs[cid] = res
             self.on_case(cid)
         self.stats.seconds += time.perf_counter() - t0
         return evidence
