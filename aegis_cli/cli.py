@@ -154,7 +154,7 @@ def scan(devices, workload, seed, case, reruns, inject, save_vtasks, probes, gol
         rep = run_scan(opts, _progress_callback(progress if show else None))
     doc = rep.to_dict()
     if save_vtasks:
-        from aegis_cli.vtask import save_scan_vtasks
+        from aegis_cli.capture import save_scan_vtasks
 
         n = save_scan_vtasks(rep, opts, save_vtasks)
         err_console.print(f"saved {n} vTask(s) to {save_vtasks}", highlight=False)

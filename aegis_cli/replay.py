@@ -35,6 +35,7 @@ import torch
 from aegis_cli import numerics, vtask
 from aegis_cli.backends import resolve_devices
 from aegis_cli.backends.base import Device, GemmResult
+from aegis_cli.bundle import read_bundle
 from aegis_cli.errors import AegisError, BundleError, ConfigError
 from aegis_cli.inject import FaultPlan
 from aegis_cli.probes.gemm import ProbeStats, scaled, scaled_reference
@@ -399,7 +400,7 @@ def load_bundles(paths: list[str], max_bytes: int | None = None) -> list[vtask.B
     if not paths:
         raise BundleError("no bundle given")
     limits = vtask.Limits.from_env(max_bytes)
-    bundles = [vtask.read_bundle(p, limits) for p in paths]
+    bundles = [read_bundle(p, limits) for p in paths]
     if not any(b.vtasks for b in bundles):
         raise BundleError(f"bundle {', '.join(paths)}: holds no vTasks, nothing to replay")
     return bundles

@@ -18,8 +18,9 @@ import torch
 
 from aegis_cli import numerics
 from aegis_cli.backends.base import GemmOperands, Layout
+from aegis_cli.bundle import BundleWriter, read_bundle
 from aegis_cli.replay import DEFAULT_SCALES, ReplayOptions, run_replay
-from aegis_cli.vtask import BundleWriter, GemmSpec, VTask, read_bundle
+from aegis_cli.vtask import GemmSpec, VTask
 
 
 def small_vtask(i: int, m: int, n: int, k: int) -> VTask:

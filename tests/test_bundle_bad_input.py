@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from aegis_cli import cli, vtask
+from aegis_cli import cli
 from aegis_cli.backends.base import Layout
+from aegis_cli.bundle import BundleWriter, read_bundle
 from aegis_cli.errors import BundleError
-from aegis_cli.vtask import BundleWriter
+from aegis_cli.vtask import Limits
 from tests.test_vtask import make_vtask
 
 
@@ -200,7 +201,7 @@ def test_header_over_its_limit_is_refused_before_parsing(tmp_path):
     good = tmp_path / "good.aegis"
     _valid(good)
     with pytest.raises(BundleError, match=r"header declares \d+ bytes, over the limit of 100$"):
-        vtask.read_bundle(good, vtask.Limits(max_header=100))
+        read_bundle(good, Limits(max_header=100))
 
 
 def test_one_bad_bundle_spoils_the_whole_replay(tmp_path, capsys):
@@ -216,6 +217,6 @@ def test_one_bad_bundle_spoils_the_whole_replay(tmp_path, capsys):
 def test_empty_bundle_has_nothing_to_replay(tmp_path, capsys):
     path = tmp_path / "empty.aegis"
     assert BundleWriter(path).finalise() == 0
-    assert vtask.read_bundle(path).vtasks == []
+    assert read_bundle(path).vtasks == []
     code, _, err = run_cli(["replay", str(path), "--device", "cpu"], capsys)
     assert code == 3 and "holds no vTasks, nothing to replay" in err and len(err.strip().splitlines()) == 1

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from aegis_cli import cli, vtask
+from aegis_cli import capture, cli
 from aegis_cli.backends.base import Layout
+from aegis_cli.bundle import BundleWriter, read_bundle
 from aegis_cli.errors import ConfigError
 from aegis_cli.replay import ReplayOptions, parse_scales, run_replay
 from aegis_cli.scan import ScanOptions, run_scan
-from aegis_cli.vtask import BundleWriter, read_bundle
 from tests.test_vtask import make_vtask
 
 CASE = "cpu-quick/qkv/fwd/normal/192x384x256/s+0+0"
@@ -111,11 +111,11 @@ def test_intermittent_fault_is_inconsistent_between_runs(captured):
 
 
 def test_large_operands_are_saved_as_row_and_column_subsets(tmp_path, monkeypatch):
-    monkeypatch.setattr(vtask, "FULL_OPERANDS_LIMIT", 0)
+    monkeypatch.setattr(capture, "FULL_OPERANDS_LIMIT", 0)
     opts = ScanOptions(devices="cpu", case=CASE, reruns=1, probes=("gemm",), inject=FAULT)
     rep = run_scan(opts)
     path = tmp_path / "sub.aegis"
-    assert vtask.save_scan_vtasks(rep, opts, path) == 2
+    assert capture.save_scan_vtasks(rep, opts, path) == 2
     by_check = {v.check: v for v in read_bundle(path).vtasks}
     row, col = by_check["gemm.row_checksum"], by_check["gemm.col_checksum"]
     assert row.gemm.subset == "rows" and row.tensors["a"].shape == (len(row.gemm.rows), 256) and "col_sums" not in row.tensors

@@ -18,8 +18,9 @@ from hypothesis import strategies as st
 
 from aegis_cli import numerics, vtask
 from aegis_cli.backends.base import GemmOperands, Layout
+from aegis_cli.bundle import BundleWriter, read_bundle
 from aegis_cli.errors import BundleError
-from aegis_cli.vtask import BundleWriter, GemmSpec, VTask, read_bundle
+from aegis_cli.vtask import GemmSpec, VTask
 
 GOLDEN = Path(__file__).parent / "golden"
 GOLDEN_BUNDLE = GOLDEN / "bundle-v1.aegis"

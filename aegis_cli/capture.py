@@ -1,0 +1,145 @@
+"""Capture: a scan's flagged GEMM evidence as vTasks in a bundle (DESIGN §3)."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+from aegis_cli.backends.base import Layout
+from aegis_cli.bundle import BundleWriter
+from aegis_cli.vtask import GEMM_CHECKS, MAX_SAMPLES, MAX_STRING, GemmSpec, VTask
+
+if TYPE_CHECKING:
+    from aegis_cli.report import Report
+    from aegis_cli.scan import ScanOptions
+
+FULL_OPERANDS_LIMIT = 16 << 20  # writer policy: full operands up to this many bytes per vTask
+MAX_SUBSET = 1024  # writer policy: at most this many flagged rows/columns in a subset vTask
+
+
+def _flag_sets(res, ref, tau: float) -> tuple[list[int], list[int]]:
+    from aegis_cli import numerics
+
+    d_row = numerics.normalised_diff(res.row_sums, ref.row, ref.row_scale) > tau  # (M, nt_n)
+    d_col = numerics.normalised_diff(res.col_sums, ref.col, ref.col_scale) > tau  # (nt_m, N)
+    return (d_row.any(1).nonzero().flatten().cpu().tolist(), d_col.any(0).nonzero().flatten().cpu().tolist())
+
+
+def _sample_rows(ev, key: str) -> list[int]:
+    out = {int(s[key]) for s in ev.samples if isinstance(s.get(key), int)}
+    out |= {int(p[0 if key == "row" else 1]) for p in ev.localised}
+    return sorted(out)
+
+
+def capture_gemm_vtasks(device, case, evidence: list, fault, tau: float, confirm_margin: float, provenance: dict) -> list[VTask]:
+    """vTasks for the flagged evidence of one GEMM case (all at one scale): regenerate the
+    case's operands on ``device``, re-run it once (with ``fault`` when the scan injected one)
+    to record what the device produces, and keep the full operands when small, else the
+    flagged rows (row checks) or columns (column checks)."""
+    from aegis_cli import fingerprint
+    from aegis_cli.probes.gemm import scaled
+
+    ea, eb = evidence[0].scale
+    cid = evidence[0].case_id
+    ops = scaled(case.operands(device), ea, eb)
+    ref = device.reference_checksums(ops, device.tile)
+    clean_median = None
+    if fault is not None and fault.needs_clean_median():
+        base = case.operands(device)
+        clean = device.checked_gemm(base)
+        clean_median = float((clean.row_sums.double() - device.reference_checksums(base, device.tile).row).abs().median())
+    res = device.checked_gemm(ops, fault, op=cid, clean_median=clean_median)
+    frows, fcols = _flag_sets(res, ref, tau)
+    m, n, k = ops.mnk
+    full_bytes = 2 * (m * k + k * n + m * n) + 4 * (res.row_sums.numel() + res.col_sums.numel())
+    a, b = device.to_host(ops.a), device.to_host(ops.b)
+    c, rs, cs = device.to_host(res.c), device.to_host(res.row_sums), device.to_host(res.col_sums)
+    fps = {"c": fingerprint.hex64(fingerprint.fingerprint(c)), "row_sums": fingerprint.hex64(fingerprint.fingerprint(rs)),
+           "col_sums": fingerprint.hex64(fingerprint.fingerprint(cs))}
+    s = case.shape
+    out = []
+    for ev in evidence:
+        rows_flag = frows or _sample_rows(ev, "row")
+        cols_flag = fcols or _sample_rows(ev, "col")
+        spec = GemmSpec(layout=s.layout, m=m, n=n, k=k, tile=tuple(res.tile), flagged_rows=rows_flag[:MAX_SUBSET],
+                        flagged_cols=cols_flag[:MAX_SUBSET])
+        truncated = False
+        use_cols = ev.check == "gemm.col_checksum"
+        if full_bytes <= FULL_OPERANDS_LIMIT or not (cols_flag if use_cols else rows_flag):
+            tensors = {"a": a, "b": b, "c": c, "row_sums": rs, "col_sums": cs}
+        elif use_cols:
+            spec.cols = cols_flag[:MAX_SUBSET]
+            truncated = len(cols_flag) > MAX_SUBSET
+            idx = torch.tensor(spec.cols)
+            b_sub = b[idx] if s.layout is Layout.FWD else b[:, idx]
+            tensors = {"a": a, "b": b_sub.contiguous(), "c": c[:, idx].contiguous(), "col_sums": cs[:, idx].contiguous()}
+        else:
+            spec.rows = rows_flag[:MAX_SUBSET]
+            truncated = len(rows_flag) > MAX_SUBSET
+            idx = torch.tensor(spec.rows)
+            a_sub = a[:, idx] if s.layout is Layout.WGRAD else a[idx]
+            tensors = {"a": a_sub.contiguous(), "b": b, "c": c[idx].contiguous(), "row_sums": rs[idx].contiguous()}
+        observed = {"severity": ev.severity.value, "summary": ev.summary[:MAX_STRING], "max_normalised_diff": ev.max_value,
+                    "margin": ev.margin, "elements": ev.elements, "reruns": ev.reruns, "reproduced": ev.reproduced,
+                    "distinct_outputs": ev.distinct_outputs, "samples": [_clean_sample(x) for x in ev.samples[:MAX_SAMPLES]],
+                    "fingerprints": fps, "source": "re-run at save time on the capturing device", "truncated": truncated}
+        out.append(VTask(id=f"{provenance.get('device_id', 'dev')}/{cid}/{ev.check}", check=ev.check, op=s.op, gemm=spec,
+                         tensors=tensors, tau=tau, confirm_margin=confirm_margin, scale=(ea, eb), case_id=cid,
+                         seed=case.seed, dist=case.dist, observed={k: v for k, v in observed.items() if v is not None},
+                         provenance={**provenance, "kernel": res.kernel}))
+    return out
+
+
+def _clean_sample(s: dict) -> dict:
+    out = {}
+    for k, v in s.items():
+        if isinstance(v, (bool, int, str)) or (isinstance(v, list) and len(v) <= 4 and all(isinstance(e, int) for e in v)):
+            out[k] = v[:256] if isinstance(v, str) else v
+        elif isinstance(v, float):
+            out[k] = v if math.isfinite(v) else ("nan" if v != v else ("inf" if v > 0 else "-inf"))
+    return out
+
+
+def save_scan_vtasks(report: Report, opts: ScanOptions, path: str | os.PathLike) -> int:
+    """Save every flagged GEMM case of a scan as vTasks in one bundle; returns how many.
+
+    Operands are regenerated deterministically (same workload, seed, case) on the device
+    that flagged them. Evidence of non-GEMM checks is skipped (no vTask kind for it yet).
+    """
+    from aegis_cli import workloads
+    from aegis_cli.backends import resolve_devices
+    from aegis_cli.backends.loader import kernel_hashes
+    from aegis_cli.inject import FaultPlan
+    from aegis_cli.report import versions
+    from aegis_cli.scan import DEFAULT_CPU_WORKLOAD, DEFAULT_GPU_WORKLOAD, plan_cases
+
+    plan = FaultPlan.parse(opts.inject) if opts.inject else None
+    vers = versions()
+    rank = os.environ.get("RANK")
+    writer = BundleWriter(path)
+    for dr in report.devices:
+        ev_gemm = [e for e in dr.evidence if e.check in GEMM_CHECKS]
+        if not ev_gemm:
+            continue
+        device = resolve_devices(dr.identity.id)[0]
+        ident = dr.identity
+        wl = workloads.load(dr.workload or (DEFAULT_CPU_WORKLOAD if ident.backend == "cpu" else DEFAULT_GPU_WORKLOAD))
+        fault = plan.for_device(ident.id) if plan else None
+        prov = {"host": ident.host, "device_id": ident.id, "gpu_name": ident.name, "gpu_uuid": ident.uuid,
+                "gpu_serial": ident.serial, "pci_bus_id": ident.pci_bus_id, "rank": int(rank) if rank and rank.isdigit() else None,
+                "job": f"aegis scan (workload {wl.name}, seed {opts.seed})", "captured": report.started,
+                "command_line": [str(x)[:MAX_STRING] for x in report.command_line][:256],
+                "versions": {k: v for k, v in {**vers, "driver": ident.driver, "cuda": vers.get("torch_cuda")}.items() if v},
+                "kernel_hashes": kernel_hashes(), "injected": plan is not None}
+        prov = {k: v for k, v in prov.items() if v is not None}
+        by_case: dict[str, list] = {}
+        for e in ev_gemm:
+            by_case.setdefault(e.case_id, []).append(e)
+        for cid, evs in by_case.items():
+            case = plan_cases(wl, opts.seed, cid)[0]
+            for vt in capture_gemm_vtasks(device, case, evs, fault, opts.thresholds.tau, opts.thresholds.confirm_margin, prov):
+                writer.add(vt)
+    return writer.finalise()
