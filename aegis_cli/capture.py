@@ -126,7 +126,8 @@ def save_scan_vtasks(report: Report, opts: ScanOptions, path: str | os.PathLike)
             continue
         device = resolve_devices(dr.identity.id)[0]
         ident = dr.identity
-        wl = workloads.load(dr.workload or (DEFAULT_CPU_WORKLOAD if ident.backend == "cpu" else DEFAULT_GPU_WORKLOAD))
+        # the catalog the scan loaded: --workload may be a path, and dr.workload is only its name
+        wl = workloads.load(opts.workload or dr.workload or (DEFAULT_CPU_WORKLOAD if ident.backend == "cpu" else DEFAULT_GPU_WORKLOAD))
         fault = plan.for_device(ident.id) if plan else None
         prov = {"host": ident.host, "device_id": ident.id, "gpu_name": ident.name, "gpu_uuid": ident.uuid,
                 "gpu_serial": ident.serial, "pci_bus_id": ident.pci_bus_id, "rank": int(rank) if rank and rank.isdigit() else None,

@@ -14,6 +14,7 @@ from aegis_cli.bundle import BundleWriter, read_bundle
 from aegis_cli.errors import ConfigError
 from aegis_cli.replay import ReplayOptions, parse_scales, run_replay
 from aegis_cli.scan import ScanOptions, run_scan
+from tests.helpers import TINY
 from tests.test_vtask import make_vtask
 
 CASE = "cpu-quick/qkv/fwd/normal/192x384x256/s+0+0"
@@ -126,6 +127,14 @@ def test_large_operands_are_saved_as_row_and_column_subsets(tmp_path, monkeypatc
     # the row subset's row checksums are exactly the full GEMM's: the captured (corrupted) ones differ
     assert "row_sums differ from the capture" in outs["gemm.row_checksum"]["capture_comparison"]
     assert outs["gemm.row_checksum"]["replayed_shape"] == {"m": len(row.gemm.rows), "n": 384, "k": 256}
+
+
+def test_vtasks_of_a_scan_of_a_workload_file(tmp_path):
+    """``--workload PATH``: the saved cases come from that file, not from a catalog of its name."""
+    opts = ScanOptions(devices="cpu", workload=TINY, reruns=1, probes=("gemm",), inject=FAULT)
+    path = tmp_path / "tiny.aegis"
+    assert capture.save_scan_vtasks(run_scan(opts), opts, path) >= 2
+    assert {v.case_id.split("/")[0] for v in read_bundle(path).vtasks} == {"tiny"}
 
 
 def test_subset_vtask_matching_its_capture(tmp_path):
