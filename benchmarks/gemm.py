@@ -90,6 +90,33 @@ def bench_shape(dev, name: str, layout: Layout, m: int, n: int, k: int, reps: in
     return row
 
 
+def epilogue_split(reps: int = 12) -> list[dict]:
+    """Where the checksum epilogue's time goes (wgmma kernel): no sums, row sums only, column
+    sums only, both — interleaved, on a long-K and a short-K shape."""
+    from aegis_cli.backends import cuda
+
+    dev = cuda.CudaDevice(0, kernel="wgmma")
+    variants = {"none": ("nosums", {}), "rows": ("", {"AEGIS_NO_COLSUMS": 1}), "cols": ("", {"AEGIS_NO_ROWSUMS": 1}),
+                "both": ("", {})}
+    rows = []
+    for m, n, k in ((8192, 8192, 8192), (8192, 8192, 1024)):
+        sets = [(dev.generate((m, k), "normal", 300 + s), dev.generate((n, k), "normal", 400 + s)) for s in range(N_SETS)]
+        fns = {}
+        for name, (variant, defines) in variants.items():
+            cuda.WGMMA_DEFINES.clear()
+            cuda.WGMMA_DEFINES.update(defines)
+            launches = [dev.prepare(a, b, Layout.FWD, variant=variant) for a, b in sets]
+            fns[name] = lambda i, launches=launches: launches[i % N_SETS].run()
+        cuda.WGMMA_DEFINES.clear()
+        ms = _time(fns, reps)
+        row = {"m": m, "n": n, "k": k, **{f"{v}_tflops": 2.0 * m * n * k / t / 1e9 for v, t in ms.items()}}
+        row.update({f"{v}_cost": ms[v] / ms["none"] - 1.0 for v in ("rows", "cols", "both")})
+        print(f"epilogue split {m}x{n}x{k}: " + "  ".join(f"{v} {row[f'{v}_tflops']:.1f} TF" for v in variants)
+              + "  cost rows {rows_cost:+.1%} cols {cols_cost:+.1%} both {both_cost:+.1%}".format(**row), flush=True)
+        rows.append(row)
+    return rows
+
+
 def shapes() -> list[tuple[str, Layout, int, int, int]]:
     out = [("square-8192", lay, 8192, 8192, 8192) for lay in Layout]
     for g in workloads.load("llama3-70b").gemms():

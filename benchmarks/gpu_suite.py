@@ -114,9 +114,9 @@ def section_pytest(out: Path) -> dict:
     print(p.stderr[-20_000:])
     tail = [ln for ln in p.stdout.splitlines() if re.search(r"\d+ (passed|failed|error)", ln)]
     counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", tail[-1] if tail else "")}
-    worst = re.findall(r"(\w+): (\d+) clean GEMMs, worst normalised checksum difference ([\d.e+-]+)", p.stdout)
+    worst = re.findall(r"(\w+): (\d+) clean GEMMs, worst normalised checksum difference ([\d.e+-]+).*? at (.*)", p.stdout)
     return {"returncode": p.returncode, "counts": counts, "summary": tail[-1] if tail else "no summary",
-            "false_positive_runs": [{"kernel": k, "gemms": int(n), "worst": float(w)} for k, n, w in worst]}
+            "false_positive_runs": [{"kernel": k, "gemms": int(n), "worst": float(w), "at": at} for k, n, w, at in worst]}
 
 
 def section_gemm(out: Path) -> dict:
@@ -127,9 +127,13 @@ def section_gemm(out: Path) -> dict:
     rows = gemm.run(reps=reps)
     import torch
 
+    # the same square shapes again: the spread between the two is the noise floor of these figures
+    rows += [dict(r, name=r["name"] + "(repeat)") for r in gemm.run(reps=reps, only_square=True)]
+    split = []
     if torch.cuda.get_device_capability(0) == (9, 0):  # the portable path, for comparison
         rows += [dict(r, name=r["name"] + "(mma)") for r in gemm.run(reps=reps, kernel="mma", only_square=True)]
-    return {"rows": rows}
+        split = gemm.epilogue_split(reps)
+    return {"rows": rows, "epilogue_split": split}
 
 
 SECTIONS = [

@@ -157,6 +157,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
     const uint32_t sB = sA + STAGES * A_STAGE_BYTES;
     uint64_t* bars = reinterpret_cast<uint64_t*>(smem + STAGES * (A_STAGE_BYTES + B_STAGE_BYTES));
     float* red_col = reinterpret_cast<float*>(bars + 2 * STAGES);  // [8 consumer warps][BN]
+    (void)red_col;  // unused in the -DAEGIS_NOSUMS build
     const uint32_t full0 = smem_u32(bars), empty0 = smem_u32(bars + STAGES);
 
     const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
@@ -271,6 +272,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
         }
 #endif
 #ifndef AEGIS_NOSUMS
+#ifndef AEGIS_NO_ROWSUMS  // experiment knob: time the column sums alone
         // row sums: one per 128-column half, in-thread then over the 4 lanes of the row
 #pragma unroll
         for (int h = 0; h < 2; ++h)
@@ -284,6 +286,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
                 const int r = row0 + 8 * h, tc = 2 * bc + half;
                 if (tig == 0 && r < M && tc < tn128) row_sums[(long long)r * tn128 + tc] = s;
             }
+#endif  // AEGIS_NO_ROWSUMS
         // bf16 output before the column sums so the accumulator registers die as the
         // column partials are formed (both would not fit in the register budget together)
         const bool pair_ok = (N & 1) == 0;
@@ -304,6 +307,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
                 }
             }
         }
+#ifndef AEGIS_NO_COLSUMS  // experiment knob: time the row sums alone
         // column sums: in-thread (rows g, g+8), then over the 8 lanes that share a column by a
         // halving exchange (each step a lane sends half of its partials to its partner and keeps
         // the other half: 32+16+8 shuffles instead of 64x3), then over the 8 warps in order.
@@ -332,10 +336,10 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
             if (t < 2 && 2 * bc + t < tn128 && tr * CTM < M) tile_sm[tr * tn128 + 2 * bc + t] = smid;
         }
         wg_bar(c);  // red_col is reused by the next tile
+#endif  // AEGIS_NO_COLSUMS
 #else
         (void)row_sums;
         (void)col_sums;
-        (void)red_col;
         {
             const int tr = 2 * bm + c, t = threadIdx.x & 127;
             if (t < 2 && 2 * bc + t < tn128 && tr * CTM < M) tile_sm[tr * tn128 + 2 * bc + t] = smid;

@@ -421,7 +421,7 @@ class CudaDevice(Device):
             args = [ctypes.c_void_p(a.data_ptr()), ctypes.c_void_p(b.data_ptr()), *outs,
                     ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), ctypes.c_longlong(a.stride(0)),
                     ctypes.c_longlong(b.stride(0)), ctypes.c_int(vec[0]), ctypes.c_int(vec[1]), inj]
-            grid, block, smem = (rs_shape[1], cs_shape[0]), 256, _MMA_SMEM
+            grid, block, smem = (-(-n // 128), -(-m // 128)), 256, _MMA_SMEM  # one CTA per 128x128 output tile
         if grid[1] > 65535:
             raise DeviceError(f"M = {m} exceeds the mma kernel's grid limit")
         stream = torch.cuda.current_stream(dev).cuda_stream
