@@ -146,6 +146,9 @@ def run_scan(opts: ScanOptions, progress: Progress | None = None) -> Report:
     parse_probe_options(opts.probe_options)
     if opts.golden and "golden" not in opts.probes:
         opts.probes = (*opts.probes, "golden")
+    if opts.case is not None:  # re-run one case: only the probe that owns it (ids start with its name)
+        head = opts.case.split("/", 1)[0]
+        opts.probes = (head,) if head in PROBES or head in NODE_PROBES else ("gemm",)
     devices = resolve_devices(opts.devices)
     if opts.golden:
         from aegis_cli import golden

@@ -146,3 +146,12 @@ def test_default_scan_includes_the_bitwise_probes_and_stays_healthy():
     d = rep.devices[0]
     assert d.verdict.value == "HEALTHY", [e.summary for e in d.evidence]
     assert {"determinism", "pow2", "memory", "crossdevice"} <= set(d.probe_stats)
+
+
+def test_case_rerun_runs_only_the_owning_probe_and_computation():
+    spec = "memflip:op=determinism/matmul/run1"
+    rep = run_scan(ScanOptions(devices="cpu:0", probes=("gemm", "determinism", "pow2"), inject=spec,
+                               case="determinism/matmul/128x192x256"))
+    d = rep.devices[0]
+    assert set(d.probe_stats) == {"determinism"} and set(d.probe_stats["determinism"]["computations"]) == {"matmul"}
+    assert [e.case_id for e in d.evidence] == ["determinism/matmul/128x192x256"]

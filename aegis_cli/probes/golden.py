@@ -31,7 +31,10 @@ def golden_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     seed, block = int(doc["seed"]), int(doc["block"])
     evidence: list[Evidence] = []
     checked = 0
+    only = ctx.opts.case.split("/")[1] if ctx.opts.case and ctx.opts.case.startswith("golden/") else None
     for name, want in rec["computations"].items():
+        if only is not None and name != only:
+            continue
         tensors, got = golden.fingerprint_outputs(device, name, seed, ctx.fault)
         ctx.progress("case", device=device.identity.id, case=f"golden/{name}")
         bad = [o for o, v in want["outputs"].items() if got.get(o, {}).get("fingerprint") != v["fingerprint"]]

@@ -155,7 +155,10 @@ def pow2_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
 
         raise ConfigError(f"pow2.step must lie in 1…128, got {step}")
     evidence, stats = [], {}
-    for impl in IMPLS:
+    impls = IMPLS
+    if ctx.opts.case and ctx.opts.case.startswith("pow2/"):
+        impls = tuple(i for i in IMPLS if ctx.opts.case.split("/")[1] == i)  # --case pow2/IMPL/SHAPE
+    for impl in impls:
         st, ev = sweep(device, impl, step, ctx)
         stats[impl] = st
         if ev is not None:
