@@ -27,15 +27,19 @@ from aegis_cli.workloads import Workload
 class CleanStats:
     gemms: int = 0
     checksums: int = 0
-    values: list[float] = field(default_factory=list)  # per-GEMM max normalised difference
+    values: list[float] = field(default_factory=list)  # per seed: largest normalised difference
+    ratios: list[float] = field(default_factory=list)  # per seed: largest (difference ÷ the case's τ)
     flagged: int = 0
 
     @property
     def clean_max(self) -> float:
         return max(self.values, default=0.0)
 
-    def margin(self, tau: float) -> float:
-        return tau / self.clean_max if self.clean_max > 0 else math.inf
+    @property
+    def margin(self) -> float:
+        """τ ÷ the largest clean value, taken case by case (τ may depend on K and device)."""
+        worst = max(self.ratios, default=0.0)
+        return 1.0 / worst if worst > 0 else math.inf
 
 
 def clean_distribution(device: Device, wl: Workload, seeds: list[int], th: numerics.Thresholds) -> CleanStats:
@@ -49,6 +53,7 @@ def clean_distribution(device: Device, wl: Workload, seeds: list[int], th: numer
         out.gemms += probe.stats.gemms
         out.checksums += probe.stats.checksums
         out.values.append(probe.stats.clean_max)
+        out.ratios.append(probe.stats.clean_ratio)
     return out
 
 
@@ -88,6 +93,7 @@ def _bf16_row_diff(c: torch.Tensor, ref_row: torch.Tensor, scale: torch.Tensor, 
 def sensitivity(device: Device, rs: list[float], *, trials: int = 100, m: int = 256, n: int = 256, k: int = 1024,
                 rate: float = 2e-4, n_inputs: int = 4, th: numerics.Thresholds | None = None, seed: int = 0) -> SensitivityResult:
     th = th or numerics.Thresholds()
+    tau = th.tau_for(device, k)
     tm, tn = device.tile
     inputs = []
     clean32, clean16, medians = 0.0, 0.0, []
@@ -103,7 +109,7 @@ def sensitivity(device: Device, rs: list[float], *, trials: int = 100, m: int = 
         medians.append(float((res.row_sums.double() - ref.row).abs().median()))
         inputs.append((ops, ref))
     # the bf16 mode gets the same margin over its own clean maximum as the fp32 mode has
-    tau16 = clean16 * (th.tau / clean32) if clean32 > 0 else th.tau_bf16
+    tau16 = clean16 * (tau / clean32) if clean32 > 0 else th.tau_bf16
     rate32, rate16 = [], []
     for r in rs:
         hit32 = hit16 = 0
@@ -113,8 +119,8 @@ def sensitivity(device: Device, rs: list[float], *, trials: int = 100, m: int = 
             res = device.checked_gemm(ops, plan, op=f"sensitivity/{t}", clean_median=medians[t % n_inputs])
             d_row = numerics.normalised_diff(res.row_sums, ref.row, ref.row_scale)
             d_col = numerics.normalised_diff(res.col_sums, ref.col, ref.col_scale)
-            hit32 += bool((d_row > th.tau).any() or (d_col > th.tau).any())
+            hit32 += bool((d_row > tau).any() or (d_col > tau).any())
             hit16 += bool((_bf16_row_diff(res.c, ref.row, ref.row_scale, tn) > tau16).any())
         rate32.append(hit32 / trials)
         rate16.append(hit16 / trials)
-    return SensitivityResult(list(rs), rate32, rate16, th.tau, tau16, clean32, clean16, trials, (m, n, k))
+    return SensitivityResult(list(rs), rate32, rate16, tau, tau16, clean32, clean16, trials, (m, n, k))

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from aegis_cli.backends.base import Layout
+from aegis_cli.backends.base import GemmResult, Layout
 from aegis_cli.bundle import BundleWriter
 from aegis_cli.vtask import GEMM_CHECKS, MAX_SAMPLES, MAX_STRING, GemmSpec, VTask
 
@@ -34,11 +34,13 @@ def _sample_rows(ev, key: str) -> list[int]:
     return sorted(out)
 
 
-def capture_gemm_vtasks(device, case, evidence: list, fault, tau: float, confirm_margin: float, provenance: dict) -> list[VTask]:
+def capture_gemm_vtasks(device, case, evidence: list, fault, tau: float, confirm_margin: float, provenance: dict,
+                        flagged_run: GemmResult | None = None) -> list[VTask]:
     """vTasks for the flagged evidence of one GEMM case (all at one scale): regenerate the
-    case's operands on ``device``, re-run it once (with ``fault`` when the scan injected one)
-    to record what the device produces, and keep the full operands when small, else the
-    flagged rows (row checks) or columns (column checks)."""
+    case's operands on ``device``; take C and the fused sums from ``flagged_run`` (the
+    flagged run itself, as the scan saw it) or, without it, from one re-run (with ``fault``
+    when the scan injected one), which an intermittent fault may not repeat; keep the full
+    operands when small, else the flagged rows (row checks) or columns (column checks)."""
     from aegis_cli import fingerprint
     from aegis_cli.probes.gemm import scaled
 
@@ -46,12 +48,16 @@ def capture_gemm_vtasks(device, case, evidence: list, fault, tau: float, confirm
     cid = evidence[0].case_id
     ops = scaled(case.operands(device), ea, eb)
     ref = device.reference_checksums(ops, device.tile)
-    clean_median = None
-    if fault is not None and fault.needs_clean_median():
-        base = case.operands(device)
-        clean = device.checked_gemm(base)
-        clean_median = float((clean.row_sums.double() - device.reference_checksums(base, device.tile).row).abs().median())
-    res = device.checked_gemm(ops, fault, op=cid, clean_median=clean_median)
+    if flagged_run is not None:
+        res, source = flagged_run, "the flagged scan run, as observed"
+    else:
+        clean_median = None
+        if fault is not None and fault.needs_clean_median():
+            base = case.operands(device)
+            clean = device.checked_gemm(base)
+            clean_median = float((clean.row_sums.double() - device.reference_checksums(base, device.tile).row).abs().median())
+        res = device.checked_gemm(ops, fault, op=cid, clean_median=clean_median)
+        source = "re-run at save time on the capturing device"
     frows, fcols = _flag_sets(res, ref, tau)
     m, n, k = ops.mnk
     full_bytes = 2 * (m * k + k * n + m * n) + 4 * (res.row_sums.numel() + res.col_sums.numel())
@@ -85,7 +91,7 @@ def capture_gemm_vtasks(device, case, evidence: list, fault, tau: float, confirm
         observed = {"severity": ev.severity.value, "summary": ev.summary[:MAX_STRING], "max_normalised_diff": ev.max_value,
                     "margin": ev.margin, "elements": ev.elements, "reruns": ev.reruns, "reproduced": ev.reproduced,
                     "distinct_outputs": ev.distinct_outputs, "samples": [_clean_sample(x) for x in ev.samples[:MAX_SAMPLES]],
-                    "fingerprints": fps, "source": "re-run at save time on the capturing device", "truncated": truncated}
+                    "fingerprints": fps, "source": source, "truncated": truncated}
         out.append(VTask(id=f"{provenance.get('device_id', 'dev')}/{cid}/{ev.check}", check=ev.check, op=s.op, gemm=spec,
                          tensors=tensors, tau=tau, confirm_margin=confirm_margin, scale=(ea, eb), case_id=cid,
                          seed=case.seed, dist=case.dist, observed={k: v for k, v in observed.items() if v is not None},
@@ -107,7 +113,9 @@ def save_scan_vtasks(report: Report, opts: ScanOptions, path: str | os.PathLike)
     """Save every flagged GEMM case of a scan as vTasks in one bundle; returns how many.
 
     Operands are regenerated deterministically (same workload, seed, case) on the device
-    that flagged them. Evidence of non-GEMM checks is skipped (no vTask kind for it yet).
+    that flagged them. The observed C and fused sums are the flagged run's own when the scan
+    kept it (``ScanOptions.keep_flagged`` → ``DeviceReport.captured``), else a re-run's.
+    Evidence of non-GEMM checks is skipped (no vTask kind for it yet).
     """
     from aegis_cli import workloads
     from aegis_cli.backends import resolve_devices
@@ -141,6 +149,7 @@ def save_scan_vtasks(report: Report, opts: ScanOptions, path: str | os.PathLike)
             by_case.setdefault(e.case_id, []).append(e)
         for cid, evs in by_case.items():
             case = plan_cases(wl, opts.seed, cid)[0]
-            for vt in capture_gemm_vtasks(device, case, evs, fault, opts.thresholds.tau, opts.thresholds.confirm_margin, prov):
+            for vt in capture_gemm_vtasks(device, case, evs, fault, opts.thresholds.tau, opts.thresholds.confirm_margin, prov,
+                                          flagged_run=dr.captured.get(cid)):
                 writer.add(vt)
     return writer.finalise()

@@ -136,7 +136,7 @@ def scan(devices, workload, seed, case, reruns, inject, save_vtasks, probes, gol
 
     opts = ScanOptions(devices=devices, workload=workload, seed=seed, reruns=reruns, inject=inject, case=case,
                        probes=tuple(p.strip() for p in probes.split(",") if p.strip()), golden=golden,
-                       thresholds=_thresholds(threshold, confirm_margin), command_line=["aegis", *sys.argv[1:]])
+                       thresholds=_thresholds(threshold, confirm_margin), command_line=["aegis", *sys.argv[1:]], keep_flagged=bool(save_vtasks))
     for item in probe_options:
         key, eq, value = item.partition("=")
         if not eq:

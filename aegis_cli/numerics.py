@@ -124,6 +124,11 @@ class Thresholds:
     # sits ≥ 10× above the largest clean value, so by default any reproducible flag is confirmed
     confirm_margin: float = 1.0
 
+    def tau_for(self, device, k: int) -> float:
+        """τ for one K-deep GEMM on ``device``: the calibrated floor, raised to the device's
+        accumulation bound where its matrix unit truncates (tensor cores: docs/calibration.md)."""
+        return max(self.tau, device.accumulation_bound(k))
+
     def __post_init__(self) -> None:
         if not (0 < self.tau < 1 and 0 < self.tau_bf16 < 1):
             raise ConfigError(f"thresholds must lie in (0, 1), got tau={self.tau}, tau_bf16={self.tau_bf16}")

@@ -71,13 +71,16 @@ class DeviceReport:
     error: str | None = None
     seconds: float = 0.0
     probe_stats: dict = field(default_factory=dict)  # other probes' JSON-able summaries
+    # case id → the flagged run as observed (GemmResult; only with ScanOptions.keep_flagged), for
+    # --save-vtasks; holds tensors, so never serialised (not in to_dict) nor compared
+    captured: dict = field(default_factory=dict, repr=False, compare=False)
 
     def to_dict(self, tau: float) -> dict:
         s = self.stats
         noise = None
         if s is not None and s.checksums:
             noise = {"threshold": tau, "clean_max": s.clean_max,
-                     "margin": (tau / s.clean_max) if s.clean_max > 0 else None}
+                     "margin": (1.0 / s.clean_ratio) if s.clean_ratio > 0 else None}
         return {
             "device": self.identity.to_dict(),
             "verdict": self.verdict.value,

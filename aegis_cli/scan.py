@@ -40,6 +40,7 @@ class ScanOptions:
     probe_options: dict[str, str] = field(default_factory=dict)  # "probe.key" → value (--probe-option)
     thresholds: numerics.Thresholds = field(default_factory=numerics.Thresholds)
     command_line: list[str] = field(default_factory=list)
+    keep_flagged: bool = False  # keep each flagged GEMM run as observed, for --save-vtasks (DeviceReport.captured)
 
 
 def _workload_for(opts: ScanOptions, device: Device) -> workloads.Workload:
@@ -64,12 +65,13 @@ def gemm_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     opts = ctx.opts
     wl = _workload_for(opts, device)
     ctx.stats["workload"] = wl.name
-    probe = GemmProbe(device, opts.thresholds, reruns=opts.reruns, fault=ctx.fault,
+    probe = GemmProbe(device, opts.thresholds, reruns=opts.reruns, fault=ctx.fault, keep_flagged=opts.keep_flagged,
                       on_case=lambda cid: ctx.progress("case", device=device.identity.id, case=cid))
     evidence: list[Evidence] = []
     for case in plan_cases(wl, opts.seed, opts.case):
         evidence += probe.run(case, wl.scan.scales, only=opts.case)
     ctx.stats["gemm"] = probe.stats
+    ctx.captured.update(probe.flagged_runs)
     return evidence
 
 
@@ -95,6 +97,7 @@ def scan_device(device: Device, opts: ScanOptions, fault: FaultPlan | None, prog
     dr.workload = ctx.stats.pop("workload", "")
     dr.stats = ctx.stats.pop("gemm", None)
     dr.probe_stats = ctx.stats
+    dr.captured = ctx.captured
     dr.seconds = time.time() - t0
     progress("device_done", device=device.identity.id, verdict=dr.verdict.value)
     return dr

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from aegis_cli import capture, cli
+from aegis_cli.backends import resolve_devices
 from aegis_cli.backends.base import Layout
 from aegis_cli.bundle import BundleWriter, read_bundle
 from aegis_cli.errors import ConfigError
@@ -57,6 +58,7 @@ def test_scan_saves_the_flagged_case_as_vtasks(captured):
         assert v.provenance["injected"] is True and v.provenance["device_id"] == "cpu:0"
         assert v.provenance["gpu_uuid"].startswith("CPU-") and "torch" in v.provenance["versions"]
         assert v.observed["severity"] == "FAULTY" and v.observed["elements"] >= 1
+        assert v.observed["source"] == "the flagged scan run, as observed"  # --save-vtasks keeps flagged runs
         assert set(v.tensors) == {"a", "b", "c", "row_sums", "col_sums"}
     assert b.vtasks[0].tensors["a"] is b.vtasks[1].tensors["a"]  # stored once
 
@@ -115,10 +117,12 @@ def test_large_operands_are_saved_as_row_and_column_subsets(tmp_path, monkeypatc
     monkeypatch.setattr(capture, "FULL_OPERANDS_LIMIT", 0)
     opts = ScanOptions(devices="cpu", case=CASE, reruns=1, probes=("gemm",), inject=FAULT)
     rep = run_scan(opts)
+    assert rep.devices[0].captured == {}  # not asked to keep the flagged runs: saving re-runs the case
     path = tmp_path / "sub.aegis"
     assert capture.save_scan_vtasks(rep, opts, path) == 2
     by_check = {v.check: v for v in read_bundle(path).vtasks}
     row, col = by_check["gemm.row_checksum"], by_check["gemm.col_checksum"]
+    assert row.observed["source"] == col.observed["source"] == "re-run at save time on the capturing device"
     assert row.gemm.subset == "rows" and row.tensors["a"].shape == (len(row.gemm.rows), 256) and "col_sums" not in row.tensors
     assert col.gemm.subset == "cols" and col.tensors["b"].shape == (len(col.gemm.cols), 256) and "row_sums" not in col.tensors
     clean = run_replay(ReplayOptions(bundles=[str(path)], devices="cpu", repeat=2))
@@ -135,6 +139,43 @@ def test_vtasks_of_a_scan_of_a_workload_file(tmp_path):
     path = tmp_path / "tiny.aegis"
     assert capture.save_scan_vtasks(run_scan(opts), opts, path) >= 2
     assert {v.case_id.split("/")[0] for v in read_bundle(path).vtasks} == {"tiny"}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def test_intermittent_fault_saves_the_flagged_run_as_observed(tmp_path):
+    """An intermittent fault need not strike again when the vTask is saved: the observed
+    outputs are the flagged run's own, corruption included, and a clean replay says so."""
+    fault = "bitflip:bit=exp,prob=0.3,seed=5"  # seed 5: the s+0+0 run is clean, its s-8+8 variant is hit
+    opts = ScanOptions(devices="cpu", workload=TINY, reruns=3, probes=("gemm",), inject=fault, keep_flagged=True)
+    rep = run_scan(opts)
+    dr = rep.devices[0]
+    assert dr.verdict.value == "FAULTY" and set(dr.captured) == {e.case_id for e in dr.evidence}
+    assert all(cid.endswith("/s-8+8") for cid in dr.captured)
+    assert "captured" not in rep.to_dict()["devices"][0]  # tensors stay out of the report
+    path = tmp_path / "flagged.aegis"
+    assert capture.save_scan_vtasks(rep, opts, path) == len(dr.evidence)
+    cpu = resolve_devices("cpu")[0]
+    for vt in read_bundle(path).vtasks:
+        run = dr.captured[vt.case_id]
+        assert vt.observed["source"] == "the flagged scan run, as observed"
+        for role in ("c", "row_sums", "col_sums"):
+            assert torch.equal(_bits(vt.tensors[role]), _bits(getattr(run, role))), role
+        clean = cpu.checked_gemm(vt.operands())
+        assert not torch.equal(_bits(vt.tensors["c"]), _bits(clean.c))  # the corruption was captured
+    # without the kept run, saving re-runs the case, and this fault's next launch is clean
+    dr.captured = {}
+    rerun = tmp_path / "rerun.aegis"
+    capture.save_scan_vtasks(rep, opts, rerun)
+    vt = read_bundle(rerun).vtasks[0]
+    assert vt.observed["source"] == "re-run at save time on the capturing device"
+    assert torch.equal(_bits(vt.tensors["c"]), _bits(cpu.checked_gemm(vt.operands()).c))
+    # replayed without the fault: not reproduced, and the capture's corrupted outputs differ
+    outs = run_replay(ReplayOptions(bundles=[str(path)], devices="cpu", repeat=2)).devices[0].probe_stats["replay"]["outcomes"]
+    assert outs and all(o["outcome"] == "not_reproduced" and o["label"] == "not reproduced here" for o in outs)
+    assert all(o["matches_capture"] is False and "differ from the capture" in o["capture_comparison"] for o in outs)
 
 
 def test_subset_vtask_matching_its_capture(tmp_path):

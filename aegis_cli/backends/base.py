@@ -157,6 +157,13 @@ class Device(abc.ABC):
     def fingerprint(self, t: torch.Tensor) -> int:
         """64-bit fingerprint of the tensor's raw bits (aegis_cli.fingerprint)."""
 
+    def accumulation_bound(self, k: int) -> float:
+        """Normalised bound (÷ s) on how far this device's fp32 accumulation of a K-deep dot
+        product may drift from round-to-nearest summation. 0 for a path that rounds to
+        nearest after every add (its error does not grow with K relative to s); matrix units
+        that truncate per MMA step override it (numerics.Thresholds.tau_for)."""
+        return 0.0
+
     def synchronize(self) -> None:  # noqa: B027 - CPU needs nothing
         """Wait for queued work; raise DeviceError on an asynchronous failure."""
 

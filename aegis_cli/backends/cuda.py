@@ -380,7 +380,12 @@ class CudaDevice(Device):
         return numerics.reference_checksums(ops, tile)
 
     def fingerprint(self, t: torch.Tensor) -> int:
-        return fingerprint.fingerprint(t)
+        return fingerprint.device_fingerprint(t)  # the GPU kernel for CUDA tensors, same value as the CPU twin
+
+    def accumulation_bound(self, k: int) -> float:
+        # mma.sync / wgmma accumulate fp32 with truncation: each 16-deep MMA step may lose one ulp
+        # of the running sum and one of its largest product, both ≤ s per element: 2·(K/16)·2⁻²³
+        return k * 2.0**-26
 
     def synchronize(self) -> None:
         try:

@@ -33,6 +33,7 @@ class ProbeContext:
     fault: FaultPlan | None
     progress: Callable[..., None]  # progress("case", device=..., case=...)
     stats: dict[str, Any] = field(default_factory=dict)
+    captured: dict[str, Any] = field(default_factory=dict)  # case id → a run kept as observed (never serialised)
 
     def option(self, probe: str, key: str) -> Any:
         """The value of ``--probe-option probe.key=…`` converted to its declared type, else its default."""

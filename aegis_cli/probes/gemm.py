@@ -73,6 +73,7 @@ class ProbeStats:
     checksums: int = 0
     skipped_scales: int = 0
     clean_max: float = 0.0  # largest normalised difference among unflagged checksums
+    clean_ratio: float = 0.0  # largest (normalised difference ÷ that case's τ) among unflagged checksums
     seconds: float = 0.0
 
     def merge(self, o: ProbeStats) -> None:
@@ -81,6 +82,7 @@ class ProbeStats:
         self.checksums += o.checksums
         self.skipped_scales += o.skipped_scales
         self.clean_max = max(self.clean_max, o.clean_max)
+        self.clean_ratio = max(self.clean_ratio, o.clean_ratio)
         self.seconds += o.seconds
 
 
@@ -131,6 +133,7 @@ class GemmProbe:
         base_ops = case.operands(dev)
         tile = dev.tile
         base_ref = dev.reference_checksums(base_ops, tile)
+        tau = self.th.tau_for(dev, case.shape.k)
         clean_median = None
         if self.fault is not None and self.fault.needs_clean_median():
             clean = dev.checked_gemm(base_ops)
@@ -150,14 +153,14 @@ class GemmProbe:
 
             def once(ops=ops, ref=ref, expected=expected, cid=cid):
                 res = dev.checked_gemm(ops, self.fault, op=cid, clean_median=clean_median)
-                return res, self._signals(res, ref, expected)
+                return res, self._signals(res, ref, expected, tau)
 
             res, signals = once()
             self._count(case.shape, res)
             if (ea, eb) == (0, 0):
                 base = res
             if signals and (only is None or cid == only):
-                evidence += self._confirm(case, ea, eb, res, signals, once)
+                evidence += self._confirm(case, ea, eb, res, signals, once, tau)
                 if self.keep_flagged:
                     self.flagged_runs[cid] = res
             self.on_case(cid)
@@ -170,9 +173,8 @@ class GemmProbe:
         self.stats.checksums += res.row_sums.numel() + res.col_sums.numel()
 
     # -- checks ----------------------------------------------------------------------
-    def _signals(self, res: GemmResult, ref: ReferenceChecksums, expected: torch.Tensor | None) -> list[Signal]:
+    def _signals(self, res: GemmResult, ref: ReferenceChecksums, expected: torch.Tensor | None, tau: float) -> list[Signal]:
         tm, tn = res.tile
-        tau = self.th.tau
         out: list[Signal] = []
         d_row = numerics.normalised_diff(res.row_sums, ref.row, ref.row_scale)  # (M, nt_n)
         d_col = numerics.normalised_diff(res.col_sums, ref.col, ref.col_scale)  # (nt_m, N)
@@ -180,6 +182,7 @@ class GemmProbe:
         clean = torch.cat([d_row[~row_flag].reshape(-1), d_col[~col_flag].reshape(-1)])
         if clean.numel():
             self.stats.clean_max = max(self.stats.clean_max, float(clean.max()))
+            self.stats.clean_ratio = max(self.stats.clean_ratio, float(clean.max()) / tau)
         tile_sm = res.tile_sm.cpu() if res.tile_sm is not None else None
         loc = self._localise(row_flag, col_flag, tm, tn)
         for check, d, flag, sums, refv, is_row in (("gemm.row_checksum", d_row, row_flag, res.row_sums, ref.row, True),
@@ -260,7 +263,7 @@ class GemmProbe:
         return out
 
     # -- confirmation ------------------------------------------------------------------
-    def _confirm(self, case: GemmCase, ea: int, eb: int, res: GemmResult, signals: list[Signal], once) -> list[Evidence]:
+    def _confirm(self, case: GemmCase, ea: int, eb: int, res: GemmResult, signals: list[Signal], once, tau: float) -> list[Evidence]:
         fp = lambda r: (fingerprint.fingerprint(r.c), fingerprint.fingerprint(r.row_sums), fingerprint.fingerprint(r.col_sums))
         prints = {fp(res)}
         seen = {s.check: 0 for s in signals}
@@ -281,8 +284,8 @@ class GemmProbe:
                           distinct_outputs=len(prints), kernel=res.kernel,
                           injected=list(self.fault.injected[-4:]) if self.fault is not None else [])
             if sig.check in ("gemm.row_checksum", "gemm.col_checksum"):
-                ev.threshold, ev.max_value = self.th.tau, sig.max_value
-                ev.margin = sig.max_value / self.th.tau if math.isfinite(sig.max_value) else math.inf
+                ev.threshold, ev.max_value = tau, sig.max_value
+                ev.margin = sig.max_value / tau if math.isfinite(sig.max_value) else math.inf
             else:
                 ev.max_value = sig.max_value
             ev.severity, why = self._judge(ev, sig.check)
