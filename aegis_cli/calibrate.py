@@ -94,7 +94,7 @@ def sensitivity(device: Device, rs: list[float], *, trials: int = 100, m: int = 
                 rate: float = 2e-4, n_inputs: int = 4, th: numerics.Thresholds | None = None, seed: int = 0) -> SensitivityResult:
     th = th or numerics.Thresholds()
     tau = th.tau_for(device, k)
-    tm, tn = device.tile
+    _tm, tn = device.tile
     inputs = []
     clean32, clean16, medians = 0.0, 0.0, []
     for i in range(n_inputs):  # clean runs: per-input median |Δ| and both clean maxima

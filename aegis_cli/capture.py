@@ -149,7 +149,7 @@ def save_scan_vtasks(report: Report, opts: ScanOptions, path: str | os.PathLike)
             by_case.setdefault(e.case_id, []).append(e)
         for cid, evs in by_case.items():
             case = plan_cases(wl, opts.seed, cid)[0]
-            for vt in capture_gemm_vtasks(device, case, evs, fault, opts.thresholds.tau, opts.thresholds.confirm_margin, prov,
+            for vt in capture_gemm_vtasks(device, case, evs, fault, opts.thresholds.tau_for(device, case.shape.k), opts.thresholds.confirm_margin, prov,
                                           flagged_run=dr.captured.get(cid)):
                 writer.add(vt)
     return writer.finalise()

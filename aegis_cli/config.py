@@ -16,7 +16,6 @@ import yaml
 
 from aegis_cli.errors import ConfigError
 
-
 _PLAIN_TAGS = {f"tag:yaml.org,2002:{t}" for t in ("str", "int", "float", "bool", "null", "map", "seq")}
 
 

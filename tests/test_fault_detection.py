@@ -130,7 +130,7 @@ def test_output_store_faults_caught_by_output_checks(bit):
 
 @pytest.mark.parametrize("mode", ["zero", "stuck", "shift", "skipk"])
 def test_tile_faults_name_the_tile(mode):
-    ev, plan = run_fault(f"tile:mode={mode},tile=1.0")
+    ev, _plan = run_fault(f"tile:mode={mode},tile=1.0")
     assert worst(e.severity for e in ev) is Verdict.FAULTY
     for e in ev:
         assert e.tiles and all(t[0] == 1 for t in e.tiles if e.check == "gemm.row_checksum"), e.tiles
@@ -145,10 +145,10 @@ def test_sm_pinned_fault_names_that_sm():
 
 
 def test_every_nth_tile_and_row_faults():
-    ev, plan = run_fault("tile:mode=stuck,value=3,every=3")
+    ev, _ = run_fault("tile:mode=stuck,value=3,every=3")
     assert worst(e.severity for e in ev) is Verdict.FAULTY
     assert {tuple(t) for e in ev for t in e.tiles} >= {(0, 0), (1, 1)}
-    ev, plan = run_fault("row:mode=zero,row=17")
+    ev, _plan = run_fault("row:mode=zero,row=17")
     assert worst(e.severity for e in ev) is Verdict.FAULTY
     assert {s["row"] for e in ev if e.check == "gemm.row_checksum" for s in e.samples} == {17}
 
@@ -160,7 +160,7 @@ def test_perturbation_far_above_noise_is_faulty():
 
 
 def test_intermittent_fault_reports_how_often_it_reproduced():
-    ev, plan = run_fault("bitflip:bit=exp,prob=0.5,seed=3", reruns=8)
+    ev, _plan = run_fault("bitflip:bit=exp,prob=0.5,seed=3", reruns=8)
     assert ev, "with 2 scales × (1 + 8 re-runs) launches a 50% fault fires"
     assert worst(e.severity for e in ev) is Verdict.FAULTY
     e = ev[0]

@@ -68,7 +68,7 @@ def test_bad_catalogs_name_file_and_problem(tmp_path, text, needles):
 
 
 def test_unknown_name_lists_shipped():
-    with pytest.raises(ConfigError, match="shipped: .*cpu-quick"):
+    with pytest.raises(ConfigError, match=r"shipped: .*cpu-quick"):
         workloads.load("gpt-17")
 
 
