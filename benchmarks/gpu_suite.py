@@ -136,12 +136,33 @@ def section_gemm(out: Path) -> dict:
     return {"rows": rows, "epilogue_split": split}
 
 
+def section_scan(out: Path) -> dict:
+    """The default scan (llama3-70b catalog, every default probe) three times in a row: each must be HEALTHY."""
+    runs = []
+    for i in range(int(os.environ.get("AEGIS_SCAN_RUNS", "3"))):
+        target = out / f"scan{i}.json"
+        t0 = time.perf_counter()
+        p = subprocess.run([sys.executable, "-m", "aegis_cli", "scan", "-q", "--format", "json", "--output", str(target)],
+                           cwd=ROOT, capture_output=True, text=True, check=False)
+        wall = time.perf_counter() - t0
+        print(p.stderr[-5000:])
+        doc = json.loads(target.read_text()) if target.exists() else {}
+        devs = doc.get("devices", [])
+        runs.append({"exit": p.returncode, "wall_s": round(wall, 1), "verdicts": [d["verdict"] for d in devs],
+                     "margins": [(d.get("noise") or {}).get("margin") for d in devs],
+                     "gemms": [(d.get("stats") or {}).get("gemms") for d in devs],
+                     "evidence": [e["summary"] for d in devs for e in d["evidence"]][:5]})
+        print(json.dumps(runs[-1]), flush=True)
+    return {"runs": runs}
+
+
 SECTIONS = [
     Section("env", section_env, 40),
     Section("selfcheck", section_selfcheck, 100),
     Section("sass", section_sass, 60),
     Section("gemm", section_gemm, 150),
     Section("pytest", section_pytest, 210),
+    Section("scan", section_scan, 240),
 ]
 
 
@@ -162,6 +183,8 @@ def _table(results: dict) -> str:
                              f"({x['checked_vs_cublas']:.2f}x cuBLAS, sums {100 * x['checksum_overhead']:+.1f}%)" for x in s["rows"])
         elif name == "pytest":
             summ = s.get("summary", "")
+        elif name == "scan":
+            summ = "; ".join(f"exit {x['exit']} {x['verdicts']} {x['wall_s']}s margin {x['margins']}" for x in s.get("runs", []))
         elif name == "selfcheck":
             summ = f"all_ok={s.get('all_ok')}"
         elif name == "sass":

@@ -54,3 +54,18 @@ def test_schema_rejects_a_broken_report(capsys):
     doc["devices"][0]["verdict"] = "FINE"
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(doc, SCHEMA)
+
+
+def test_replay_and_fleet_reports_validate(capsys, tmp_path):
+    bundle, scan_json = tmp_path / "b.aegis", tmp_path / "scan.json"
+    code, _, _ = run_cli(capsys, "scan", "-q", "--workload", TINY, "--probes", "gemm", "--inject", "bitflip:bit=exp",
+                         "--save-vtasks", str(bundle), "--format", "json", "--output", str(scan_json))
+    assert code == 2
+    code, out, _ = run_cli(capsys, "replay", str(bundle), "--format", "json")
+    replay = json.loads(out)
+    jsonschema.validate(replay, SCHEMA)
+    assert replay["kind"] == "replay" and code == 0
+    code, out, _ = run_cli(capsys, "report", str(scan_json), "--format", "json")
+    fleet = json.loads(out)
+    jsonschema.validate(fleet, SCHEMA)
+    assert fleet["kind"] == "fleet" and code == 2

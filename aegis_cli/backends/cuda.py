@@ -383,9 +383,10 @@ class CudaDevice(Device):
         return fingerprint.device_fingerprint(t)  # the GPU kernel for CUDA tensors, same value as the CPU twin
 
     def accumulation_bound(self, k: int) -> float:
-        # mma.sync / wgmma accumulate fp32 with truncation: each 16-deep MMA step may lose one ulp
-        # of the running sum and one of its largest product, both ≤ s per element: 2·(K/16)·2⁻²³
-        return k * 2.0**-26
+        # mma.sync / wgmma accumulate fp32 truncating: each 16-deep MMA step may lose an ulp of the
+        # running sum and one of its largest product (each ≤ s): 2·(K/16)·2⁻²³ = (K/8)·2⁻²³·… ; the
+        # epilogue's fp32 sum of ≤ 128 accumulators adds ≤ 128 half-ulps. Both in units of s.
+        return (k / 8 + 128) * 2.0**-24
 
     def synchronize(self) -> None:
         try:
