@@ -25,7 +25,7 @@ def _signed(mask: int, bits: int) -> int:
     return mask - (1 << bits) if mask >= 1 << (bits - 1) else mask
 
 
-def _pick_bit(spec: str, bits: int, rng: np.random.Generator) -> int:
+def pick_bit(spec: str, bits: int, rng: np.random.Generator) -> int:
     if spec in BIT_CLASSES:
         lo, hi = _BIT_RANGES[bits][spec]
         return int(rng.integers(lo, hi + 1))
@@ -38,7 +38,7 @@ def _xor_flat(x: torch.Tensor, flat_idx: torch.Tensor, masks: torch.Tensor) -> N
     iv[flat_idx] = iv[flat_idx] ^ masks
 
 
-def _positions(f: FaultSpec, shape: tuple[int, int], rng: np.random.Generator, count: int) -> np.ndarray:
+def positions(f: FaultSpec, shape: tuple[int, int], rng: np.random.Generator, count: int) -> np.ndarray:
     """Flat indices of ``count`` distinct elements; row=/col= pin one coordinate."""
     m, n = shape
     rows = np.full(count, int(f.get("row"), 0) % m) if f.get("row") else rng.integers(0, m, count)
@@ -46,7 +46,27 @@ def _positions(f: FaultSpec, shape: tuple[int, int], rng: np.random.Generator, c
     return np.unique(rows * n + cols)
 
 
-def _record(plan: FaultPlan, f: FaultSpec, ctx: LaunchContext, shape, flat: np.ndarray, before: torch.Tensor | None = None,
+def replace_run(f: FaultSpec, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
+    """Flat indices a ``replace`` fault overwrites: one element, an aligned run of 16 or 64,
+    or a random span up to the whole tensor."""
+    numel = shape[0] * shape[1]
+    span = f.get("span", "1")
+    if span == "random":
+        start = int(rng.integers(0, numel))
+        return np.arange(start, start + int(rng.integers(1, numel - start + 1)))
+    length = int(span)
+    anchor = positions(f, shape, rng, 1)[0]
+    start = int(anchor - anchor % length)
+    return np.arange(start, min(start + length, numel))
+
+
+def lane_run(f: FaultSpec, numel: int) -> tuple[int, np.ndarray]:
+    """(stride, flat indices) of a stuck lane: every ``stride``-th element from ``offset``."""
+    stride, offset = int(f.get("stride", "32")), int(f.get("offset", "0"), 0)
+    return stride, np.arange(offset % stride, numel, stride)
+
+
+def record(plan: FaultPlan, f: FaultSpec, ctx: LaunchContext, shape, flat: np.ndarray, before: torch.Tensor | None = None,
             after: torch.Tensor | None = None, **what) -> None:
     """Log what was corrupted: element count, flat range, first positions and their values."""
     n = shape[1]
@@ -65,33 +85,24 @@ def _elementwise(plan: FaultPlan, f: FaultSpec, rng: np.random.Generator, ctx: L
     xf = x.reshape(-1)
     snap = lambda flat: xf[torch.from_numpy(flat[:MAX_RECORDED])].float().clone()
     if f.model in ("bitflip", "mask"):
-        flat = _positions(f, tuple(x.shape), rng, int(f.get("count", "1")))
+        flat = positions(f, tuple(x.shape), rng, int(f.get("count", "1")))
         if f.model == "bitflip":
-            masks = [1 << _pick_bit(f.get("bit", "exp"), bits, rng) for _ in flat]
+            masks = [1 << pick_bit(f.get("bit", "exp"), bits, rng) for _ in flat]
         else:
             masks = [int(f.get("mask"), 0)] * flat.size
         m = torch.tensor([_signed(v, bits) for v in masks], dtype=_INT_VIEW[x.dtype])
         before = snap(flat)
         _xor_flat(x, torch.from_numpy(flat), m)
-        _record(plan, f, ctx, x.shape, flat, before, snap(flat), masks=[f"0x{v & ((1 << bits) - 1):x}" for v in masks[:MAX_RECORDED]])
+        record(plan, f, ctx, x.shape, flat, before, snap(flat), masks=[f"0x{v & ((1 << bits) - 1):x}" for v in masks[:MAX_RECORDED]])
     elif f.model == "stuck-lane":
-        stride, offset = int(f.get("stride", "32")), int(f.get("offset", "0"), 0)
-        flat = np.arange(offset % stride, numel, stride)
+        stride, flat = lane_run(f, numel)
         mask = int(f.get("mask"), 0)
         before = snap(flat)
         _xor_flat(x, torch.from_numpy(flat), torch.full((flat.size,), _signed(mask, bits), dtype=_INT_VIEW[x.dtype]))
-        _record(plan, f, ctx, x.shape, flat, before, snap(flat), masks=[f"0x{mask & ((1 << bits) - 1):x}"], stride=stride)
+        record(plan, f, ctx, x.shape, flat, before, snap(flat), masks=[f"0x{mask & ((1 << bits) - 1):x}"], stride=stride)
     elif f.model == "replace":
         span = f.get("span", "1")
-        if span == "random":
-            start = int(rng.integers(0, numel))
-            length = int(rng.integers(1, numel - start + 1))
-        else:
-            length = int(span)
-            anchor = _positions(f, tuple(x.shape), rng, 1)[0]
-            start = int(anchor - anchor % length)
-            length = min(length, numel - start)
-        flat = np.arange(start, start + length)
+        flat = replace_run(f, tuple(x.shape), rng)
         before = snap(flat)
         how = f.get("value", "flip")
         idx = torch.from_numpy(flat)
@@ -109,7 +120,7 @@ def _elementwise(plan: FaultPlan, f: FaultSpec, rng: np.random.Generator, ctx: L
         else:  # flip: one random bit in each element of the run
             masks = torch.tensor([_signed(1 << int(b), bits) for b in rng.integers(0, bits, flat.size)], dtype=_INT_VIEW[x.dtype])
             _xor_flat(x, idx, masks)
-        _record(plan, f, ctx, x.shape, flat, before, snap(flat), span=span, value=how)
+        record(plan, f, ctx, x.shape, flat, before, snap(flat), span=span, value=how)
 
 
 def apply_operands(plan: FaultPlan, ctx: LaunchContext, a_mk: torch.Tensor, b_kn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,7 +136,7 @@ def apply_operands(plan: FaultPlan, ctx: LaunchContext, a_mk: torch.Tensor, b_kn
     return a_mk, b_kn
 
 
-def _tiles_for(f: FaultSpec, ctx: LaunchContext, tiles: tuple[int, int], rng: np.random.Generator) -> list[tuple[int, int]]:
+def tiles_for(f: FaultSpec, ctx: LaunchContext, tiles: tuple[int, int], rng: np.random.Generator) -> list[tuple[int, int]]:
     tm_n, tn_n = tiles
     total = tm_n * tn_n
     if f.get("tile"):
@@ -158,14 +169,14 @@ def apply_acc(plan: FaultPlan, ctx: LaunchContext, acc: torch.Tensor, a_mk: torc
             signs = prng.choice([-1.0, 1.0], hit.size)
             delta = torch.from_numpy(signs * r * ctx.clean_median).to(acc.dtype)
             acc.reshape(-1)[torch.from_numpy(hit)] += delta
-            _record(plan, f, ctx, acc.shape, hit, magnitude=r * ctx.clean_median)
+            record(plan, f, ctx, acc.shape, hit, magnitude=r * ctx.clean_median)
         elif f.model == "row":
             i = int(f.get("row"), 0) % m if f.get("row") else int(rng.integers(0, m))
             acc[i] = 0.0 if f.get("mode", "zero") == "zero" else float(f.get("value", "1.0"))
-            _record(plan, f, ctx, acc.shape, np.arange(i * n, (i + 1) * n), row=i, mode=f.get("mode", "zero"))
+            record(plan, f, ctx, acc.shape, np.arange(i * n, (i + 1) * n), row=i, mode=f.get("mode", "zero"))
         elif f.model == "tile":
             mode = f.get("mode", "zero")
-            tiles = _tiles_for(f, ctx, (-(-m // tm), -(-n // tn)), rng)
+            tiles = tiles_for(f, ctx, (-(-m // tm), -(-n // tn)), rng)
             for ti, tj in tiles:
                 rs, cs = slice(ti * tm, min(m, (ti + 1) * tm)), slice(tj * tn, min(n, (tj + 1) * tn))
                 if mode == "zero":

@@ -172,32 +172,23 @@ def _elementwise_acc(acc: _AccFaults, plan: FaultPlan, f: FaultSpec, rng: np.ran
     m, n = shape
     numel = m * n
     if f.model in ("bitflip", "mask"):
-        flat = corrupt._positions(f, shape, rng, int(f.get("count", "1")))
+        flat = corrupt.positions(f, shape, rng, int(f.get("count", "1")))
         if f.model == "bitflip":
-            masks = [1 << corrupt._pick_bit(f.get("bit", "exp"), 32, rng) for _ in flat]
+            masks = [1 << corrupt.pick_bit(f.get("bit", "exp"), 32, rng) for _ in flat]
         else:
             masks = [int(f.get("mask"), 0) & 0xFFFFFFFF] * flat.size
         acc.add(flat, EDIT_XOR, masks)
-        corrupt._record(plan, f, ctx, shape, flat, masks=[f"0x{v:x}" for v in masks[: corrupt.MAX_RECORDED]])
+        corrupt.record(plan, f, ctx, shape, flat, masks=[f"0x{v:x}" for v in masks[: corrupt.MAX_RECORDED]])
     elif f.model == "stuck-lane":
-        stride, offset = int(f.get("stride", "32")), int(f.get("offset", "0"), 0)
+        stride, flat = corrupt.lane_run(f, numel)
         mask = int(f.get("mask"), 0) & 0xFFFFFFFF
         if acc.lane[0]:
             raise InjectSpecError("the CUDA kernels take one stuck-lane fault per launch")
-        acc.lane = (stride, offset % stride, mask)
-        flat = np.arange(offset % stride, numel, stride)
-        corrupt._record(plan, f, ctx, shape, flat, masks=[f"0x{mask:x}"], stride=stride)
+        acc.lane = (stride, int(flat[0]) if flat.size else 0, mask)
+        corrupt.record(plan, f, ctx, shape, flat, masks=[f"0x{mask:x}"], stride=stride)
     elif f.model == "replace":
         span = f.get("span", "1")
-        if span == "random":
-            start = int(rng.integers(0, numel))
-            length = int(rng.integers(1, numel - start + 1))
-        else:
-            length = int(span)
-            anchor = corrupt._positions(f, shape, rng, 1)[0]
-            start = int(anchor - anchor % length)
-            length = min(length, numel - start)
-        flat = np.arange(start, start + length)
+        flat = corrupt.replace_run(f, shape, rng)
         how = f.get("value", "flip")
         if how == "zero":
             acc.add(flat, EDIT_SET, 0)
@@ -209,7 +200,7 @@ def _elementwise_acc(acc: _AccFaults, plan: FaultPlan, f: FaultSpec, rng: np.ran
             acc.add(flat, EDIT_XOR, (np.uint64(1) << rng.integers(0, 32, flat.size).astype(np.uint64)).astype(np.uint32))
         else:  # a copy of another element needs the other element's clean value: not in one pass
             raise InjectSpecError("replace:value=copy with target=acc is not available in the CUDA kernels (use target=out)")
-        corrupt._record(plan, f, ctx, shape, flat, span=span, value=how)
+        corrupt.record(plan, f, ctx, shape, flat, span=span, value=how)
 
 
 def _acc_faults(plan: FaultPlan, ctx: LaunchContext, m: int, n: int, k: int, cta: tuple[int, int]) -> _AccFaults | None:
@@ -231,13 +222,13 @@ def _acc_faults(plan: FaultPlan, ctx: LaunchContext, m: int, n: int, k: int, cta
             hit = np.flatnonzero(prng.random(m * n) < rate)
             delta = (prng.choice([-1.0, 1.0], hit.size) * r * ctx.clean_median).astype(np.float32)
             acc.add(hit, EDIT_ADD, delta.view(np.uint32))
-            corrupt._record(plan, f, ctx, (m, n), hit, magnitude=r * ctx.clean_median)
+            corrupt.record(plan, f, ctx, (m, n), hit, magnitude=r * ctx.clean_median)
         elif f.model == "row":
             i = int(f.get("row"), 0) % m if f.get("row") else int(rng.integers(0, m))
             mode = f.get("mode", "zero")
             flat = np.arange(i * n, (i + 1) * n)
             acc.add(flat, EDIT_SET, 0 if mode == "zero" else _u32(float(f.get("value", "1.0"))))
-            corrupt._record(plan, f, ctx, (m, n), flat, row=i, mode=mode)
+            corrupt.record(plan, f, ctx, (m, n), flat, row=i, mode=mode)
         elif f.model == "tile":
             _tile_fault(acc, plan, f, rng, ctx, tiles, k, cta)
     return acc
@@ -256,7 +247,7 @@ def _tile_fault(acc: _AccFaults, plan: FaultPlan, f: FaultSpec, rng: np.random.G
         acc.sm_target, acc.sm_mode = int(f.get("sm")), code
         chosen = None
     else:
-        chosen = corrupt._tiles_for(f, ctx, tiles, rng)
+        chosen = corrupt.tiles_for(f, ctx, tiles, rng)
         if mode in ("shift", "skipk"):  # a main-loop fault hits every checksum tile of the CTA tile
             rs, cs = cta
             chosen = sorted({(i - i % rs + di, j - j % cs + dj) for i, j in chosen for di in range(rs) for dj in range(cs)
