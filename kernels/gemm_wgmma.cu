@@ -100,6 +100,29 @@ __device__ __forceinline__ void wgmma_256(float* d, uint64_t da, uint64_t db) {
           "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
         : "l"(da), "l"(db), "n"(TA), "n"(TB));
 }
+// bf16 output of one consumer thread's accumulator fragment (d[n8*4 + h*2 + j] at row
+// row0 + 8h, column col0 + 8·n8 + j); pairs go out as one 32-bit store when N is even.
+__device__ __forceinline__ void store_c(const float (&d)[128], bf16* __restrict__ C, int M, int N, int row0, int col0) {
+    const bool pair_ok = (N & 1) == 0;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int r = row0 + 8 * h;
+        if (r >= M) continue;
+        bf16* crow = C + (long long)r * N;
+#pragma unroll
+        for (int n8 = 0; n8 < 32; ++n8) {
+            const int cc = col0 + n8 * 8;
+            const float v0 = d[n8 * 4 + h * 2], v1 = d[n8 * 4 + h * 2 + 1];
+            if (pair_ok && cc + 1 < N) {
+                *reinterpret_cast<__nv_bfloat162*>(crow + cc) = __floats2bfloat162_rn(v0, v1);
+            } else {
+                if (cc < N) crow[cc] = __float2bfloat16_rn(v0);
+                if (cc + 1 < N) crow[cc + 1] = __float2bfloat16_rn(v1);
+            }
+        }
+    }
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
@@ -289,24 +312,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
 #endif  // AEGIS_NO_ROWSUMS
         // bf16 output before the column sums so the accumulator registers die as the
         // column partials are formed (both would not fit in the register budget together)
-        const bool pair_ok = (N & 1) == 0;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = row0 + 8 * h;
-            if (r >= M) continue;
-            bf16* crow = C + (long long)r * N;
-#pragma unroll
-            for (int n8 = 0; n8 < 32; ++n8) {
-                const int cc = col0 + n8 * 8;
-                const float v0 = d[n8 * 4 + h * 2], v1 = d[n8 * 4 + h * 2 + 1];
-                if (pair_ok && cc + 1 < N) {
-                    *reinterpret_cast<__nv_bfloat162*>(crow + cc) = __floats2bfloat162_rn(v0, v1);
-                } else {
-                    if (cc < N) crow[cc] = __float2bfloat16_rn(v0);
-                    if (cc + 1 < N) crow[cc + 1] = __float2bfloat16_rn(v1);
-                }
-            }
-        }
+        store_c(d, C, M, N, row0, col0);
 #ifndef AEGIS_NO_COLSUMS  // experiment knob: time the row sums alone
         // column sums: in-thread (rows g, g+8), then over the 8 lanes that share a column by a
         // halving exchange (each step a lane sends half of its partials to its partner and keeps
@@ -345,24 +351,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
             if (t < 2 && 2 * bc + t < tn128 && tr * CTM < M) tile_sm[tr * tn128 + 2 * bc + t] = smid;
         }
         // bf16 output straight from the accumulator; pairs as one 32-bit store
-        const bool pair_ok = (N & 1) == 0;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int r = row0 + 8 * h;
-            if (r >= M) continue;
-            bf16* crow = C + (long long)r * N;
-#pragma unroll
-            for (int n8 = 0; n8 < 32; ++n8) {
-                const int cc = col0 + n8 * 8;
-                const float v0 = d[n8 * 4 + h * 2], v1 = d[n8 * 4 + h * 2 + 1];
-                if (pair_ok && cc + 1 < N) {
-                    *reinterpret_cast<__nv_bfloat162*>(crow + cc) = __floats2bfloat162_rn(v0, v1);
-                } else {
-                    if (cc < N) crow[cc] = __float2bfloat16_rn(v0);
-                    if (cc + 1 < N) crow[cc + 1] = __float2bfloat16_rn(v1);
-                }
-            }
-        }
+        store_c(d, C, M, N, row0, col0);
 #endif
     }
 }
