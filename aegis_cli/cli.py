@@ -98,6 +98,21 @@ def _thresholds(tau: float | None, margin: float | None):
                       confirm_margin=base.confirm_margin if margin is None else margin)
 
 
+def _run_with_progress(run, opts, inject: str | None, quiet: bool):
+    """Validate and announce an injection (before any work), then ``run(opts, progress)`` with a
+    progress bar on a terminal."""
+    if inject:
+        from aegis_cli.inject import parse_spec
+
+        parse_spec(inject)
+        err_console.print(f"[bold red]FAULT INJECTION ACTIVE:[/] {inject} — results below are a self-test, not a diagnosis",
+                          highlight=False)
+    show = not quiet and err_console.is_terminal
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err_console, transient=True, disable=not show) as progress:
+        return run(opts, _progress_callback(progress if show else None))
+
+
 def _progress_callback(progress: Progress | None):
     task = {}
 
@@ -142,16 +157,7 @@ def scan(devices, workload, seed, case, reruns, inject, save_vtasks, probes, gol
         if not eq:
             raise click.BadParameter(f"expected PROBE.KEY=VALUE, got {item!r}", param_hint="--probe-option")
         opts.probe_options[key.strip()] = value.strip()
-    if inject:
-        from aegis_cli.inject import parse_spec
-
-        parse_spec(inject)  # bad specs fail before any work
-        err_console.print(f"[bold red]FAULT INJECTION ACTIVE:[/] {inject} — results below are a self-test, not a diagnosis",
-                          highlight=False)
-    show = not quiet and err_console.is_terminal
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err_console, transient=True, disable=not show) as progress:
-        rep = run_scan(opts, _progress_callback(progress if show else None))
+    rep = _run_with_progress(run_scan, opts, inject, quiet)
     doc = rep.to_dict()
     if save_vtasks:
         from aegis_cli.capture import save_scan_vtasks
@@ -252,16 +258,7 @@ def replay(bundles, devices, repeat, scales, inject, max_bundle_size, fmt, outpu
 
     opts = ReplayOptions(bundles=list(bundles), devices=devices, repeat=repeat, scales=parse_scales(scales), inject=inject,
                          max_bundle_bytes=max_bundle_size, command_line=["aegis", *sys.argv[1:]])
-    if inject:
-        from aegis_cli.inject import parse_spec
-
-        parse_spec(inject)
-        err_console.print(f"[bold red]FAULT INJECTION ACTIVE:[/] {inject} — results below are a self-test, not a diagnosis",
-                          highlight=False)
-    show = not quiet and err_console.is_terminal
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err_console, transient=True, disable=not show) as progress:
-        rep = run_replay(opts, _progress_callback(progress if show else None))
+    rep = _run_with_progress(run_replay, opts, inject, quiet)
     _emit(rep.to_dict(), fmt, output, _replay_table)
     sys.exit(rep.exit_code)
 # ==== end of aegis replay =====================================================================
