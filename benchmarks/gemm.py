@@ -2,6 +2,10 @@
 fused checksums, on 8192³ and the llama3-70b per-GPU shapes, in one run.
 
     PYTHONPATH=. python3 benchmarks/gemm.py [--json out.json] [--reps 20] [--kernel wgmma|mma]
+                                            [--baseline old/gemm_wgmma.cu]
+
+``--baseline FILE`` times another gemm_wgmma.cu (e.g. ``git show REF:kernels/gemm_wgmma.cu``)
+beside the current one, plain and checked, interleaved in the same samples: an A/B in one run.
 
 Each figure is the median of event-timed launches after warm-up, rotating over several
 input sets so no run reads operands another left in L2. Inputs are seeded random bf16
@@ -15,6 +19,7 @@ import contextlib
 import json
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 
@@ -70,7 +75,34 @@ def _torch_matmul(a: torch.Tensor, b: torch.Tensor, layout: Layout) -> torch.Ten
     return a @ b
 
 
-def bench_shape(dev, name: str, layout: Layout, m: int, n: int, k: int, reps: int, kernel: str | None) -> dict:
+@contextlib.contextmanager
+def _wgmma_source(path: str | None):
+    """Build gemm_wgmma launches from ``path`` instead of kernels/gemm_wgmma.cu while inside (a
+    define keeps the compiled functions apart from the current source's in cuda.py's cache)."""
+    if path is None:
+        yield
+        return
+    from aegis_cli.backends import cuda, loader
+
+    orig = loader.get_module
+    src = str(Path(path).resolve())
+
+    def get_module(name: str, **kw):
+        return orig(src if name == "gemm_wgmma.cu" else name, **kw)
+
+    saved = dict(cuda.WGMMA_DEFINES)
+    loader.get_module = get_module
+    cuda.WGMMA_DEFINES["AEGIS_BASELINE_SOURCE"] = 1
+    try:
+        yield
+    finally:
+        loader.get_module = orig
+        cuda.WGMMA_DEFINES.clear()
+        cuda.WGMMA_DEFINES.update(saved)
+
+
+def bench_shape(dev, name: str, layout: Layout, m: int, n: int, k: int, reps: int, kernel: str | None,
+                baseline: str | None = None) -> dict:
     sets = [(dev.generate(layout.a_stored_shape(m, k), "normal", 100 + s), dev.generate(layout.b_stored_shape(k, n), "normal", 200 + s))
             for s in range(N_SETS)]
     flop = 2.0 * m * n * k
@@ -80,6 +112,11 @@ def bench_shape(dev, name: str, layout: Layout, m: int, n: int, k: int, reps: in
         launches = [dev.prepare(a, b, layout, variant=variant, kernel=kernel) for a, b in sets]
         row["kernel"] = f"gemm_{launches[0].kernel}"
         fns[key] = lambda i, launches=launches: launches[i % N_SETS].run()
+    if baseline is not None:
+        with _wgmma_source(baseline):
+            for variant, key in (("nosums", "base_plain"), ("", "base_checked")):
+                launches = [dev.prepare(a, b, layout, variant=variant, kernel=kernel) for a, b in sets]
+                fns[key] = lambda i, launches=launches: launches[i % N_SETS].run()
     ms = _time(fns, reps)
     row.update(_clocks())  # read right after the timed bursts: the state they ran in
     dev.synchronize()
@@ -87,6 +124,9 @@ def bench_shape(dev, name: str, layout: Layout, m: int, n: int, k: int, reps: in
         row[f"{key}_tflops"] = flop / t / 1e9
     row["checked_vs_cublas"] = row["checked_tflops"] / row["cublas_tflops"]
     row["checksum_overhead"] = row["plain_tflops"] / row["checked_tflops"] - 1.0
+    if baseline is not None:
+        row["base_checked_vs_cublas"] = row["base_checked_tflops"] / row["cublas_tflops"]
+        row["base_checksum_overhead"] = row["base_plain_tflops"] / row["base_checked_tflops"] - 1.0
     return row
 
 
@@ -124,7 +164,7 @@ def shapes() -> list[tuple[str, Layout, int, int, int]]:
     return out
 
 
-def run(reps: int = 12, kernel: str | None = None, only_square: bool = False) -> list[dict]:
+def run(reps: int = 12, kernel: str | None = None, only_square: bool = False, baseline: str | None = None) -> list[dict]:
     from aegis_cli.backends.cuda import CudaDevice
 
     dev = CudaDevice(0, kernel=kernel)
@@ -132,7 +172,7 @@ def run(reps: int = 12, kernel: str | None = None, only_square: bool = False) ->
     for name, layout, m, n, k in shapes():
         if only_square and not name.startswith("square"):
             continue
-        rows.append(bench_shape(dev, name, layout, m, n, k, reps, kernel))
+        rows.append(bench_shape(dev, name, layout, m, n, k, reps, kernel, baseline))
         print(format_row(rows[-1]), flush=True)
     return rows
 
@@ -141,7 +181,10 @@ def format_row(r: dict) -> str:
     return (f"{r['name']:<24} {r['layout']:<6} {r['m']:>5}x{r['n']:>5}x{r['k']:>5}  cuBLAS {r['cublas_tflops']:7.1f}  "
             f"{r['kernel']} plain {r['plain_tflops']:7.1f}  checked {r['checked_tflops']:7.1f}  "
             f"ratio {r['checked_vs_cublas']:.3f}  checksum cost {100 * r['checksum_overhead']:+.1f}%  "
-            f"SM {r.get('sm_mhz', '?')} MHz {r.get('power_w', 0):.0f} W")
+            f"SM {r.get('sm_mhz', '?')} MHz {r.get('power_w', 0):.0f} W"
+            + (f"  | baseline plain {r['base_plain_tflops']:7.1f}  checked {r['base_checked_tflops']:7.1f}  "
+               f"ratio {r['base_checked_vs_cublas']:.3f}  checksum cost {100 * r['base_checksum_overhead']:+.1f}%"
+               if "base_plain_tflops" in r else ""))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,11 +193,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=12)
     ap.add_argument("--kernel", choices=["wgmma", "mma"], default=None)
     ap.add_argument("--square", action="store_true", help="8192³ only")
+    ap.add_argument("--baseline", help="another gemm_wgmma.cu to time beside the current one (A/B)")
+    ap.add_argument("--repeat-square", action="store_true", help="time the 8192³ shapes again at the end (noise floor)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
         return 3
-    rows = run(args.reps, args.kernel, args.square)
+    rows = run(args.reps, args.kernel, args.square, args.baseline)
+    if args.repeat_square:
+        rows += [dict(r, name=r["name"] + "(repeat)") for r in run(args.reps, args.kernel, True, args.baseline)]
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump({"device": torch.cuda.get_device_name(0), "rows": rows}, fh, indent=1)

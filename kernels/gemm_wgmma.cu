@@ -17,8 +17,10 @@
 // Epilogue (per consumer, no barrier shared between the two, so one's epilogue overlaps the
 // other's last wgmma): row sums reduce in-thread then over the 4 lanes of a row (one warp
 // owns each row); column sums reduce in-thread, over the 8 row-lanes by halving exchange,
-// then over the warpgroup's 4 warps in warp order through shared memory. Each checksum
-// slot has one owner; no atomics. -DAEGIS_INJECT and -DAEGIS_NOSUMS as in gemm_mma.cu.
+// then over the warpgroup's 4 warps in warp order through shared memory (double-buffered by
+// tile parity, bank-rotated: one barrier per tile); the bf16 C stores go out last, after all
+// checksum work, so they drain during the next tile's main loop. Each checksum slot has one
+// owner; no atomics. -DAEGIS_INJECT and -DAEGIS_NOSUMS as in gemm_mma.cu.
 #include "common.cuh"
 
 #define BM 128
@@ -100,9 +102,20 @@ __device__ __forceinline__ void wgmma_256(float* d, uint64_t da, uint64_t db) {
           "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
         : "l"(da), "l"(db), "n"(TA), "n"(TB));
 }
-// bf16 output of one consumer thread's accumulator fragment (d[n8*4 + h*2 + j] at row
-// row0 + 8h, column col0 + 8·n8 + j); pairs go out as one 32-bit store when N is even.
-__device__ __forceinline__ void store_c(const float (&d)[128], bf16* __restrict__ C, int M, int N, int row0, int col0) {
+// bf16 pairs of one consumer thread's accumulator fragment: p[n8*2 + h] holds d[n8*4 + h*2 + j]
+// (row row0 + 8h, column col0 + 8·n8 + j) for j = 0, 1, rounded as the stores write them. Packing
+// first lets the checked epilogue free the fp32 accumulator before the column sums and still
+// issue every C store last, after the checksum work (see the epilogue).
+__device__ __forceinline__ void pack_c(const float (&d)[128], __nv_bfloat162 (&p)[64]) {
+#pragma unroll
+    for (int n8 = 0; n8 < 32; ++n8)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) p[n8 * 2 + h] = __floats2bfloat162_rn(d[n8 * 4 + h * 2], d[n8 * 4 + h * 2 + 1]);
+}
+// bf16 output of one consumer thread's packed fragment (pack_c); pairs go out as one 32-bit
+// store when N is even.
+__device__ __forceinline__ void store_c(const __nv_bfloat162 (&p)[64], bf16* __restrict__ C, int M, int N, int row0,
+                                        int col0) {
     const bool pair_ok = (N & 1) == 0;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -112,16 +125,20 @@ __device__ __forceinline__ void store_c(const float (&d)[128], bf16* __restrict_
 #pragma unroll
         for (int n8 = 0; n8 < 32; ++n8) {
             const int cc = col0 + n8 * 8;
-            const float v0 = d[n8 * 4 + h * 2], v1 = d[n8 * 4 + h * 2 + 1];
+            const __nv_bfloat162 v = p[n8 * 2 + h];
             if (pair_ok && cc + 1 < N) {
-                *reinterpret_cast<__nv_bfloat162*>(crow + cc) = __floats2bfloat162_rn(v0, v1);
+                *reinterpret_cast<__nv_bfloat162*>(crow + cc) = v;
             } else {
-                if (cc < N) crow[cc] = __float2bfloat16_rn(v0);
-                if (cc + 1 < N) crow[cc + 1] = __float2bfloat16_rn(v1);
+                if (cc < N) crow[cc] = __low2bfloat16(v);
+                if (cc + 1 < N) crow[cc + 1] = __high2bfloat16(v);
             }
         }
     }
 }
+// Column-sum scratch index of column col (0..BN) within a warp's row: each 32-column block is
+// rotated by 8·(block mod 4) words, so the float2 partials of a warp's 4 row-lane groups land in
+// distinct banks (the plain layout was 8-way conflicted); a 32-column read stays conflict-free.
+__device__ __forceinline__ int red_idx(int col) { return (col & ~31) | ((col + ((col >> 2) & 24)) & 31); }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
@@ -179,7 +196,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
     const uint32_t sA = smem_u32(smem);
     const uint32_t sB = sA + STAGES * A_STAGE_BYTES;
     uint64_t* bars = reinterpret_cast<uint64_t*>(smem + STAGES * (A_STAGE_BYTES + B_STAGE_BYTES));
-    float* red_col = reinterpret_cast<float*>(bars + 2 * STAGES);  // [8 consumer warps][BN]
+    float* red_col = reinterpret_cast<float*>(bars + 2 * STAGES);  // [2 tile parities][8 consumer warps][BN]
     (void)red_col;  // unused in the -DAEGIS_NOSUMS build
     const uint32_t full0 = smem_u32(bars), empty0 = smem_u32(bars + STAGES);
 
@@ -241,7 +258,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
     const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
     const bool leader = (threadIdx.x & 127) == 0;
     float d[128];
-    int it = 0;
+    int it = 0, ti = 0;  // k-block counter (ring position), tile counter (scratch parity)
     for (int t = blockIdx.x; t < n_tiles; t += gridDim.x) {
         int bm, bc;
         tile_coords(t, tiles_m, tiles_n, bm, bc);
@@ -295,6 +312,10 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
         }
 #endif
 #ifndef AEGIS_NOSUMS
+        // Order: row sums, bf16 packing, column sums, then every C store. The stores are many
+        // narrow writes that queue in the memory pipeline; issued last, they drain while this
+        // warpgroup starts its next tile's main loop instead of delaying the shuffles and the
+        // shared-memory exchange of the column sums (which used to wait behind them).
 #ifndef AEGIS_NO_ROWSUMS  // experiment knob: time the column sums alone
         // row sums: one per 128-column half, in-thread then over the 4 lanes of the row
 #pragma unroll
@@ -310,13 +331,18 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
                 if (tig == 0 && r < M && tc < tn128) row_sums[(long long)r * tn128 + tc] = s;
             }
 #endif  // AEGIS_NO_ROWSUMS
-        // bf16 output before the column sums so the accumulator registers die as the
-        // column partials are formed (both would not fit in the register budget together)
-        store_c(d, C, M, N, row0, col0);
+        // bf16 output packed now, so the fp32 accumulator registers die as the column partials
+        // are formed (accumulator and partials would not fit in the register budget together)
+        __nv_bfloat162 cp[64];
+        pack_c(d, cp);
 #ifndef AEGIS_NO_COLSUMS  // experiment knob: time the row sums alone
         // column sums: in-thread (rows g, g+8), then over the 8 lanes that share a column by a
         // halving exchange (each step a lane sends half of its partials to its partner and keeps
-        // the other half: 32+16+8 shuffles instead of 64x3), then over the 8 warps in order.
+        // the other half: 32+16+8 shuffles instead of 64x3), then over the 4 warps in order.
+        // The scratch is double-buffered by tile parity, so one barrier per tile suffices: a
+        // warp writes a buffer again only after the next tile's barrier, which every warp passes
+        // after it has read this tile's buffer.
+        float* red = red_col + (ti & 1) * (8 * BN);
         {
             float v[64];  // v[q]: column n8*8 + 2*tig + j with q = 2*n8 + j
 #pragma unroll
@@ -324,25 +350,27 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
             halve_exchange<32>(v, (g >> 2) & 1);  // partner: lane ^ 16
             halve_exchange<16>(v, (g >> 1) & 1);  // lane ^ 8
             halve_exchange<8>(v, g & 1);          // lane ^ 4
-            // lane g now holds q = 8g .. 8g+7
+            // lane g now holds q = 8g .. 8g+7: columns (4g + r/2)*8 + 2*tig + (r&1), r = 0..7
 #pragma unroll
-            for (int r = 0; r < 8; ++r) red_col[cw * BN + (4 * g + (r >> 1)) * 8 + 2 * tig + (r & 1)] = v[r];
+            for (int r = 0; r < 8; r += 2)  // one 64-bit store per pair (the compiler splits a float2 store)
+                asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(smem_u32(red + cw * BN + red_idx((4 * g + (r >> 1)) * 8 + 2 * tig))),
+                             "f"(v[r]), "f"(v[r + 1]) : "memory");
         }
         wg_bar(c);
         {
             const int tr = 2 * bm + c, t = threadIdx.x & 127;  // each thread: columns t and t + 128
-            const float* p = red_col + 4 * c * BN;
+            const float* p = red + 4 * c * BN;
 #pragma unroll
             for (int hc = 0; hc < 2; ++hc) {
-                const int col = t + 128 * hc;
-                const float s = ((p[col] + p[BN + col]) + p[2 * BN + col]) + p[3 * BN + col];
+                const int col = t + 128 * hc, ix = red_idx(col);
+                const float s = ((p[ix] + p[BN + ix]) + p[2 * BN + ix]) + p[3 * BN + ix];
                 const int cc = bc * BN + col;
                 if (cc < N && tr * CTM < M) col_sums[(long long)tr * N + cc] = s;
             }
             if (t < 2 && 2 * bc + t < tn128 && tr * CTM < M) tile_sm[tr * tn128 + 2 * bc + t] = smid;
         }
-        wg_bar(c);  // red_col is reused by the next tile
 #endif  // AEGIS_NO_COLSUMS
+        store_c(cp, C, M, N, row0, col0);
 #else
         (void)row_sums;
         (void)col_sums;
@@ -351,8 +379,11 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
             if (t < 2 && 2 * bc + t < tn128 && tr * CTM < M) tile_sm[tr * tn128 + 2 * bc + t] = smid;
         }
         // bf16 output straight from the accumulator; pairs as one 32-bit store
-        store_c(d, C, M, N, row0, col0);
+        __nv_bfloat162 cp[64];
+        pack_c(d, cp);
+        store_c(cp, C, M, N, row0, col0);
 #endif
+        ++ti;
     }
 }
 
