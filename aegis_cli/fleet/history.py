@@ -18,10 +18,11 @@ Schema (``PRAGMA user_version`` = len(MIGRATIONS)):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -153,17 +154,12 @@ class History:
             self.conn.execute("PRAGMA foreign_keys=ON")
             self.conn.execute("PRAGMA synchronous=NORMAL")
             while self.version < SCHEMA_VERSION:
-                self.conn.execute("BEGIN IMMEDIATE")
-                try:
+                with self._transaction():
                     current = self.conn.execute("PRAGMA user_version").fetchone()[0]
                     if current == self.version:  # nobody migrated it meanwhile
                         for stmt in filter(str.strip, MIGRATIONS[self.version].split(";")):
                             self.conn.execute(stmt)
                         self.conn.execute(f"PRAGMA user_version = {self.version + 1}")
-                    self.conn.execute("COMMIT")
-                except BaseException:
-                    self.conn.execute("ROLLBACK")
-                    raise
                 self.version = self.conn.execute("PRAGMA user_version").fetchone()[0]
         except sqlite3.Error as exc:
             raise self._fail(f"migrating it to schema {SCHEMA_VERSION}", exc) from None
@@ -178,12 +174,23 @@ class History:
         self.close()
 
     # -- writing -----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """One write transaction, taken up front (no lock upgrade half-way); rolled back on any
+        exception, a KeyboardInterrupt or SIGTERM included, so a sweep lands whole or not at all."""
+        self.conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        self.conn.execute("COMMIT")
+
     def record_sweep(self, doc: dict, *, rank: int | None = None, world_size: int | None = None) -> int:
         """Record one report (sweep or scan JSON) in a single transaction; returns the sweep id."""
         now = time.time()
         try:
-            self.conn.execute("BEGIN IMMEDIATE")
-            try:
+            with self._transaction():
                 cur = self.conn.execute(
                     "INSERT INTO sweeps(started, finished, host, kind, command, exit_code, duration, rank, world_size) "
                     "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -192,10 +199,6 @@ class History:
                 sweep_id = cur.lastrowid
                 for d in doc["devices"]:
                     self._record_device(sweep_id, now, d)
-                self.conn.execute("COMMIT")
-            except BaseException:
-                self.conn.execute("ROLLBACK")
-                raise
         except sqlite3.Error as exc:
             raise self._fail("recording a sweep", exc) from None
         return sweep_id
@@ -221,16 +224,11 @@ class History:
     def record_action(self, uuid: str, event: str, state: str, reason: str, argv: list[str] | None,
                       executed: bool, returncode: int | None, output: str | None) -> None:
         try:
-            self.conn.execute("BEGIN IMMEDIATE")
-            try:
+            with self._transaction():
                 self.conn.execute("INSERT INTO actions(ts, uuid, event, state, reason, argv, executed, returncode, output) "
                                   "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                                   (time.time(), uuid, event, state, reason, json.dumps(argv) if argv is not None else None,
                                    int(executed), returncode, output))
-                self.conn.execute("COMMIT")
-            except BaseException:
-                self.conn.execute("ROLLBACK")
-                raise
         except sqlite3.Error as exc:
             raise self._fail("recording an action", exc) from None
 

@@ -50,22 +50,23 @@ PROBE_OPTIONS: dict[str, dict[str, tuple[type, Any, str]]] = {}  # probe → key
 DEFAULT_PROBES = ("gemm", "determinism", "pow2", "memory", "crossdevice")
 
 
-def register(name: str, options: dict[str, tuple[type, Any, str]] | None = None):
-    def deco(fn: ProbeFn) -> ProbeFn:
-        PROBES[name] = fn
+def _registrar(table: dict, name: str, options: dict[str, tuple[type, Any, str]] | None):
+    def deco(fn):
+        table[name] = fn
         PROBE_OPTIONS[name] = dict(options or {})
         return fn
 
     return deco
+
+
+def register(name: str, options: dict[str, tuple[type, Any, str]] | None = None):
+    """Register a per-device probe ``fn(device, ctx) -> [Evidence]``."""
+    return _registrar(PROBES, name, options)
 
 
 def register_node(name: str, options: dict[str, tuple[type, Any, str]] | None = None):
-    def deco(fn: NodeProbeFn) -> NodeProbeFn:
-        NODE_PROBES[name] = fn
-        PROBE_OPTIONS[name] = dict(options or {})
-        return fn
-
-    return deco
+    """Register a node probe ``fn(devices, ctx) -> {device_id: [Evidence]}``."""
+    return _registrar(NODE_PROBES, name, options)
 
 
 def parse_probe_options(items: dict[str, str]) -> dict[str, str]:
