@@ -176,7 +176,7 @@ def info(fmt):
 
     doc = gather()
     if fmt == "json":
-        click.echo(report_mod.to_json(report_mod.sanitize(doc)), nl=False)
+        click.echo(report_mod.render(doc, "json"), nl=False)
         return
     console = Console()
     t = Table(title="aegis info", title_justify="left", show_header=False)
@@ -338,7 +338,7 @@ def sweep(config_path, log_format, fmt):
     outcome = run_sweep(cfg, _sweep_logger(log_format), stop=_stop_on_signals())
     doc = outcome.fleet or outcome.doc
     if fmt == "json":
-        click.echo(report_mod.to_json(report_mod.sanitize(doc)), nl=False)
+        click.echo(report_mod.render(doc, "json"), nl=False)
     elif fmt == "table" or (fmt == "auto" and sys.stdout.isatty()):
         _fleet_table(Console(), doc)
     sys.exit(outcome.exit_code)
@@ -370,7 +370,7 @@ def history(config_path, db, ident, since, fmt):
     with History(db, create=False) as hist:
         doc = history_summary(hist, policy, ident, parse_since(since, _time.time()))
     if fmt == "json":
-        click.echo(report_mod.to_json(report_mod.sanitize(doc)), nl=False)
+        click.echo(report_mod.render(doc, "json"), nl=False)
         return
     rows = [r for d in doc["devices"] for r in d.get("results", [])] if ident else doc["devices"]
     if fmt == "csv":

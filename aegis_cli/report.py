@@ -189,7 +189,7 @@ def to_csv(doc: dict) -> str:
     return buf.getvalue()
 
 
-VERDICT_CODE = {"HEALTHY": 0, "SUSPECT": 1, "FAULTY": 2, "ERROR": 3}
+VERDICT_CODE = {v.value: int(v.exit_code) for v in Verdict}  # 0 healthy … 3 error
 
 
 def _label(v: str) -> str:

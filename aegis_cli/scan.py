@@ -6,6 +6,7 @@ sweeps run one worker process per GPU instead, see fleet/sweep.py).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -147,11 +148,13 @@ def run_scan(opts: ScanOptions, progress: Progress | None = None) -> Report:
     if unknown:
         raise ConfigError(f"unknown probe(s) {', '.join(unknown)} (known: {', '.join(sorted([*PROBES, *NODE_PROBES]))})")
     parse_probe_options(opts.probe_options)
-    if opts.golden and "golden" not in opts.probes:
-        opts.probes = (*opts.probes, "golden")
+    probes = opts.probes
+    if opts.golden and "golden" not in probes:
+        probes = (*probes, "golden")
     if opts.case is not None:  # re-run one case: only the probe that owns it (ids start with its name)
         head = opts.case.split("/", 1)[0]
-        opts.probes = (head,) if head in PROBES or head in NODE_PROBES else ("gemm",)
+        probes = (head,) if head in PROBES or head in NODE_PROBES else ("gemm",)
+    opts = dataclasses.replace(opts, probes=probes)  # the caller's options stay as given
     devices = resolve_devices(opts.devices)
     if opts.golden:
         from aegis_cli import golden

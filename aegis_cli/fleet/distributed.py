@@ -152,7 +152,7 @@ def run_distributed(cfg, log, env: Mapping[str, str], stop=None):
             fleet["distributed"] = {"world_size": world, "backend": backend}
             path = cfg.distributed.fleet_report
             if path:
-                report_mod.atomic_write(path, report_mod.to_json(report_mod.sanitize(fleet)))
+                report_mod.atomic_write(path, report_mod.render(fleet, "json"))
                 log("fleet_report", path=path, outcome=comparison["outcome"], exit_code=fleet["exit_code"])
         dist.barrier()
     except AegisError:

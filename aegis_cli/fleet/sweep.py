@@ -343,7 +343,7 @@ def write_exports(cfg: SweepConfig, hist: History, doc: dict, log: Log) -> None:
         report_mod.atomic_write(cfg.exports.prometheus_textfile, prometheus_text(doc, states))
         log("prometheus_textfile", path=cfg.exports.prometheus_textfile)
     if cfg.exports.report:
-        report_mod.atomic_write(cfg.exports.report, report_mod.to_json(report_mod.sanitize(doc)))
+        report_mod.atomic_write(cfg.exports.report, report_mod.render(doc, "json"))
         log("report", path=cfg.exports.report)
 
 

@@ -95,7 +95,7 @@ def run(spec: dict) -> dict:
         partial["evidence"] = [e for dr in pre for e in dr.to_dict(opts.thresholds.tau)["evidence"]]
         partial["verdict"] = worst(dr.verdict for dr in pre).value
         partial["probes"]["sweep"] = {"priority": priority, "full_scan": "not finished"}
-        report_mod.atomic_write(spec["output"] + ".partial.json", report_mod.to_json(report_mod.sanitize(partial)))
+        report_mod.atomic_write(spec["output"] + ".partial.json", report_mod.render(partial, "json"))
     dr = scan_device(device, opts, plan and plan.for_device(device_id), quiet)
     doc = dr.to_dict(opts.thresholds.tau)
     log("scanned", device=device_id, verdict=dr.verdict.value, seconds=round(time.time() - t0, 2))
@@ -125,7 +125,7 @@ def main(argv: list[str]) -> int:
     except AegisError as exc:
         print(f"Error: {exc}", file=sys.stderr, flush=True)
         return 3
-    report_mod.atomic_write(spec["output"], report_mod.to_json(report_mod.sanitize(doc)))
+    report_mod.atomic_write(spec["output"], report_mod.render(doc, "json"))
     return 0
 
 
