@@ -139,23 +139,43 @@ def pow2_scale(t: torch.Tensor, e: int) -> torch.Tensor:
     return t if e == 0 else (t.to(torch.float32) * (2.0**e)).to(t.dtype)
 
 
-def pow2_exact_safe(ops: GemmOperands, ea: int, eb: int) -> bool:
-    """True when scaling A by 2^ea and B by 2^eb keeps every input, product, partial sum
-    and output normal in fp32 and bf16, so C(2^ea·A, 2^eb·B) = 2^(ea+eb)·C(A, B) bit for bit.
+@dataclass(frozen=True)
+class Magnitudes:
+    """Smallest and largest nonzero |A| and |B| of one GEMM, and its K: all that the
+    power-of-two exactness rule needs, read once per case and reused for every scale."""
 
-    Partial sums can cancel to any small value, but cancellation to a value whose exponent
-    is below the products' lowest nonzero bit only happens at exact zero, which scales
-    exactly; so bounding products and |A|·|B| row sums suffices.
-    """
-    a, b = ops.a_mk.float(), ops.b_kn.float()
-    a_nz = a.abs()[a != 0]
-    b_nz = b.abs()[b != 0]
+    amin: float
+    amax: float
+    bmin: float
+    bmax: float
+    k: int
+
+    def exact_safe(self, ea: int, eb: int) -> bool:
+        """True when scaling A by 2^ea and B by 2^eb keeps every input, product, partial sum
+        and output normal in fp32 and bf16, so C(2^ea·A, 2^eb·B) = 2^(ea+eb)·C(A, B) bit for bit.
+
+        Partial sums can cancel to any small value, but cancellation to a value whose exponent
+        is below the products' lowest nonzero bit only happens at exact zero, which scales
+        exactly; so bounding products and |A|·|B| row sums suffices.
+        """
+        amin, amax = self.amin * 2.0**ea, self.amax * 2.0**ea
+        bmin, bmax = self.bmin * 2.0**eb, self.bmax * 2.0**eb
+        # smallest product must stay a normal fp32 (FTZ on the GPU) and survive in the sum's ulp
+        if amin < BF16_MIN_NORMAL or bmin < BF16_MIN_NORMAL or amin * bmin < 2.0**-100:
+            return False
+        return amax * bmax * self.k < BF16_MAX / 4
+
+
+def magnitudes(ops: GemmOperands) -> Magnitudes | None:
+    """The operands' magnitude range; None when either is all zeros (then any scale is exact)."""
+    a, b = ops.a_mk.float().abs(), ops.b_kn.float().abs()
+    a_nz, b_nz = a[a != 0], b[b != 0]
     if a_nz.numel() == 0 or b_nz.numel() == 0:
-        return True
-    amin, amax = a_nz.min().item() * 2.0**ea, a_nz.max().item() * 2.0**ea
-    bmin, bmax = b_nz.min().item() * 2.0**eb, b_nz.max().item() * 2.0**eb
-    k = a.shape[1]
-    # smallest product must stay a normal fp32 (FTZ on the GPU) and survive in the sum's ulp
-    if amin < BF16_MIN_NORMAL or bmin < BF16_MIN_NORMAL or amin * bmin < 2.0**-100:
-        return False
-    return amax * bmax * k < BF16_MAX / 4
+        return None
+    return Magnitudes(a_nz.min().item(), a_nz.max().item(), b_nz.min().item(), b_nz.max().item(), a.shape[1])
+
+
+def pow2_exact_safe(ops: GemmOperands | Magnitudes | None, ea: int, eb: int) -> bool:
+    """Magnitudes.exact_safe for operands (measured here) or for magnitudes measured once."""
+    mag = magnitudes(ops) if isinstance(ops, GemmOperands) else ops
+    return mag is None or mag.exact_safe(ea, eb)

@@ -166,8 +166,9 @@ class _VTaskReplay:
             clean_median = float((clean.row_sums.double() - ref0.row).abs().median()) / 2.0 ** (vt.scale[0] + vt.scale[1])
         distinct_max, base_c, first0 = 1, None, None
         scales_run, skipped = [], []
+        ranges = numerics.magnitudes(ops0)
         for x, y in self.opts.scales:
-            if (x, y) != (0, 0) and not numerics.pow2_exact_safe(ops0, x, y):
+            if (x, y) != (0, 0) and not numerics.pow2_exact_safe(ranges, x, y):
                 skipped.append([x, y])
                 continue
             scales_run.append([x, y])

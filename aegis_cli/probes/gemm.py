@@ -140,11 +140,12 @@ class GemmProbe:
             clean_median = float((clean.row_sums.double() - base_ref.row).abs().median())
         evidence: list[Evidence] = []
         base: GemmResult | None = None
+        mag = numerics.magnitudes(base_ops)  # once per case, not per scale
         for ea, eb in sorted(scales, key=lambda s: s != [0, 0]):  # the base runs first
             cid = case.case_id(ea, eb)
             if only is not None and cid != only and (ea, eb) != (0, 0):
                 continue
-            if (ea, eb) != (0, 0) and not numerics.pow2_exact_safe(base_ops, ea, eb):
+            if (ea, eb) != (0, 0) and not numerics.pow2_exact_safe(mag, ea, eb):
                 self.stats.skipped_scales += 1
                 continue
             ops = scaled(base_ops, ea, eb) if (ea, eb) != (0, 0) else base_ops

@@ -54,22 +54,6 @@ def _run(device: Device, impl: str, ops: GemmOperands, ctx: ProbeContext, op: st
     return out
 
 
-def _magnitudes(ops: GemmOperands) -> tuple[float, float, float, float, int]:
-    """(min|A|, max|A|, min|B|, max|B|, K) over nonzero elements, read once for the sweep."""
-    a, b = ops.a_mk.float().abs(), ops.b_kn.float().abs()
-    a_nz, b_nz = a[a != 0], b[b != 0]
-    return (a_nz.min().item(), a_nz.max().item(), b_nz.min().item(), b_nz.max().item(), a.shape[1])
-
-
-def exact_safe(mag: tuple[float, float, float, float, int], ea: int, eb: int) -> bool:
-    """numerics.pow2_exact_safe on precomputed magnitudes (same rule, no tensor work)."""
-    amin, amax, bmin, bmax, k = mag
-    amin, amax, bmin, bmax = amin * 2.0**ea, amax * 2.0**ea, bmin * 2.0**eb, bmax * 2.0**eb
-    if amin < numerics.BF16_MIN_NORMAL or bmin < numerics.BF16_MIN_NORMAL or amin * bmin < 2.0**-100:
-        return False
-    return amax * bmax * k < numerics.BF16_MAX / 4
-
-
 def _regime(devs: list[dict]) -> dict:
     a = [d["a"] for d in devs]
     b = [d["b"] for d in devs]
@@ -87,14 +71,14 @@ def sweep(device: Device, impl: str, step: int, ctx: ProbeContext) -> tuple[dict
     case = f"pow2/{impl}/{m}x{n}x{k}"
     base = _run(device, impl, base_ops, ctx, f"{case}/a+0b+0")
     exps = list(range(EXP_RANGE[0], EXP_RANGE[1] + 1, step))
-    mag = _magnitudes(base_ops)
+    mag = numerics.magnitudes(base_ops)
     tested, skipped, deviating = 0, 0, []
     safe_sums: list[int] = []
     for ea in exps:
         for eb in exps:
             if (ea, eb) == (0, 0):
                 continue
-            if not exact_safe(mag, ea, eb):
+            if not numerics.pow2_exact_safe(mag, ea, eb):
                 skipped += 1
                 continue
             tested += 1
