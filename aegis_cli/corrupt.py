@@ -16,18 +16,22 @@ _INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.floa
 _BIT_RANGES = {  # element bits → {class: (lo, hi) inclusive}
     32: {"sign": (31, 31), "exp": (23, 30), "mant": (0, 22), "hi-mant": (16, 22), "lo-mant": (0, 6)},
     16: {"sign": (15, 15), "exp": (7, 14), "mant": (0, 6), "hi-mant": (4, 6), "lo-mant": (0, 2)},
+    64: {"sign": (63, 63), "exp": (52, 62), "mant": (0, 51), "hi-mant": (40, 51), "lo-mant": (0, 6)},
 }
 MAX_RECORDED = 16
 
 
-def _signed(mask: int, bits: int) -> int:
+def signed(mask: int, bits: int) -> int:
+    """An unsigned ``bits``-wide mask as the signed integer torch's int views take."""
     mask &= (1 << bits) - 1
     return mask - (1 << bits) if mask >= 1 << (bits - 1) else mask
 
 
 def pick_bit(spec: str, bits: int, rng: np.random.Generator) -> int:
+    """A bit index from a class name (drawn from its range; any bit for integer elements,
+    which have no classes) or an explicit index."""
     if spec in BIT_CLASSES:
-        lo, hi = _BIT_RANGES[bits][spec]
+        lo, hi = _BIT_RANGES.get(bits, {}).get(spec, (0, bits - 1))
         return int(rng.integers(lo, hi + 1))
     return int(spec, 0) % bits
 
@@ -90,7 +94,7 @@ def _elementwise(plan: FaultPlan, f: FaultSpec, rng: np.random.Generator, ctx: L
             masks = [1 << pick_bit(f.get("bit", "exp"), bits, rng) for _ in flat]
         else:
             masks = [int(f.get("mask"), 0)] * flat.size
-        m = torch.tensor([_signed(v, bits) for v in masks], dtype=_INT_VIEW[x.dtype])
+        m = torch.tensor([signed(v, bits) for v in masks], dtype=_INT_VIEW[x.dtype])
         before = snap(flat)
         _xor_flat(x, torch.from_numpy(flat), m)
         record(plan, f, ctx, x.shape, flat, before, snap(flat), masks=[f"0x{v & ((1 << bits) - 1):x}" for v in masks[:MAX_RECORDED]])
@@ -98,7 +102,7 @@ def _elementwise(plan: FaultPlan, f: FaultSpec, rng: np.random.Generator, ctx: L
         stride, flat = lane_run(f, numel)
         mask = int(f.get("mask"), 0)
         before = snap(flat)
-        _xor_flat(x, torch.from_numpy(flat), torch.full((flat.size,), _signed(mask, bits), dtype=_INT_VIEW[x.dtype]))
+        _xor_flat(x, torch.from_numpy(flat), torch.full((flat.size,), signed(mask, bits), dtype=_INT_VIEW[x.dtype]))
         record(plan, f, ctx, x.shape, flat, before, snap(flat), masks=[f"0x{mask & ((1 << bits) - 1):x}"], stride=stride)
     elif f.model == "replace":
         span = f.get("span", "1")
@@ -115,10 +119,10 @@ def _elementwise(plan: FaultPlan, f: FaultSpec, rng: np.random.Generator, ctx: L
             raw = rng.integers(0, 1 << bits, flat.size, dtype=np.uint64)
             exp_hi = 1 << (bits - 2)  # top exponent bit: clearing it keeps the value finite
             raw = np.where((raw >> np.uint64(bits - 9 if bits == 32 else 7)) & np.uint64(0xFF) == 0xFF, raw & ~np.uint64(exp_hi), raw)
-            vals = torch.tensor([_signed(int(v), bits) for v in raw], dtype=_INT_VIEW[x.dtype])
+            vals = torch.tensor([signed(int(v), bits) for v in raw], dtype=_INT_VIEW[x.dtype])
             x.view(_INT_VIEW[x.dtype]).reshape(-1)[idx] = vals
         else:  # flip: one random bit in each element of the run
-            masks = torch.tensor([_signed(1 << int(b), bits) for b in rng.integers(0, bits, flat.size)], dtype=_INT_VIEW[x.dtype])
+            masks = torch.tensor([signed(1 << int(b), bits) for b in rng.integers(0, bits, flat.size)], dtype=_INT_VIEW[x.dtype])
             _xor_flat(x, idx, masks)
         record(plan, f, ctx, x.shape, flat, before, snap(flat), span=span, value=how)
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,7 +28,9 @@ import torch.nn.functional as F
 
 from aegis_cli import fingerprint
 from aegis_cli.backends.base import Device, GemmOperands, Layout
+from aegis_cli.corrupt import pick_bit, signed
 from aegis_cli.inject import FaultPlan, FaultSpec, LaunchContext
+from aegis_cli.probes.gemm import case_seed
 
 LOCAL_BLOCK = 4096  # elements per localisation block (a whole number of words for every dtype)
 MAX_SAMPLES = 8
@@ -57,11 +58,6 @@ def sizes_for(device: Device) -> Sizes:
     return CPU_SIZES if device.identity.backend == "cpu" else GPU_SIZES
 
 
-def sub_seed(seed: int, *parts: object) -> int:
-    key = "/".join(str(p) for p in parts).encode()
-    return (seed * 0x9E3779B1 + zlib.crc32(key)) & 0x7FFF_FFFF
-
-
 @contextlib.contextmanager
 def deterministic_algorithms():
     """torch.use_deterministic_algorithms(True) for the block, restored after."""
@@ -86,8 +82,8 @@ class Computation:
 
 def _gemm_inputs(dev: Device, s: Sizes, seed: int) -> dict[str, torch.Tensor]:
     m, n, k = s.gemm
-    return {"a": dev.generate((m, k), "normal", sub_seed(seed, "gemm", "A")),
-            "b": dev.generate((n, k), "normal", sub_seed(seed, "gemm", "B"))}  # fwd layout: B stored (N, K)
+    return {"a": dev.generate((m, k), "normal", case_seed(seed, "gemm", "A")),
+            "b": dev.generate((n, k), "normal", case_seed(seed, "gemm", "B"))}  # fwd layout: B stored (N, K)
 
 
 def _checked_gemm(dev: Device, x: dict, fault: FaultPlan | None, op: str) -> dict[str, torch.Tensor]:
@@ -100,7 +96,7 @@ def _matmul(dev: Device, x: dict, fault: FaultPlan | None, op: str) -> dict[str,
 
 
 def _attn_inputs(dev: Device, s: Sizes, seed: int) -> dict[str, torch.Tensor]:
-    return {n: dev.generate(s.attn, "normal", sub_seed(seed, "attn", n)) for n in ("q", "k", "v", "do")}
+    return {n: dev.generate(s.attn, "normal", case_seed(seed, "attn", n)) for n in ("q", "k", "v", "do")}
 
 
 def _sdpa_fwd(dev: Device, x: dict, fault: FaultPlan | None, op: str) -> dict[str, torch.Tensor]:
@@ -122,8 +118,8 @@ def _sdpa_bwd_det(dev: Device, x: dict, fault: FaultPlan | None, op: str) -> dic
 
 def _rows_inputs(dev: Device, s: Sizes, seed: int) -> dict[str, torch.Tensor]:
     t, h = s.rows
-    return {"x": dev.generate((t, h), "heavy", sub_seed(seed, "rows", "x")),
-            "w": dev.generate((h,), "uniform", sub_seed(seed, "rows", "w"))}
+    return {"x": dev.generate((t, h), "heavy", case_seed(seed, "rows", "x")),
+            "w": dev.generate((h,), "uniform", case_seed(seed, "rows", "w"))}
 
 
 def _rmsnorm(dev: Device, x: dict, fault: FaultPlan | None, op: str) -> dict[str, torch.Tensor]:
@@ -160,24 +156,6 @@ def assumed_deterministic(device: Device, name: str) -> bool:
 
 # -- faults in stored tensors (inject target=mem) ----------------------------------------
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_CLASS_BITS = {  # element bits → class → (lo, hi)
-    16: {"sign": (15, 15), "exp": (7, 14), "mant": (0, 6), "hi-mant": (4, 6), "lo-mant": (0, 2)},
-    32: {"sign": (31, 31), "exp": (23, 30), "mant": (0, 22), "hi-mant": (16, 22), "lo-mant": (0, 6)},
-    64: {"sign": (63, 63), "exp": (52, 62), "mant": (0, 51), "hi-mant": (40, 51), "lo-mant": (0, 6)},
-}
-
-
-def _signed(v: int, bits: int) -> int:
-    v &= (1 << bits) - 1
-    return v - (1 << bits) if v >= 1 << (bits - 1) else v
-
-
-def _bit(spec: str, bits: int, rng: np.random.Generator) -> int:
-    if spec.isdigit() or spec.startswith("0x"):
-        return int(spec, 0) % bits
-    lo, hi = _CLASS_BITS.get(bits, {}).get(spec, (0, bits - 1))
-    return int(rng.integers(lo, hi + 1))
-
 
 def _apply_memflip(plan: FaultPlan, f: FaultSpec, rng: np.random.Generator, ctx: LaunchContext, t: torch.Tensor) -> None:
     flat = t.view(_INT[t.element_size()]).reshape(-1)  # t is contiguous: a view, edits land in t
@@ -188,9 +166,9 @@ def _apply_memflip(plan: FaultPlan, f: FaultSpec, rng: np.random.Generator, ctx:
         idx = (int(f.get("index"), 0) + np.arange(count)) % n
     else:
         idx = rng.choice(n, size=count, replace=False) if n > count else np.arange(n)
-    masks = [1 << _bit(f.get("bit", "exp" if t.is_floating_point() else "0"), bits, rng) for _ in idx]
+    masks = [1 << pick_bit(f.get("bit", "exp" if t.is_floating_point() else "0"), bits, rng) for _ in idx]
     ii = torch.from_numpy(np.asarray(idx, dtype=np.int64)).to(t.device)
-    vals = masks if flat.dtype == torch.uint8 else [_signed(m, bits) for m in masks]
+    vals = masks if flat.dtype == torch.uint8 else [signed(m, bits) for m in masks]
     mv = torch.tensor(vals, dtype=flat.dtype, device=t.device)
     flat[ii] = flat[ii] ^ mv
     plan.record(f, ctx, target="mem", positions=[int(i) for i in idx[:16]], masks=[f"0x{m:x}" for m in masks[:16]],

@@ -30,8 +30,9 @@ from aegis_cli import fingerprint, nvml
 from aegis_cli.backends.base import Device
 from aegis_cli.errors import ConfigError
 from aegis_cli.probes import ProbeContext, register
-from aegis_cli.probes._common import MAX_SAMPLES, stored_faults, sub_seed
+from aegis_cli.probes._common import MAX_SAMPLES, stored_faults
 from aegis_cli.probes.determinism import _mode
+from aegis_cli.probes.gemm import case_seed
 from aegis_cli.verdict import Evidence, Verdict
 
 PATTERNS = ("walking_ones", "walking_zeros", "random", "bf16_normal", "fp32_normal")
@@ -101,7 +102,7 @@ class _Region:
         return PATTERNS[(i + self.pass_no) % len(PATTERNS)]
 
     def piece_seed(self, i: int, p: int) -> int:
-        return sub_seed(self.seed, "memory", self.pass_no, i, p)
+        return case_seed(self.seed, "memory", self.pass_no, i, p)
 
     def allocate(self, target: int) -> None:
         while sum(c.numel() for c in self.chunks) < target:

@@ -24,8 +24,9 @@ import torch
 from aegis_cli import numerics
 from aegis_cli.backends.base import Device, GemmOperands, Layout
 from aegis_cli.probes import ProbeContext, register
-from aegis_cli.probes._common import MAX_SAMPLES, localise, stored_faults, sub_seed
+from aegis_cli.probes._common import MAX_SAMPLES, localise, stored_faults
 from aegis_cli.probes.determinism import _mode
+from aegis_cli.probes.gemm import case_seed
 from aegis_cli.verdict import Evidence, Verdict
 
 EXP_RANGE = (-112, 112)  # inputs ~2^-14…2^2 reach the bf16 normal range −126 … 127 at the ends
@@ -65,8 +66,8 @@ def sweep(device: Device, impl: str, step: int, ctx: ProbeContext) -> tuple[dict
     t0 = time.perf_counter()
     m, n, k = CPU_SHAPE if device.identity.backend == "cpu" else GPU_SHAPE
     seed = ctx.opts.seed
-    a = device.generate((m, k), "normal", sub_seed(seed, "pow2", "A"))
-    b = device.generate((n, k), "normal", sub_seed(seed, "pow2", "B"))
+    a = device.generate((m, k), "normal", case_seed(seed, "pow2", "A"))
+    b = device.generate((n, k), "normal", case_seed(seed, "pow2", "B"))
     base_ops = GemmOperands(a, b, Layout.FWD)
     case = f"pow2/{impl}/{m}x{n}x{k}"
     base = _run(device, impl, base_ops, ctx, f"{case}/a+0b+0")
