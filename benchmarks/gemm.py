@@ -108,18 +108,24 @@ def bench_shape(dev, name: str, layout: Layout, m: int, n: int, k: int, reps: in
     flop = 2.0 * m * n * k
     row = {"name": name, "layout": layout.value, "m": m, "n": n, "k": k}
     fns = {"cublas": lambda i: _torch_matmul(*sets[i % N_SETS], layout)}
+    outs = {}
     for variant, key in (("nosums", "plain"), ("", "checked")):
         launches = [dev.prepare(a, b, layout, variant=variant, kernel=kernel) for a, b in sets]
         row["kernel"] = f"gemm_{launches[0].kernel}"
         fns[key] = lambda i, launches=launches: launches[i % N_SETS].run()
+        outs[key] = launches[0].keep[2:5]  # C, row sums, column sums of input set 0
     if baseline is not None:
         with _wgmma_source(baseline):
             for variant, key in (("nosums", "base_plain"), ("", "base_checked")):
                 launches = [dev.prepare(a, b, layout, variant=variant, kernel=kernel) for a, b in sets]
                 fns[key] = lambda i, launches=launches: launches[i % N_SETS].run()
+                outs[key] = launches[0].keep[2:5]
     ms = _time(fns, reps)
     row.update(_clocks())  # read right after the timed bursts: the state they ran in
     dev.synchronize()
+    if baseline is not None:  # a rewrite that keeps the arithmetic must keep the bits
+        row["bitwise_vs_baseline"] = (torch.equal(outs["plain"][0], outs["base_plain"][0])
+                                      and all(torch.equal(x, y) for x, y in zip(outs["checked"], outs["base_checked"], strict=True)))
     for key, t in ms.items():
         row[f"{key}_tflops"] = flop / t / 1e9
     row["checked_vs_cublas"] = row["checked_tflops"] / row["cublas_tflops"]
@@ -130,31 +136,59 @@ def bench_shape(dev, name: str, layout: Layout, m: int, n: int, k: int, reps: in
     return row
 
 
-def epilogue_split(reps: int = 12) -> list[dict]:
-    """Where the checksum epilogue's time goes (wgmma kernel): no sums, row sums only, column
-    sums only, both — interleaved, on a long-K and a short-K shape."""
+def compare(variants: dict[str, tuple[str, dict]], sizes, reps: int = 12, layout: Layout = Layout.FWD) -> list[dict]:
+    """Interleaved timing of wgmma-kernel variants, each ``name: (variant, extra -D defines)``, plus
+    cuBLAS, on each (m, n, k) of ``sizes``; costs are relative to the first variant. Variants of
+    the same build that should compute the same bits (no ``AEGIS_NO_*`` knob) are also checked
+    bit for bit against the first of them: C, and the sums of checked builds."""
     from aegis_cli.backends import cuda
 
     dev = cuda.CudaDevice(0, kernel="wgmma")
-    variants = {"none": ("nosums", {}), "rows": ("", {"AEGIS_NO_COLSUMS": 1}), "cols": ("", {"AEGIS_NO_ROWSUMS": 1}),
-                "both": ("", {})}
+    first = next(iter(variants))
     rows = []
-    for m, n, k in ((8192, 8192, 8192), (8192, 8192, 1024)):
-        sets = [(dev.generate((m, k), "normal", 300 + s), dev.generate((n, k), "normal", 400 + s)) for s in range(N_SETS)]
-        fns = {}
+    for m, n, k in sizes:
+        sets = [(dev.generate(layout.a_stored_shape(m, k), "normal", 300 + s), dev.generate(layout.b_stored_shape(k, n), "normal", 400 + s))
+                for s in range(N_SETS)]
+        fns = {"cublas": lambda i, sets=sets: _torch_matmul(*sets[i % N_SETS], layout)}
+        outputs = {}
         for name, (variant, defines) in variants.items():
             cuda.WGMMA_DEFINES.clear()
             cuda.WGMMA_DEFINES.update(defines)
-            launches = [dev.prepare(a, b, Layout.FWD, variant=variant) for a, b in sets]
+            launches = [dev.prepare(a, b, layout, variant=variant) for a, b in sets]
             fns[name] = lambda i, launches=launches: launches[i % N_SETS].run()
+            if not any(d.startswith("AEGIS_NO_") for d in defines):
+                outputs[name] = (variant, launches[0].keep[2:5])  # C, row sums, column sums of input set 0
         cuda.WGMMA_DEFINES.clear()
         ms = _time(fns, reps)
-        row = {"m": m, "n": n, "k": k, **{f"{v}_tflops": 2.0 * m * n * k / t / 1e9 for v, t in ms.items()}}
-        row.update({f"{v}_cost": ms[v] / ms["none"] - 1.0 for v in ("rows", "cols", "both")})
-        print(f"epilogue split {m}x{n}x{k}: " + "  ".join(f"{v} {row[f'{v}_tflops']:.1f} TF" for v in variants)
-              + "  cost rows {rows_cost:+.1%} cols {cols_cost:+.1%} both {both_cost:+.1%}".format(**row), flush=True)
+        dev.synchronize()
+        row = {"m": m, "n": n, "k": k, "layout": layout.value, **{f"{v}_tflops": 2.0 * m * n * k / t / 1e9 for v, t in ms.items()}}
+        row.update({f"{v}_cost": ms[v] / ms[first] - 1.0 for v in variants if v != first})
+        refs: dict[str, tuple] = {}
+        for name, (variant, outs) in outputs.items():
+            ref = refs.setdefault(variant, outs)
+            same = [torch.equal(x, y) for x, y in zip(outs, ref, strict=True)][: 3 if variant == "" else 1]
+            row[f"{name}_bitwise"] = all(same)
+            if not all(same):
+                print(f"  {name}: NOT bit-identical to the first {variant or 'checked'} variant", flush=True)
+        print(f"{layout.value} {m}x{n}x{k}: " + "  ".join(f"{v} {row[f'{v}_tflops']:.1f}" for v in fns) + "  TF;  vs "
+              + first + ": " + "  ".join(f"{v} {row[f'{v}_cost']:+.1%}" for v in variants if v != first), flush=True)
         rows.append(row)
     return rows
+
+
+def epilogue_split(reps: int = 12) -> list[dict]:
+    """Where the checksum epilogue's time goes (wgmma kernel): no sums, row sums only, column
+    sums only, both — interleaved, on a long-K and a short-K shape."""
+    variants = {"none": ("nosums", {}), "rows": ("", {"AEGIS_NO_COLSUMS": 1}), "cols": ("", {"AEGIS_NO_ROWSUMS": 1}),
+                "both": ("", {})}
+    return compare(variants, ((8192, 8192, 8192), (8192, 8192, 1024)), reps)
+
+
+def _parse_variant(spec: str) -> tuple[str, tuple[str, dict]]:
+    """``name=variant[+DEFINE[+DEFINE...]]``, e.g. ``plain=nosums`` or ``nostore=+AEGIS_NO_CSTORE``."""
+    name, _, rest = spec.partition("=")
+    variant, *defines = rest.split("+")
+    return name, (variant, {d: 1 for d in defines if d})
 
 
 def shapes() -> list[tuple[str, Layout, int, int, int]]:
@@ -184,6 +218,7 @@ def format_row(r: dict) -> str:
             f"SM {r.get('sm_mhz', '?')} MHz {r.get('power_w', 0):.0f} W"
             + (f"  | baseline plain {r['base_plain_tflops']:7.1f}  checked {r['base_checked_tflops']:7.1f}  "
                f"ratio {r['base_checked_vs_cublas']:.3f}  checksum cost {100 * r['base_checksum_overhead']:+.1f}%"
+               f"  bitwise {'same' if r['bitwise_vs_baseline'] else 'DIFFERENT'}"
                if "base_plain_tflops" in r else ""))
 
 
@@ -195,10 +230,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--square", action="store_true", help="8192³ only")
     ap.add_argument("--baseline", help="another gemm_wgmma.cu to time beside the current one (A/B)")
     ap.add_argument("--repeat-square", action="store_true", help="time the 8192³ shapes again at the end (noise floor)")
+    ap.add_argument("--compare", nargs="+", metavar="NAME=VARIANT[+DEFINE...]",
+                    help="time these wgmma variants against each other instead (e.g. plain=nosums checked=)")
+    ap.add_argument("--size", nargs=3, type=int, action="append", metavar=("M", "N", "K"), help="shapes for --compare")
+    ap.add_argument("--layout", choices=[lay.value for lay in Layout], default="fwd", help="layout for --compare")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
         return 3
+    if args.compare:
+        rows = compare(dict(map(_parse_variant, args.compare)), args.size or [(8192, 8192, 8192)], args.reps, Layout(args.layout))
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as fh:
+                json.dump({"device": torch.cuda.get_device_name(0), "rows": rows}, fh, indent=1)
+        return 0
     rows = run(args.reps, args.kernel, args.square, args.baseline)
     if args.repeat_square:
         rows += [dict(r, name=r["name"] + "(repeat)") for r in run(args.reps, args.kernel, True, args.baseline)]

@@ -1,4 +1,4 @@
-// gemm_wgmma.cu — Hopper checked GEMM: TMA + mbarrier pipeline + wgmma (v1, sm_90a).
+// gemm_wgmma.cu — Hopper checked GEMM: TMA + mbarrier pipeline + wgmma (v2, sm_90a).
 //
 // Same contract as gemm_mma.cu (bf16 in, fp32 accumulate, bf16 out, fp32-accumulator
 // row/column checksums per 64x128 checksum tile in a fixed order, SM id per tile), built
@@ -14,13 +14,17 @@
 // Layouts: K-major operands use the standard swizzled K-major descriptor; MN-major
 // operands (A of wgrad, B of dgrad/wgrad) are loaded as 64(MN)x64(K) boxes and fed with
 // the wgmma transpose bit, so no layout needs a transpose pass.
-// Epilogue (per consumer, no barrier shared between the two, so one's epilogue overlaps the
-// other's last wgmma): row sums reduce in-thread then over the 4 lanes of a row (one warp
-// owns each row); column sums reduce in-thread, over the 8 row-lanes by halving exchange,
+// Epilogue (per consumer; no barrier shared between the two), in two phases around the next
+// tile's first EARLY k-blocks, which are issued in between so the tensor cores have work
+// while the latency-bound part runs: phase 1 reads the accumulator (row sums in-thread and
+// over the 4 lanes of a row; column partials of the thread's two rows and the first step of
+// their halving exchange over the 8 row-lanes; bf16 packing; C stores as whole 32-byte
+// sectors after a pair swap); phase 2 finishes the column reduction over the row-lanes and
 // then over the warpgroup's 4 warps in warp order through shared memory (double-buffered by
-// tile parity, bank-rotated: one barrier per tile); the bf16 C stores go out last, after all
-// checksum work, so they drain during the next tile's main loop. Each checksum slot has one
-// owner; no atomics. -DAEGIS_INJECT and -DAEGIS_NOSUMS as in gemm_mma.cu.
+// tile parity, bank-rotated: one barrier per tile). Each checksum slot has one owner; no
+// atomics. -DAEGIS_INJECT and -DAEGIS_NOSUMS as in gemm_mma.cu.
+// v2 (this file's history: v1 ran the whole epilogue between main loops and stored C as
+// 4-byte pairs): checked GEMM from 0.93-0.98x to 0.99-1.05x cuBLAS on the H200's large shapes.
 #include "common.cuh"
 
 #define BM 128
@@ -31,6 +35,9 @@
 #ifndef STAGES
 #define STAGES 4
 #endif
+#ifndef EARLY
+#define EARLY 2  // k-blocks of the next tile issued before the epilogue's second phase (1 or 2)
+#endif
 #ifndef GROUP_M
 #define GROUP_M 16  // tiles of BM rows walked together for L2 reuse of B
 #endif
@@ -39,6 +46,14 @@
 #endif
 #ifndef MN_SBO
 #define MN_SBO 1024  // MN-major: bytes between groups of 8 k rows
+#endif
+// Which checksums the build computes: both, unless -DAEGIS_NOSUMS (plain kernel) or one of the
+// experiment knobs -DAEGIS_NO_ROWSUMS / -DAEGIS_NO_COLSUMS (time the other alone).
+#if !defined(AEGIS_NOSUMS) && !defined(AEGIS_NO_ROWSUMS)
+#define AEGIS_ROWS 1
+#endif
+#if !defined(AEGIS_NOSUMS) && !defined(AEGIS_NO_COLSUMS)
+#define AEGIS_COLS 1
 #endif
 #define A_STAGE_BYTES (BM * BK * 2)
 #define B_STAGE_BYTES (BN * BK * 2)
@@ -80,10 +95,10 @@ __device__ __forceinline__ uint64_t make_desc(uint32_t addr, uint32_t lbo, uint3
 }
 
 template <int TA, int TB>
-__device__ __forceinline__ void wgmma_256(float* d, uint64_t da, uint64_t db) {
+__device__ __forceinline__ void wgmma_256(float* d, uint64_t da, uint64_t db, int scale_d) {
     asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, %128, %129, p, 1, 1, %130, %131;\n}"
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63,%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79,%80,%81,%82,%83,%84,%85,%86,%87,%88,%89,%90,%91,%92,%93,%94,%95,%96,%97,%98,%99,%100,%101,%102,%103,%104,%105,%106,%107,%108,%109,%110,%111,%112,%113,%114,%115,%116,%117,%118,%119,%120,%121,%122,%123,%124,%125,%126,%127}, %128, %129, p, 1, 1, %131, %132;\n}"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
           "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
           "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
@@ -100,7 +115,7 @@ __device__ __forceinline__ void wgmma_256(float* d, uint64_t da, uint64_t db) {
           "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
           "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
           "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-        : "l"(da), "l"(db), "n"(TA), "n"(TB));
+        : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB));
 }
 // bf16 pairs of one consumer thread's accumulator fragment: p[n8*2 + h] holds d[n8*4 + h*2 + j]
 // (row row0 + 8h, column col0 + 8·n8 + j) for j = 0, 1, rounded as the stores write them. Packing
@@ -112,10 +127,46 @@ __device__ __forceinline__ void pack_c(const float (&d)[128], __nv_bfloat162 (&p
 #pragma unroll
         for (int h = 0; h < 2; ++h) p[n8 * 2 + h] = __floats2bfloat162_rn(d[n8 * 4 + h * 2], d[n8 * 4 + h * 2 + 1]);
 }
-// bf16 output of one consumer thread's packed fragment (pack_c); pairs go out as one 32-bit
-// store when N is even.
-__device__ __forceinline__ void store_c(const __nv_bfloat162 (&p)[64], bf16* __restrict__ C, int M, int N, int row0,
-                                        int col0) {
+// bf16 output of one consumer thread's packed fragment (pack_c), in two steps so the shuffles of
+// the first can be in flight while other epilogue work issues. When N is a multiple of 4 the
+// lanes of a pair (tig, tig^1) swap halves (c_swap: one shuffle per two pairs) so that each lane
+// holds 4 consecutive columns and a quad writes 32 contiguous bytes of its row per instruction:
+// whole 32-byte sectors, where one 32-bit store per pair wrote 16 bytes into each of 8 rows'
+// sectors (Nsight Compute: 15.5 of 32 bytes used; the L2 merged the halves, and the stores cost
+// ~10 % of the kernel at K = 3584). Other N: one 32-bit store per pair, or per element at odd N.
+// swap[h*16 + m]: the partner's pair for row h, n8 = 2m + (odd lane ? 0 : 1).
+__device__ __forceinline__ void c_swap(const __nv_bfloat162 (&p)[64], bool odd, uint32_t (&swap)[32]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int m = 0; m < 16; ++m) {  // n8 = 2m (a) and 2m+1 (b)
+            const uint32_t xa = *reinterpret_cast<const uint32_t*>(&p[(2 * m) * 2 + h]);
+            const uint32_t xb = *reinterpret_cast<const uint32_t*>(&p[(2 * m + 1) * 2 + h]);
+            swap[h * 16 + m] = __shfl_xor_sync(0xffffffffu, odd ? xa : xb, 1);
+        }
+}
+__device__ __forceinline__ void store_c(const __nv_bfloat162 (&p)[64], const uint32_t (&swap)[32], bf16* __restrict__ C,
+                                        int M, int N, int row0, int col0) {
+    if ((N & 3) == 0) {
+        const bool odd = (col0 >> 1) & 1;  // tig & 1
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = row0 + 8 * h;
+            bf16* crow = C + (long long)r * N;
+#pragma unroll
+            for (int m = 0; m < 16; ++m) {
+                const uint32_t xa = *reinterpret_cast<const uint32_t*>(&p[(2 * m) * 2 + h]);
+                const uint32_t xb = *reinterpret_cast<const uint32_t*>(&p[(2 * m + 1) * 2 + h]);
+                const uint32_t recv = swap[h * 16 + m];
+                // even lane: columns 16m + 2tig .. +3 = (own a, partner's a); odd lane: columns
+                // 16m + 8 + 2(tig-1) .. +3 = (partner's b, own b)
+                const uint32_t lo = odd ? recv : xa, hi = odd ? xb : recv;
+                const int cc = col0 - (col0 & 2) + 16 * m + (odd ? 8 : 0);
+                if (r < M && cc < N) *reinterpret_cast<uint2*>(crow + cc) = make_uint2(lo, hi);
+            }
+        }
+        return;
+    }
     const bool pair_ok = (N & 1) == 0;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -223,8 +274,10 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
             for (int t = blockIdx.x; t < n_tiles; t += gridDim.x) {
                 int bm, bc;
                 tile_coords(t, tiles_m, tiles_n, bm, bc);
+                const int mode = cta_mode(inj, bm, bc, tn128, smid);
+                (void)mode;
                 int a_m0 = bm * BM;
-                if (cta_mode(inj, bm, bc, tn128, smid) == TILE_SHIFT) a_m0 = ((bm + 1) % tiles_m) * BM;
+                if (mode == TILE_SHIFT) a_m0 = ((bm + 1) % tiles_m) * BM;
                 const int n0 = bc * BN;
                 for (int kt = 0; kt < KT; ++kt, ++it) {
                     const int s = it % STAGES;
@@ -232,7 +285,13 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
                     const uint32_t fb = full0 + 8 * s;
                     mbar_expect_tx(fb, A_STAGE_BYTES + B_STAGE_BYTES);
                     const uint32_t a_dst = sA + s * A_STAGE_BYTES, b_dst = sB + s * B_STAGE_BYTES;
-                    const int k0 = kt * BK;
+                    int k0 = kt * BK;
+#ifdef AEGIS_INJECT
+                    // skipk: the dropped k-block is loaded from beyond K, which TMA fills with
+                    // zeros, so the consumers multiply it like any other and add nothing (no
+                    // branch around a wgmma, which would make ptxas serialise them)
+                    if (mode == TILE_SKIPK && kt == inj.kstep) k0 = KT * BK;
+#endif
                     if (A_KMAJOR) {
                         tma_load_2d(a_dst, tmA, k0, a_m0, fb);
                     } else {
@@ -253,52 +312,71 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
 
     // ---------------- consumers ----------------
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
+    int t = blockIdx.x;
+    if (t >= n_tiles) return;
     const int c = wg - 1;                  // consumer index: rows c*64 .. c*64+63 of the tile
     const int cw = (threadIdx.x - 128) >> 5;  // consumer warp 0..7, in row order
     const int lane = threadIdx.x & 31, g = lane >> 2, tig = lane & 3;
     const bool leader = (threadIdx.x & 127) == 0;
     float d[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) d[i] = 0.f;  // never read: each tile's first wgmma has scale-d 0
     int it = 0, ti = 0;  // k-block counter (ring position), tile counter (scratch parity)
-    for (int t = blockIdx.x; t < n_tiles; t += gridDim.x) {
-        int bm, bc;
-        tile_coords(t, tiles_m, tiles_n, bm, bc);
-        const int mode = cta_mode(inj, bm, bc, tn128, smid);
-        (void)mode;
+    // Wait for ring position `it`, issue k-block kt of the current tile (the first one overwrites
+    // the accumulator: scale-d 0) and commit the group (retired later). Returns the stage it read.
+    auto issue = [&](int kt) {
+        const int s = it % STAGES;
+        mbar_wait(full0 + 8 * s, (it / STAGES) & 1);
+        wgmma_fence();
+        const uint32_t a0 = sA + s * A_STAGE_BYTES + c * 8192;  // 64 rows: K-major 64x128B, MN-major one box
+        const uint32_t b0 = sB + s * B_STAGE_BYTES;
 #pragma unroll
-        for (int i = 0; i < 128; ++i) d[i] = 0.f;
-        int prev = -1;
-        for (int kt = 0; kt < KT; ++kt, ++it) {
-            const int s = it % STAGES;
-            mbar_wait(full0 + 8 * s, (it / STAGES) & 1);
-            bool run = true;
-#ifdef AEGIS_INJECT
-            if (mode == TILE_SKIPK && (kt * BK) / 64 == inj.kstep) run = false;
-#endif
-            if (run) {
-                wgmma_fence();
-                const uint32_t a0 = sA + s * A_STAGE_BYTES + c * 8192;  // 64 rows: K-major 64x128B, MN-major one box
-                const uint32_t b0 = sB + s * B_STAGE_BYTES;
-#pragma unroll
-                for (int ks = 0; ks < BK / 16; ++ks) {
-                    uint64_t da = A_KMAJOR ? make_desc(a0 + ks * 32, 16, 1024) : make_desc(a0 + ks * 2048, MN_LBO, MN_SBO);
-                    uint64_t db = B_KMAJOR ? make_desc(b0 + ks * 32, 16, 1024) : make_desc(b0 + ks * 2048, MN_LBO, MN_SBO);
-                    wgmma_256<A_KMAJOR ? 0 : 1, B_KMAJOR ? 0 : 1>(d, da, db);
-                }
-            }
-            wgmma_commit();
+        for (int ks = 0; ks < BK / 16; ++ks) {
+            uint64_t da = A_KMAJOR ? make_desc(a0 + ks * 32, 16, 1024) : make_desc(a0 + ks * 2048, MN_LBO, MN_SBO);
+            uint64_t db = B_KMAJOR ? make_desc(b0 + ks * 32, 16, 1024) : make_desc(b0 + ks * 2048, MN_LBO, MN_SBO);
+            wgmma_256<A_KMAJOR ? 0 : 1, B_KMAJOR ? 0 : 1>(d, da, db, (kt == 0 && ks == 0) ? 0 : 1);
+        }
+        wgmma_commit();
+        ++it;
+        return s;
+    };
+
+    int bm, bc;
+    tile_coords(t, tiles_m, tiles_n, bm, bc);
+    // The first EARLY k-blocks of a tile are issued ahead of its main loop: here for the first
+    // tile, inside the previous tile's epilogue for the others. head0 is the stage of k-block 0
+    // when two were issued (-1 otherwise), prev the stage of the last one issued.
+    int head0 = -1, prev;
+    auto issue_head = [&]() {
+        prev = issue(0);
+        head0 = -1;
+        if (EARLY > 1 && KT > 1) {
+            head0 = prev;
+            prev = issue(1);
+        }
+    };
+    issue_head();
+    for (;;) {
+        if (head0 >= 0) {
+            wgmma_wait<1>();  // k-block 0 has retired
+            if (leader) mbar_arrive(empty0 + 8 * head0);
+        }
+        for (int kt = (EARLY > 1 && KT > 1) ? 2 : 1; kt < KT; ++kt) {
+            const int s = issue(kt);
             wgmma_wait<1>();  // the group before this one has retired: its stage is free
-            if (prev >= 0 && leader) mbar_arrive(empty0 + 8 * prev);
+            if (leader) mbar_arrive(empty0 + 8 * prev);
             prev = s;
         }
         wgmma_wait<0>();
-        if (prev >= 0 && leader) mbar_arrive(empty0 + 8 * prev);
+        if (leader) mbar_arrive(empty0 + 8 * prev);
 
         // d[n8*4 + h*2 + j] sits at row bm*BM + c*64 + (cw&3)*16 + g + 8h, col bc*BN + n8*8 + 2*tig + j
         const int row0 = bm * BM + c * 64 + (cw & 3) * 16 + g;
         const int col0 = bc * BN + 2 * tig;
+        const int tr = 2 * bm + c;  // this consumer's row of checksum tiles
 #ifdef AEGIS_INJECT
         {
-            const int tr = 2 * bm + c, t0 = tr * tn128 + 2 * bc;  // this consumer's checksum tiles
+            const int t0 = tr * tn128 + 2 * bc;  // this consumer's checksum tiles
             const bool live = tr * CTM < M, two = 2 * bc + 1 < tn128;
             const int mode0 = live ? inject_tile_mode(inj, t0, smid) : TILE_NONE;
             const int mode1 = live && two ? inject_tile_mode(inj, t0 + 1, smid) : TILE_NONE;
@@ -311,13 +389,18 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
             inject_fragment<128>(inj, d, pos, [&](int i) { return (i >> 2) < 16 ? mode0 : mode1; }, M, N, e0, e1);
         }
 #endif
-#ifndef AEGIS_NOSUMS
-        // Order: row sums, bf16 packing, column sums, then every C store. The stores are many
-        // narrow writes that queue in the memory pipeline; issued last, they drain while this
-        // warpgroup starts its next tile's main loop instead of delaying the shuffles and the
-        // shared-memory exchange of the column sums (which used to wait behind them).
-#ifndef AEGIS_NO_ROWSUMS  // experiment knob: time the column sums alone
-        // row sums: one per 128-column half, in-thread then over the 4 lanes of the row
+        // The epilogue runs in two phases around the next tile's first EARLY k-blocks. Phase 1
+        // reads the fp32 accumulator: row sums, the column partials of the thread's two rows and
+        // their first halving exchange, bf16 packing and the C stores. Then the next tile's first
+        // wgmma groups are issued into the same registers (scale-d 0), and phase 2 (the rest of
+        // the column reduction, the cross-warp exchange, the column-sum stores) runs while the
+        // tensor cores work. Registers bound the split: beside the in-flight accumulator (128)
+        // there is room for 32 column partials, not 64, nor for the packed C. Phase 1 is ordered
+        // to keep shuffles in flight together: all arithmetic on the accumulator first, then the
+        // C swap, row-sum and halving shuffles back to back, then what consumes them.
+#ifdef AEGIS_ROWS
+        // row sums: one per (row h, 128-column half), in-thread, then over the 4 lanes of the row
+        float rs[4];
 #pragma unroll
         for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -325,29 +408,48 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
                 float s = 0.f;
 #pragma unroll
                 for (int n8 = half * 16; n8 < half * 16 + 16; ++n8) s += d[n8 * 4 + h * 2] + d[n8 * 4 + h * 2 + 1];
-                s += __shfl_xor_sync(0xffffffffu, s, 1);
-                s += __shfl_xor_sync(0xffffffffu, s, 2);
-                const int r = row0 + 8 * h, tc = 2 * bc + half;
-                if (tig == 0 && r < M && tc < tn128) row_sums[(long long)r * tn128 + tc] = s;
+                rs[h * 2 + half] = s;
             }
-#endif  // AEGIS_NO_ROWSUMS
-        // bf16 output packed now, so the fp32 accumulator registers die as the column partials
-        // are formed (accumulator and partials would not fit in the register budget together)
-        __nv_bfloat162 cp[64];
-        pack_c(d, cp);
-#ifndef AEGIS_NO_COLSUMS  // experiment knob: time the row sums alone
-        // column sums: in-thread (rows g, g+8), then over the 8 lanes that share a column by a
-        // halving exchange (each step a lane sends half of its partials to its partner and keeps
-        // the other half: 32+16+8 shuffles instead of 64x3), then over the 4 warps in order.
-        // The scratch is double-buffered by tile parity, so one barrier per tile suffices: a
-        // warp writes a buffer again only after the next tile's barrier, which every warp passes
-        // after it has read this tile's buffer.
-        float* red = red_col + (ti & 1) * (8 * BN);
-        {
-            float v[64];  // v[q]: column n8*8 + 2*tig + j with q = 2*n8 + j
+#endif
+#ifdef AEGIS_COLS
+        // column partials over rows g, g+8: v[q] is column n8*8 + 2*tig + j, q = 2*n8 + j
+        float v[64];
 #pragma unroll
-            for (int q = 0; q < 64; ++q) v[q] = d[(q >> 1) * 4 + (q & 1)] + d[(q >> 1) * 4 + 2 + (q & 1)];
-            halve_exchange<32>(v, (g >> 2) & 1);  // partner: lane ^ 16
+        for (int q = 0; q < 64; ++q) v[q] = d[(q >> 1) * 4 + (q & 1)] + d[(q >> 1) * 4 + 2 + (q & 1)];
+#endif
+        __nv_bfloat162 cp[64];
+        pack_c(d, cp);  // the accumulator is dead from here
+        uint32_t swap[32];
+        c_swap(cp, tig & 1, swap);
+#ifdef AEGIS_ROWS
+#pragma unroll
+        for (int i = 0; i < 4; ++i) rs[i] += __shfl_xor_sync(0xffffffffu, rs[i], 1);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) rs[i] += __shfl_xor_sync(0xffffffffu, rs[i], 2);
+#endif
+#ifdef AEGIS_COLS
+        // the 8 lanes that share a column reduce by a halving exchange: each step a lane sends half
+        // of its partials to its partner and keeps the other half (32+16+8 shuffles, not 64x3)
+        halve_exchange<32>(v, (g >> 2) & 1);  // partner: lane ^ 16; v[0..32) live from here
+#endif
+#ifndef AEGIS_NO_CSTORE  // experiment knob: time the kernel without its C stores (C left unwritten)
+        store_c(cp, swap, C, M, N, row0, col0);
+#endif
+#ifdef AEGIS_ROWS
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int r = row0 + 8 * (i >> 1), tc = 2 * bc + (i & 1);
+            if (tig == 0 && r < M && tc < tn128) row_sums[(long long)r * tn128 + tc] = rs[i];
+        }
+#endif
+        // Phase 2 for the tile at (bm, bc); touches no accumulator register.
+        auto phase2 = [&]() {
+#ifdef AEGIS_COLS
+            // the rest of the column reduction, then over the 4 warps in order. The scratch is
+            // double-buffered by tile parity, so one barrier per tile suffices: a warp writes a
+            // buffer again only after the next tile's barrier, which every warp passes after it
+            // has read this tile's buffer.
+            float* red = red_col + (ti & 1) * (8 * BN);
             halve_exchange<16>(v, (g >> 1) & 1);  // lane ^ 8
             halve_exchange<8>(v, g & 1);          // lane ^ 4
             // lane g now holds q = 8g .. 8g+7: columns (4g + r/2)*8 + 2*tig + (r&1), r = 0..7
@@ -355,36 +457,40 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
             for (int r = 0; r < 8; r += 2)  // one 64-bit store per pair (the compiler splits a float2 store)
                 asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(smem_u32(red + cw * BN + red_idx((4 * g + (r >> 1)) * 8 + 2 * tig))),
                              "f"(v[r]), "f"(v[r + 1]) : "memory");
-        }
-        wg_bar(c);
-        {
-            const int tr = 2 * bm + c, t = threadIdx.x & 127;  // each thread: columns t and t + 128
+            wg_bar(c);
+            const int tt = threadIdx.x & 127;  // each thread: columns tt and tt + 128
             const float* p = red + 4 * c * BN;
 #pragma unroll
             for (int hc = 0; hc < 2; ++hc) {
-                const int col = t + 128 * hc, ix = red_idx(col);
+                const int col = tt + 128 * hc, ix = red_idx(col);
                 const float s = ((p[ix] + p[BN + ix]) + p[2 * BN + ix]) + p[3 * BN + ix];
                 const int cc = bc * BN + col;
                 if (cc < N && tr * CTM < M) col_sums[(long long)tr * N + cc] = s;
             }
-            if (t < 2 && 2 * bc + t < tn128 && tr * CTM < M) tile_sm[tr * tn128 + 2 * bc + t] = smid;
-        }
-#endif  // AEGIS_NO_COLSUMS
-        store_c(cp, C, M, N, row0, col0);
-#else
-        (void)row_sums;
-        (void)col_sums;
-        {
-            const int tr = 2 * bm + c, t = threadIdx.x & 127;
-            if (t < 2 && 2 * bc + t < tn128 && tr * CTM < M) tile_sm[tr * tn128 + 2 * bc + t] = smid;
-        }
-        // bf16 output straight from the accumulator; pairs as one 32-bit store
-        __nv_bfloat162 cp[64];
-        pack_c(d, cp);
-        store_c(cp, C, M, N, row0, col0);
 #endif
+            const int tl = threadIdx.x & 127;
+            if (tl < 2 && 2 * bc + tl < tn128 && tr * CTM < M) tile_sm[tr * tn128 + 2 * bc + tl] = smid;
+        };
+        // The last tile ends here; the loop is peeled this way so that on every path into the
+        // main loop the accumulator is in flight (a conditional issue makes ptxas serialise wgmma).
+        const int nt = t + gridDim.x;
+        if (nt >= n_tiles) {
+            phase2();
+            break;
+        }
+        int nbm, nbc;
+        tile_coords(nt, tiles_m, tiles_n, nbm, nbc);
+        issue_head();
+        phase2();
+        t = nt;
+        bm = nbm;
+        bc = nbc;
         ++ti;
     }
+#ifdef AEGIS_NOSUMS
+    (void)row_sums;
+    (void)col_sums;
+#endif
 }
 
 #define AEGIS_WGMMA_ENTRY(NAME, AK, BK_)                                                                             \

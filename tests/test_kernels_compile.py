@@ -3,6 +3,7 @@ fault-injection / no-checksum variant too), and importing the CUDA backend stays
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -30,9 +31,16 @@ def test_kernel_compiles(kernel: str, define: str, tmp_path: Path) -> None:
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log
     assert "warning" not in log.lower(), log
+    if define == "-DAEGIS_INJECT":
+        # The injection build may spill: its fault tables and per-element checks sit beside the
+        # accumulator, and it runs only in self-tests, where speed does not matter.
+        return
     # register arrays must stay in registers: a spill means local-memory traffic in the main loop
     spills = [ln for ln in log.splitlines() if "spill" in ln and not ln.strip().startswith("0 bytes stack frame, 0 bytes spill")]
     assert not spills, log
+    # ptxas serialising wgmma (C7515/C7518) or inserting waits for accumulator registers (C7517/
+    # C7519) means the asynchronous pipeline is lost without any error
+    assert not re.search(r"\(C75(1[5-9])\)", log), log
 
 
 def test_cuda_backend_import_is_lazy() -> None:
