@@ -125,7 +125,8 @@ def _clean_median(dev, ops) -> float:
 ACC_FAULTS = [
     "bitflip:bit=exp,seed=1", "bitflip:bit=sign,count=3,seed=2", "mask:mask=0x00c00000,seed=3",
     "stuck-lane:mask=0x00800000,stride=32,offset=5", "replace:span=16,value=random,seed=4",
-    "replace:span=64,value=zero,seed=5", "replace:span=64,value=flip,seed=9", "perturb:r=1e4,rate=1e-3,seed=6",
+    "replace:span=64,value=zero,seed=5", "replace:span=64,value=flip,seed=9", "replace:span=16,value=copy,seed=8",
+    "replace:span=random,value=copy,seed=10", "perturb:r=1e4,rate=1e-3,seed=6",
     "row:row=77", "row:mode=stuck,value=2.5", "tile:mode=zero,tile=1.1", "tile:mode=stuck,value=3.0,tile=0.2",
     "tile:mode=shift,tile=1.0", "tile:mode=skipk,tile=2.1,kstep=2", "tile:mode=zero,every=5", "tile:mode=skipk",
 ]

@@ -165,11 +165,30 @@ def _u32(x: float) -> int:
     return int(np.array([x], dtype=np.float32).view(np.uint32)[0])
 
 
+def _clean_values(ops: GemmOperands, flat: np.ndarray) -> np.ndarray:
+    """fp32 bits of the clean product at each flat index i·N + j: A[i, :]·B[:, j] summed in fp64,
+    then rounded, i.e. the accumulator's value up to its own accumulation noise (what a
+    ``replace:value=copy`` writes on CUDA, where the kernel cannot read another tile's accumulator)."""
+    m, n, k = ops.mnk
+    a, b = ops.a_mk, ops.b_kn
+    idx = torch.from_numpy(flat).to(a.device)
+    if flat.size * max(k, 1) > (1 << 28) and flat.size > m * n // 8:  # many elements: one fp64 GEMM
+        out = (a.double() @ b.double()).reshape(-1)[idx]
+    else:
+        out = torch.empty(flat.size, dtype=torch.float64, device=a.device)
+        step = max(1, (1 << 24) // max(k, 1))  # ≤ 16 Mi fp64 products per chunk
+        for s in range(0, flat.size, step):
+            r, c = idx[s:s + step] // n, idx[s:s + step] % n
+            out[s:s + step] = (a[r].double() * b[:, c].t().double()).sum(1)
+    return out.float().cpu().numpy().view(np.uint32)
+
+
 def _elementwise_acc(acc: _AccFaults, plan: FaultPlan, f: FaultSpec, rng: np.random.Generator, ctx: LaunchContext,
-                     shape: tuple[int, int]) -> None:
+                     ops: GemmOperands) -> None:
     """bitflip / mask / stuck-lane / replace on the (M, N) fp32 accumulator: the same draws as
     corrupt._elementwise, emitted as kernel edits instead of applied to a tensor."""
-    m, n = shape
+    m, n, _ = ops.mnk
+    shape = (m, n)
     numel = m * n
     if f.model in ("bitflip", "mask"):
         flat = corrupt.positions(f, shape, rng, int(f.get("count", "1")))
@@ -198,22 +217,24 @@ def _elementwise_acc(acc: _AccFaults, plan: FaultPlan, f: FaultSpec, rng: np.ran
             acc.add(flat, EDIT_SET, raw.astype(np.uint32))
         elif how == "flip":
             acc.add(flat, EDIT_XOR, (np.uint64(1) << rng.integers(0, 32, flat.size).astype(np.uint64)).astype(np.uint32))
-        else:  # a copy of another element needs the other element's clean value: not in one pass
-            raise InjectSpecError("replace:value=copy with target=acc is not available in the CUDA kernels (use target=out)")
+        else:  # copy: another element's clean value (the same source draw as corrupt._elementwise)
+            acc.add(flat, EDIT_SET, _clean_values(ops, rng.integers(0, numel, flat.size)))
         corrupt.record(plan, f, ctx, shape, flat, span=span, value=how)
 
 
-def _acc_faults(plan: FaultPlan, ctx: LaunchContext, m: int, n: int, k: int, cta: tuple[int, int]) -> _AccFaults | None:
-    """Translate this launch's accumulator faults into kernel parameters (None: none fire)."""
+def _acc_faults(plan: FaultPlan, ctx: LaunchContext, ops: GemmOperands, cta: tuple[int, int]) -> _AccFaults | None:
+    """Translate this launch's accumulator faults into kernel parameters (None: none fire); ``ops``
+    are the operands the kernel multiplies."""
     active = plan.active(ctx, "acc")
     if not active:
         return None
+    m, n, k = ops.mnk
     tm, tn = ctx.tile
     tiles = (-(-m // tm), -(-n // tn))
     acc = _AccFaults()
     for f, rng in active:
         if f.model in ("bitflip", "mask", "stuck-lane", "replace"):
-            _elementwise_acc(acc, plan, f, rng, ctx, (m, n))
+            _elementwise_acc(acc, plan, f, rng, ctx, ops)
         elif f.model == "perturb":
             if ctx.clean_median is None:
                 raise DeviceError("perturb fault needs the clean median checksum difference")
@@ -447,7 +468,7 @@ class CudaDevice(Device):
         if fault is not None:
             ctx = LaunchContext(self.identity.id, op, self.tile, None, clean_median)
             a, b = self._operand_faults(fault, ctx, ops)
-            acc = _acc_faults(fault, ctx, m, n, k, CTA_TILES[self.kernel_for(a, b, k)])
+            acc = _acc_faults(fault, ctx, GemmOperands(a, b, ops.layout), CTA_TILES[self.kernel_for(a, b, k)])
             if acc is not None:
                 inj, keep = _inject_params(acc, m, n, self.tile, self.torch_device)
         with torch.cuda.device(self.torch_device):
