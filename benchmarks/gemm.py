@@ -185,10 +185,10 @@ def epilogue_split(reps: int = 12) -> list[dict]:
 
 
 def _parse_variant(spec: str) -> tuple[str, tuple[str, dict]]:
-    """``name=variant[+DEFINE[+DEFINE...]]``, e.g. ``plain=nosums`` or ``nostore=+AEGIS_NO_CSTORE``."""
+    """``name=variant[+DEFINE[=VALUE]...]``, e.g. ``plain=nosums`` or ``nostore=+AEGIS_NO_CSTORE``."""
     name, _, rest = spec.partition("=")
     variant, *defines = rest.split("+")
-    return name, (variant, {d: 1 for d in defines if d})
+    return name, (variant, {d.partition("=")[0]: d.partition("=")[2] or 1 for d in defines if d})
 
 
 def shapes() -> list[tuple[str, Layout, int, int, int]]:

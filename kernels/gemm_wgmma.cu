@@ -191,6 +191,25 @@ __device__ __forceinline__ void store_c(const __nv_bfloat162 (&p)[64], const uin
 // distinct banks (the plain layout was 8-way conflicted); a 32-column read stays conflict-free.
 __device__ __forceinline__ int red_idx(int col) { return (col & ~31) | ((col + ((col >> 2) & 24)) & 31); }
 
+#if defined(AEGIS_BURN) || defined(AEGIS_BURN1)
+// Experiment: N independent FFMAs per thread that the compiler cannot drop (the result is
+// stored only if it equals a value it never reaches): ALU work of about the checksums' size,
+// placed where the checksums run, to tell issue/energy cost from latency.
+template <int N>
+__device__ __forceinline__ void burn(float seed, float* sink) {
+    float x[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = seed + i;
+#pragma unroll
+    for (int n = 0; n < N / 8; ++n)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) x[i] = fmaf(x[i], 1.0001f, 0.5f);
+    float t = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) t += x[i];
+    if (t == -1.2345f) *sink = t;
+}
+#endif
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
@@ -417,6 +436,9 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
 #pragma unroll
         for (int q = 0; q < 64; ++q) v[q] = d[(q >> 1) * 4 + (q & 1)] + d[(q >> 1) * 4 + 2 + (q & 1)];
 #endif
+#ifdef AEGIS_BURN1
+        burn<AEGIS_BURN1>(d[5], row_sums);
+#endif
         __nv_bfloat162 cp[64];
         pack_c(d, cp);  // the accumulator is dead from here
         uint32_t swap[32];
@@ -467,6 +489,9 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
                 const int cc = bc * BN + col;
                 if (cc < N && tr * CTM < M) col_sums[(long long)tr * N + cc] = s;
             }
+#endif
+#ifdef AEGIS_BURN
+            burn<AEGIS_BURN>((float)(threadIdx.x + ti), col_sums);
 #endif
             const int tl = threadIdx.x & 127;
             if (tl < 2 && 2 * bc + tl < tn128 && tr * CTM < M) tile_sm[tr * tn128 + 2 * bc + tl] = smid;
