@@ -33,7 +33,7 @@ def test_kernel_compiles(kernel: str, define: str, tmp_path: Path) -> None:
     assert "warning" not in log.lower(), log
     if define == "-DAEGIS_INJECT":
         # The injection build may spill: its fault tables and per-element checks sit beside the
-        # accumulator, and it runs only in self-tests, where speed does not matter.
+        # accumulator, and it runs only when faults are injected, where speed does not matter.
         return
     # register arrays must stay in registers: a spill means local-memory traffic in the main loop
     spills = [ln for ln in log.splitlines() if "spill" in ln and not ln.strip().startswith("0 bytes stack frame, 0 bytes spill")]
