@@ -101,10 +101,21 @@ def _wgmma_source(path: str | None):
         cuda.WGMMA_DEFINES.update(saved)
 
 
+def _input_sets(dev, layout: Layout, m: int, n: int, k: int, seed: int) -> list[tuple]:
+    """N_SETS seeded random (A, B) pairs, stored as ``layout`` stores them."""
+    return [(dev.generate(layout.a_stored_shape(m, k), "normal", seed + s), dev.generate(layout.b_stored_shape(k, n), "normal", seed + 100 + s))
+            for s in range(N_SETS)]
+
+
+def _same_bits(outs: tuple, ref: tuple, checked: bool) -> bool:
+    """C equal bit for bit, and the row and column sums too when both builds compute them."""
+    n = 3 if checked else 1  # never tile_sm: which SM runs a tile is the scheduler's choice
+    return all(torch.equal(x, y) for x, y in zip(outs[:n], ref[:n], strict=True))
+
+
 def bench_shape(dev, name: str, layout: Layout, m: int, n: int, k: int, reps: int, kernel: str | None,
                 baseline: str | None = None) -> dict:
-    sets = [(dev.generate(layout.a_stored_shape(m, k), "normal", 100 + s), dev.generate(layout.b_stored_shape(k, n), "normal", 200 + s))
-            for s in range(N_SETS)]
+    sets = _input_sets(dev, layout, m, n, k, 100)
     flop = 2.0 * m * n * k
     row = {"name": name, "layout": layout.value, "m": m, "n": n, "k": k}
     fns = {"cublas": lambda i: _torch_matmul(*sets[i % N_SETS], layout)}
@@ -113,19 +124,19 @@ def bench_shape(dev, name: str, layout: Layout, m: int, n: int, k: int, reps: in
         launches = [dev.prepare(a, b, layout, variant=variant, kernel=kernel) for a, b in sets]
         row["kernel"] = f"gemm_{launches[0].kernel}"
         fns[key] = lambda i, launches=launches: launches[i % N_SETS].run()
-        outs[key] = launches[0].keep[2:5]  # C, row sums, column sums of input set 0
+        outs[key] = launches[0].outputs  # of input set 0
     if baseline is not None:
         with _wgmma_source(baseline):
             for variant, key in (("nosums", "base_plain"), ("", "base_checked")):
                 launches = [dev.prepare(a, b, layout, variant=variant, kernel=kernel) for a, b in sets]
                 fns[key] = lambda i, launches=launches: launches[i % N_SETS].run()
-                outs[key] = launches[0].keep[2:5]
+                outs[key] = launches[0].outputs
     ms = _time(fns, reps)
     row.update(_clocks())  # read right after the timed bursts: the state they ran in
     dev.synchronize()
     if baseline is not None:  # a rewrite that keeps the arithmetic must keep the bits
-        row["bitwise_vs_baseline"] = (torch.equal(outs["plain"][0], outs["base_plain"][0])
-                                      and all(torch.equal(x, y) for x, y in zip(outs["checked"], outs["base_checked"], strict=True)))
+        row["bitwise_vs_baseline"] = (_same_bits(outs["plain"], outs["base_plain"], checked=False)
+                                      and _same_bits(outs["checked"], outs["base_checked"], checked=True))
     for key, t in ms.items():
         row[f"{key}_tflops"] = flop / t / 1e9
     row["checked_vs_cublas"] = row["checked_tflops"] / row["cublas_tflops"]
@@ -147,8 +158,7 @@ def compare(variants: dict[str, tuple[str, dict]], sizes, reps: int = 12, layout
     first = next(iter(variants))
     rows = []
     for m, n, k in sizes:
-        sets = [(dev.generate(layout.a_stored_shape(m, k), "normal", 300 + s), dev.generate(layout.b_stored_shape(k, n), "normal", 400 + s))
-                for s in range(N_SETS)]
+        sets = _input_sets(dev, layout, m, n, k, 300)
         fns = {"cublas": lambda i, sets=sets: _torch_matmul(*sets[i % N_SETS], layout)}
         outputs = {}
         for name, (variant, defines) in variants.items():
@@ -157,18 +167,16 @@ def compare(variants: dict[str, tuple[str, dict]], sizes, reps: int = 12, layout
             launches = [dev.prepare(a, b, layout, variant=variant) for a, b in sets]
             fns[name] = lambda i, launches=launches: launches[i % N_SETS].run()
             if not any(d.startswith("AEGIS_NO_") for d in defines):
-                outputs[name] = (variant, launches[0].keep[2:5])  # C, row sums, column sums of input set 0
+                outputs[name] = (variant, launches[0].outputs)  # of input set 0
         cuda.WGMMA_DEFINES.clear()
         ms = _time(fns, reps)
-        dev.synchronize()
         row = {"m": m, "n": n, "k": k, "layout": layout.value, **{f"{v}_tflops": 2.0 * m * n * k / t / 1e9 for v, t in ms.items()}}
         row.update({f"{v}_cost": ms[v] / ms[first] - 1.0 for v in variants if v != first})
         refs: dict[str, tuple] = {}
         for name, (variant, outs) in outputs.items():
-            ref = refs.setdefault(variant, outs)
-            same = [torch.equal(x, y) for x, y in zip(outs, ref, strict=True)][: 3 if variant == "" else 1]
-            row[f"{name}_bitwise"] = all(same)
-            if not all(same):
+            same = _same_bits(outs, refs.setdefault(variant, outs), checked=variant == "")
+            row[f"{name}_bitwise"] = same
+            if not same:
                 print(f"  {name}: NOT bit-identical to the first {variant or 'checked'} variant", flush=True)
         print(f"{layout.value} {m}x{n}x{k}: " + "  ".join(f"{v} {row[f'{v}_tflops']:.1f}" for v in fns) + "  TF;  vs "
               + first + ": " + "  ".join(f"{v} {row[f'{v}_cost']:+.1%}" for v in variants if v != first), flush=True)
@@ -184,11 +192,16 @@ def epilogue_split(reps: int = 12) -> list[dict]:
     return compare(variants, ((8192, 8192, 8192), (8192, 8192, 1024)), reps)
 
 
+def parse_defines(items) -> dict[str, object]:
+    """``NAME`` or ``NAME=VALUE`` items as -D defines (a bare name is defined as 1)."""
+    return {d.partition("=")[0]: d.partition("=")[2] or 1 for d in items if d}
+
+
 def _parse_variant(spec: str) -> tuple[str, tuple[str, dict]]:
     """``name=variant[+DEFINE[=VALUE]...]``, e.g. ``plain=nosums`` or ``nostore=+AEGIS_NO_CSTORE``."""
     name, _, rest = spec.partition("=")
     variant, *defines = rest.split("+")
-    return name, (variant, {d.partition("=")[0]: d.partition("=")[2] or 1 for d in defines if d})
+    return name, (variant, parse_defines(defines))
 
 
 def shapes() -> list[tuple[str, Layout, int, int, int]]:

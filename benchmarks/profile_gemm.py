@@ -23,16 +23,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layout", default="fwd", choices=["fwd", "dgrad", "wgrad"])
     ap.add_argument("--variant", default="", choices=["", "nosums", "inject"], help="kernel build ('' = checked)")
     ap.add_argument("--kernel", default=None, choices=["wgmma", "mma"])
-    ap.add_argument("--define", action="append", default=[], help="extra -D for gemm_wgmma.cu (experiment knobs)")
+    ap.add_argument("--define", action="append", default=[], metavar="NAME[=VALUE]",
+                    help="extra -D for gemm_wgmma.cu (experiment knobs)")
     ap.add_argument("--launches", type=int, default=4)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
         return 3
+    from gemm import parse_defines  # benchmarks/gemm.py, beside this script
+
     from aegis_cli.backends import cuda
     from aegis_cli.backends.base import Layout
 
-    cuda.WGMMA_DEFINES.update({d: 1 for d in args.define})
+    cuda.WGMMA_DEFINES.update(parse_defines(args.define))
     dev = cuda.CudaDevice(0, kernel=args.kernel)
     layout = Layout(args.layout)
     a = dev.generate(layout.a_stored_shape(args.m, args.k), "normal", 1)

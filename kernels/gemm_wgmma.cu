@@ -294,7 +294,6 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
                 int bm, bc;
                 tile_coords(t, tiles_m, tiles_n, bm, bc);
                 const int mode = cta_mode(inj, bm, bc, tn128, smid);
-                (void)mode;
                 int a_m0 = bm * BM;
                 if (mode == TILE_SHIFT) a_m0 = ((bm + 1) % tiles_m) * BM;
                 const int n0 = bc * BN;

@@ -143,6 +143,11 @@ class _Launch:
     def run(self) -> None:
         _launch(self.func, self.grid, self.block, self.smem, self.stream, self.args)
 
+    @property
+    def outputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """C, row sums, column sums and the SM of each checksum tile, as the last run left them."""
+        return tuple(self.keep[2:6])
+
 
 # ---------------------------------------------------------------------------- fault plans
 @dataclass
@@ -479,7 +484,7 @@ class CudaDevice(Device):
             except Exception as exc:
                 raise DeviceError(f"cuda:{self.index}: gemm_{launch.kernel} {ops.layout.value} {m}x{n}x{k} failed: {exc}") from exc
         del keep
-        c, row_sums, col_sums, tile_sm_dev = launch.keep[2:]
+        c, row_sums, col_sums, tile_sm_dev = launch.outputs
         tile_sm = tile_sm_dev.cpu()
         if fault is not None:
             ctx.tile_sm = tile_sm.numpy()
