@@ -137,14 +137,6 @@ def differing_blocks(expected: list[int], actual: list[int]) -> list[int]:
     return [i for i, (e, a) in enumerate(zip(expected, actual, strict=True)) if e != a]
 
 
-def first_difference(expected: torch.Tensor, actual: torch.Tensor, limit: int = 8) -> list[dict]:
-    """Up to ``limit`` miscompare records (flat index, expected/actual bits, XOR mask)."""
-    e, a = raw_bits(expected), raw_bits(actual)
-    if e.size != a.size:
-        raise ValueError(f"cannot compare tensors of {e.size} and {a.size} elements")
-    return _records(e, a, np.flatnonzero(e != a)[:limit], expected.element_size(), 0)
-
-
 def _records(e: np.ndarray, a: np.ndarray, where: np.ndarray, size: int, offset: int) -> list[dict]:
     width = size * 2
     return [
@@ -180,10 +172,6 @@ def diff_records(expected: torch.Tensor, actual: torch.Tensor, block: int = BLOC
         if len(records) < limit:
             records += _records(e, a, where[: limit - len(records)], expected.element_size(), sl.start)
     return blocks, count, records
-
-
-def count_differences(expected: torch.Tensor, actual: torch.Tensor) -> int:
-    return int(np.count_nonzero(raw_bits(expected) != raw_bits(actual)))
 
 
 def hex64(h: int) -> str:

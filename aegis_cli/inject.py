@@ -251,3 +251,8 @@ class FaultPlan:
     def record(self, f: FaultSpec, ctx: LaunchContext, **what) -> None:
         self.injected.append({"fault": str(f), "op": ctx.op, "launch": self.launches, **what})
 
+
+def recent_injections(plan: FaultPlan | None, n: int = 4) -> list[dict]:
+    """The last ``n`` injection records of ``plan`` (none without a plan), for evidence."""
+    return list(plan.injected[-n:]) if plan is not None else []
+

@@ -101,9 +101,9 @@ def output_rowsum_diff(res: GemmResult, tn: int) -> tuple[torch.Tensor, torch.Te
     difference above it cannot be rounding."""
     c = res.c.to(torch.float64)
     out_sum = sum_col_tiles(c, tn)
-    bound = sum_col_tiles(c.abs(), tn) * U_BF16 * (1 + U_BF16)
-    # the fp32 tile sum itself carries rounding of order tn·u32·Σ|acc|
-    bound = bound + sum_col_tiles(c.abs(), tn) * (tn * U_FP32 * 2)
+    abs_sum = sum_col_tiles(c.abs(), tn)
+    # output rounding, plus the fp32 tile sum's own rounding of order tn·u32·Σ|acc|
+    bound = abs_sum * U_BF16 * (1 + U_BF16) + abs_sum * (tn * U_FP32 * 2)
     d = (out_sum - res.row_sums.to(torch.float64)).abs()
     return torch.nan_to_num(d, nan=math.inf, posinf=math.inf), bound
 

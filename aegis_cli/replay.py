@@ -37,7 +37,7 @@ from aegis_cli.backends import resolve_devices
 from aegis_cli.backends.base import Device, GemmResult
 from aegis_cli.bundle import read_bundle
 from aegis_cli.errors import AegisError, BundleError, ConfigError
-from aegis_cli.inject import FaultPlan
+from aegis_cli.inject import FaultPlan, recent_injections
 from aegis_cli.probes.gemm import ProbeStats, scaled, scaled_reference
 from aegis_cli.report import DeviceReport, Report
 from aegis_cli.verdict import Evidence, Verdict, worst
@@ -339,7 +339,7 @@ def _evidence(vt: vtask.VTask, out: dict, bundle: str, repeat: int, kernel: str,
                   scale=list(vt.scale), seed=vt.seed or 0, elements=f.elements, samples=f.samples,
                   localised=[[r, c] for r in sorted(f.rows)[:4] for c in sorted(f.cols)[:4]][:16],
                   reruns=max(out["runs"] - 1, 0), reproduced=max(min(f.runs, out['runs']) - 1, 0), distinct_outputs=out["distinct_outputs"],
-                  kernel=kernel, injected=list(fault.injected[-4:]) if fault is not None else [])
+                  kernel=kernel, injected=recent_injections(fault))
     if check in ("gemm.row_checksum", "gemm.col_checksum"):
         ev.threshold, ev.max_value, ev.margin = vt.tau, f.max_value, out["margin"]
     else:

@@ -17,7 +17,6 @@ and cross-device probes compare their fingerprints across time and devices.
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -251,6 +250,3 @@ def majority(prints: list) -> tuple[object, list[int]]:
 def bytes_of(outputs: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in outputs.values())
 
-
-def finite(x: float) -> float | None:
-    return x if math.isfinite(x) else None

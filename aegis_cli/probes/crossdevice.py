@@ -25,6 +25,7 @@ import torch
 
 from aegis_cli import fingerprint, numerics
 from aegis_cli.backends.base import Device, GemmOperands, Layout
+from aegis_cli.inject import recent_injections
 from aegis_cli.probes import ProbeContext, register_node
 from aegis_cli.probes._common import COMPUTATIONS, MAX_SAMPLES, assumed_deterministic, localise, majority, sizes_for, stored_faults
 from aegis_cli.verdict import Evidence, Verdict
@@ -97,7 +98,7 @@ def _evidence(name: str, key: str, culprit: str, ref_dev: str, results: dict, se
         op=name, shape=comp.shape(sizes_for(device)), dist="normal", seed=ctx.opts.seed, max_value=1.0,
         elements=loc["elements"], samples=[{"output": key, "reference_device": ref_dev, **s} for s in loc["samples"][:MAX_SAMPLES]],
         tiles=loc["tiles"][:16], localised=loc["localised"], kernel="aegis" if not comp.vendor else "torch",
-        injected=list(fault.injected[-4:]) if fault is not None else [])
+        injected=recent_injections(fault))
 
 
 @register_node("crossdevice", OPTIONS)

@@ -25,6 +25,7 @@ import torch
 
 from aegis_cli.backends.base import Device
 from aegis_cli.fingerprint import device_fingerprint
+from aegis_cli.inject import recent_injections
 from aegis_cli.probes import ProbeContext, register
 from aegis_cli.probes._common import (
     COMPUTATIONS,
@@ -114,7 +115,7 @@ def run_computation(device: Device, name: str, runs: int, seed: int, ctx: ProbeC
         op=name, shape=comp.shape(sizes), dist="normal", seed=seed, max_value=1.0, elements=count, samples=samples,
         tiles=[list(t) for t in sorted(tiles)][:16], localised=localised, reruns=runs - 1, reproduced=runs - 1 - len(odd),
         distinct_outputs=distinct, kernel="aegis" if not comp.vendor else "torch",
-        injected=list(ctx.fault.injected[-4:]) if ctx.fault is not None else [],
+        injected=recent_injections(ctx.fault),
     )
     return stats, ev
 

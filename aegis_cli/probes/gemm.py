@@ -25,7 +25,7 @@ import torch
 
 from aegis_cli import fingerprint, numerics
 from aegis_cli.backends.base import Device, GemmOperands, GemmResult, ReferenceChecksums
-from aegis_cli.inject import FaultPlan
+from aegis_cli.inject import FaultPlan, recent_injections
 from aegis_cli.verdict import Evidence, Verdict
 from aegis_cli.workloads import GemmShape
 
@@ -76,15 +76,6 @@ class ProbeStats:
     clean_ratio: float = 0.0  # largest (normalised difference ÷ that case's τ) among unflagged checksums
     seconds: float = 0.0
 
-    def merge(self, o: ProbeStats) -> None:
-        self.gemms += o.gemms
-        self.flops += o.flops
-        self.checksums += o.checksums
-        self.skipped_scales += o.skipped_scales
-        self.clean_max = max(self.clean_max, o.clean_max)
-        self.clean_ratio = max(self.clean_ratio, o.clean_ratio)
-        self.seconds += o.seconds
-
 
 @dataclass
 class Signal:
@@ -95,6 +86,11 @@ class Signal:
     tiles: list[list[int]] = field(default_factory=list)
     sms: list[int] = field(default_factory=list)
     localised: list[list[int]] = field(default_factory=list)
+
+
+def _sms(tile_sm: torch.Tensor | None, tiles) -> list[int]:
+    """The SMs that ran these (row tile, column tile)s, from the host copy of ``tile_sm``."""
+    return sorted({int(tile_sm[t]) for t in tiles}) if tile_sm is not None else []
 
 
 def _bits32(x: float) -> str:
@@ -182,8 +178,9 @@ class GemmProbe:
         row_flag, col_flag = d_row > tau, d_col > tau
         clean = torch.cat([d_row[~row_flag].reshape(-1), d_col[~col_flag].reshape(-1)])
         if clean.numel():
-            self.stats.clean_max = max(self.stats.clean_max, float(clean.max()))
-            self.stats.clean_ratio = max(self.stats.clean_ratio, float(clean.max()) / tau)
+            worst = float(clean.max())
+            self.stats.clean_max = max(self.stats.clean_max, worst)
+            self.stats.clean_ratio = max(self.stats.clean_ratio, worst / tau)
         tile_sm = res.tile_sm.cpu() if res.tile_sm is not None else None
         loc = self._localise(row_flag, col_flag, tm, tn)
         for check, d, flag, sums, refv, is_row in (("gemm.row_checksum", d_row, row_flag, res.row_sums, ref.row, True),
@@ -205,12 +202,12 @@ class GemmProbe:
                                 **({"sm": int(tile_sm[tile_rc])} if tile_sm is not None else {})})
             all_tiles = {((r // tm, c) if is_row else (r, c // tn)) for r, c in flag.nonzero().cpu().tolist()}
             out.append(Signal(check, float(d_h.max()), n, samples, [list(t) for t in sorted(all_tiles)][:MAX_LOCALISED],
-                              sorted({int(tile_sm[t]) for t in all_tiles}) if tile_sm is not None else [], loc))
+                              _sms(tile_sm, all_tiles), loc))
         # rigorous, output-side checks
         c = res.c
         if not bool(torch.isfinite(c).all()) and bool(torch.isfinite(ref.row).all()):
             bad = (~torch.isfinite(c)).nonzero()
-            out.append(self._bitwise_signal("gemm.nonfinite", bad.cpu(), None, c, res))
+            out.append(self._bitwise_signal("gemm.nonfinite", bad.cpu(), None, c, res, tile_sm))
         diff, bound = numerics.output_rowsum_diff(res, tn)
         over = diff > bound
         if bool(over.any()):
@@ -220,15 +217,16 @@ class GemmProbe:
                         "accumulator_sum": float(res.row_sums[r, t]), "bound": float(bound[r, t])} for r, t in rows[:MAX_SAMPLES].tolist()]
             tiles = sorted({(int(r) // tm, int(t)) for r, t in rows.tolist()})
             out.append(Signal("gemm.output_rowsum", float(ratio.max()), int(over.sum()), samples, [list(t) for t in tiles][:MAX_LOCALISED],
-                              sorted({int(tile_sm[t]) for t in tiles}) if tile_sm is not None else []))
+                              _sms(tile_sm, tiles)))
         if expected is not None:
             ci, ei = c.view(torch.int16), expected.view(torch.int16)
             if not torch.equal(ci, ei):
                 where = (ci != ei).nonzero().cpu()
-                out.append(self._bitwise_signal("gemm.pow2_exact", where, expected, c, res))
+                out.append(self._bitwise_signal("gemm.pow2_exact", where, expected, c, res, tile_sm))
         return out
 
-    def _bitwise_signal(self, check: str, where: torch.Tensor, expected: torch.Tensor | None, c: torch.Tensor, res: GemmResult) -> Signal:
+    def _bitwise_signal(self, check: str, where: torch.Tensor, expected: torch.Tensor | None, c: torch.Tensor, res: GemmResult,
+                        tile_sm: torch.Tensor | None) -> Signal:
         tm, tn = res.tile
         samples = []
         for r, col in where[:MAX_SAMPLES].tolist():
@@ -239,9 +237,7 @@ class GemmProbe:
                 s.update(expected=f"0x{exp:04x}", expected_value=float(expected[r, col]), xor=f"0x{exp ^ act:04x}")
             samples.append(s)
         tiles = sorted({(r // tm, col // tn) for r, col in where.tolist()})
-        tile_sm = res.tile_sm.cpu() if res.tile_sm is not None else None
-        return Signal(check, 1.0, int(where.shape[0]), samples, [list(t) for t in tiles][:MAX_LOCALISED],
-                      sorted({int(tile_sm[t]) for t in tiles}) if tile_sm is not None else [],
+        return Signal(check, 1.0, int(where.shape[0]), samples, [list(t) for t in tiles][:MAX_LOCALISED], _sms(tile_sm, tiles),
                       [[int(r), int(col)] for r, col in where[:MAX_LOCALISED].tolist()])
 
     @staticmethod
@@ -283,7 +279,7 @@ class GemmProbe:
                           scale=[ea, eb], seed=case.seed, elements=sig.elements, samples=sig.samples, tiles=sig.tiles,
                           sms=sig.sms, localised=sig.localised, reruns=self.reruns, reproduced=seen[sig.check],
                           distinct_outputs=len(prints), kernel=res.kernel,
-                          injected=list(self.fault.injected[-4:]) if self.fault is not None else [])
+                          injected=recent_injections(self.fault))
             if sig.check in ("gemm.row_checksum", "gemm.col_checksum"):
                 ev.threshold, ev.max_value = tau, sig.max_value
                 ev.margin = sig.max_value / tau if math.isfinite(sig.max_value) else math.inf

@@ -16,6 +16,7 @@ from __future__ import annotations
 from aegis_cli import golden
 from aegis_cli.backends.base import Device
 from aegis_cli.fingerprint import device_block_fingerprints, hex64
+from aegis_cli.inject import recent_injections
 from aegis_cli.probes import ProbeContext, register
 from aegis_cli.verdict import Evidence, Verdict
 
@@ -69,7 +70,7 @@ def golden_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
             summary=f"golden.mismatch: {name}: {', '.join(bad)} differ from the golden fingerprint; {why}",
             op=name, shape=want["shape"], dist="normal", seed=seed, max_value=1.0, elements=elements, samples=samples[:8],
             tiles=tiles[:16], reruns=reruns, reproduced=wrong_runs - 1, distinct_outputs=len(set(seen)),
-            injected=list(ctx.fault.injected[-4:]) if ctx.fault is not None else []))
+            injected=recent_injections(ctx.fault)))
     ctx.stats["golden"] = {"compared": True, "file": ctx.opts.golden, "key": rec["key"], "outputs_checked": checked,
                            "mismatches": len(evidence)}
     return evidence

@@ -29,6 +29,7 @@ import torch
 from aegis_cli import fingerprint, nvml
 from aegis_cli.backends.base import Device
 from aegis_cli.errors import ConfigError
+from aegis_cli.inject import recent_injections
 from aegis_cli.probes import ProbeContext, register
 from aegis_cli.probes._common import MAX_SAMPLES, stored_faults
 from aegis_cli.probes.determinism import _mode
@@ -239,7 +240,7 @@ def memory_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
                     elements=words_bad, samples=samples, tiles=[[i, b] for i, bl in where.items() for b in bl][:16],
                     localised=[[s["chunk"], s["offset"]] for s in samples if "offset" in s], reruns=1,
                     reproduced=again, kernel="fingerprint.cu" if dev.type == "cuda" else "cpu",
-                    injected=list(ctx.fault.injected[-4:]) if ctx.fault is not None else [])
+                    injected=recent_injections(ctx.fault))
                 evidence.append(ev)
             passes_stats.append({"pass": pass_no, "chunks": len(region.chunks), "bytes": covered,
                                  "patterns": sorted({region.pattern(i) for i in range(len(region.chunks))}),

@@ -23,6 +23,7 @@ import torch
 
 from aegis_cli import numerics
 from aegis_cli.backends.base import Device, GemmOperands, Layout
+from aegis_cli.inject import recent_injections
 from aegis_cli.probes import ProbeContext, register
 from aegis_cli.probes._common import MAX_SAMPLES, localise, stored_faults
 from aegis_cli.probes.determinism import _mode
@@ -76,6 +77,7 @@ def sweep(device: Device, impl: str, step: int, ctx: ProbeContext) -> tuple[dict
     tested, skipped, deviating = 0, 0, []
     safe_sums: list[int] = []
     for ea in exps:
+        a_scaled = numerics.pow2_scale(a, ea)
         for eb in exps:
             if (ea, eb) == (0, 0):
                 continue
@@ -85,7 +87,7 @@ def sweep(device: Device, impl: str, step: int, ctx: ProbeContext) -> tuple[dict
             tested += 1
             safe_sums.append(ea + eb)
             op = f"{case}/a{ea:+d}b{eb:+d}"
-            out = _run(device, impl, GemmOperands(numerics.pow2_scale(a, ea), numerics.pow2_scale(b, eb), Layout.FWD), ctx, op)
+            out = _run(device, impl, GemmOperands(a_scaled, numerics.pow2_scale(b, eb), Layout.FWD), ctx, op)
             for key, got in out.items():
                 want = numerics.pow2_scale(base[key], ea + eb)
                 if not torch.equal(_int_view(got), _int_view(want)):
@@ -125,7 +127,7 @@ def sweep(device: Device, impl: str, step: int, ctx: ProbeContext) -> tuple[dict
         op=impl, layout="fwd", shape={"m": m, "n": n, "k": k}, dist="normal", scale=[first["a"], first["b"]], seed=seed,
         max_value=1.0, elements=count, samples=samples, tiles=[list(t) for t in sorted(tiles)][:16], localised=localised,
         reruns=1, reproduced=reproduced, kernel="aegis" if impl == "checked_gemm" else "torch",
-        injected=list(ctx.fault.injected[-4:]) if ctx.fault is not None else [],
+        injected=recent_injections(ctx.fault),
     )
     return stats, ev
 
