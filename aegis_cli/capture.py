@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from typing import TYPE_CHECKING
 
@@ -42,21 +41,20 @@ def capture_gemm_vtasks(device, case, evidence: list, fault, tau: float, confirm
     when the scan injected one), which an intermittent fault may not repeat; keep the full
     operands when small, else the flagged rows (row checks) or columns (column checks)."""
     from aegis_cli import fingerprint
-    from aegis_cli.probes.gemm import scaled
+    from aegis_cli.probes.gemm import clean_median, scaled
 
     ea, eb = evidence[0].scale
     cid = evidence[0].case_id
-    ops = scaled(case.operands(device), ea, eb)
+    base = case.operands(device)
+    ops = scaled(base, ea, eb)
     ref = device.reference_checksums(ops, device.tile)
     if flagged_run is not None:
         res, source = flagged_run, "the flagged scan run, as observed"
     else:
-        clean_median = None
+        med = None
         if fault is not None and fault.needs_clean_median():
-            base = case.operands(device)
-            clean = device.checked_gemm(base)
-            clean_median = float((clean.row_sums.double() - device.reference_checksums(base, device.tile).row).abs().median())
-        res = device.checked_gemm(ops, fault, op=cid, clean_median=clean_median)
+            med = clean_median(device, base, device.reference_checksums(base, device.tile))
+        res = device.checked_gemm(ops, fault, op=cid, clean_median=med)
         source = "re-run at save time on the capturing device"
     frows, fcols = _flag_sets(res, ref, tau)
     m, n, k = ops.mnk
@@ -104,8 +102,8 @@ def _clean_sample(s: dict) -> dict:
     for k, v in s.items():
         if isinstance(v, (bool, int, str)) or (isinstance(v, list) and len(v) <= 4 and all(isinstance(e, int) for e in v)):
             out[k] = v[:256] if isinstance(v, str) else v
-        elif isinstance(v, float):
-            out[k] = v if math.isfinite(v) else ("nan" if v != v else ("inf" if v > 0 else "-inf"))
+        elif isinstance(v, float):  # non-finite values are encoded with the whole manifest entry
+            out[k] = v
     return out
 
 
@@ -117,12 +115,11 @@ def save_scan_vtasks(report: Report, opts: ScanOptions, path: str | os.PathLike)
     kept it (``ScanOptions.keep_flagged`` → ``DeviceReport.captured``), else a re-run's.
     Evidence of non-GEMM checks is skipped (no vTask kind for it yet).
     """
-    from aegis_cli import workloads
     from aegis_cli.backends import resolve_devices
     from aegis_cli.backends.loader import kernel_hashes
     from aegis_cli.inject import FaultPlan
     from aegis_cli.report import versions
-    from aegis_cli.scan import DEFAULT_CPU_WORKLOAD, DEFAULT_GPU_WORKLOAD, plan_cases
+    from aegis_cli.scan import plan_cases, workload_for
 
     plan = FaultPlan.parse(opts.inject) if opts.inject else None
     vers = versions()
@@ -134,8 +131,7 @@ def save_scan_vtasks(report: Report, opts: ScanOptions, path: str | os.PathLike)
             continue
         device = resolve_devices(dr.identity.id)[0]
         ident = dr.identity
-        # the catalog the scan loaded: --workload may be a path, and dr.workload is only its name
-        wl = workloads.load(opts.workload or dr.workload or (DEFAULT_CPU_WORKLOAD if ident.backend == "cpu" else DEFAULT_GPU_WORKLOAD))
+        wl = workload_for(opts, device)  # the catalog the scan loaded (--workload may be a path)
         fault = plan.for_device(ident.id) if plan else None
         prov = {"host": ident.host, "device_id": ident.id, "gpu_name": ident.name, "gpu_uuid": ident.uuid,
                 "gpu_serial": ident.serial, "pci_bus_id": ident.pci_bus_id, "rank": int(rank) if rank and rank.isdigit() else None,

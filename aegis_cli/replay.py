@@ -39,6 +39,7 @@ from aegis_cli.bundle import read_bundle
 from aegis_cli.errors import AegisError, BundleError, ConfigError
 from aegis_cli.inject import FaultPlan, recent_injections
 from aegis_cli.probes.gemm import ProbeStats, scaled, scaled_reference
+from aegis_cli.probes.gemm import clean_median as clean_median_of
 from aegis_cli.report import DeviceReport, Report
 from aegis_cli.verdict import Evidence, Verdict, worst
 
@@ -119,9 +120,7 @@ class _VTaskReplay:
 
     def __init__(self, device: Device, vt: vtask.VTask, opts: ReplayOptions, fault: FaultPlan | None, stats: ProbeStats):
         self.dev, self.vt, self.opts, self.fault, self.stats = device, vt, opts, fault, stats
-        g = vt.gemm
-        self.row_map = g.rows if g.rows is not None else None
-        self.col_map = g.cols if g.cols is not None else None
+        self.row_map, self.col_map = vt.gemm.rows, vt.gemm.cols
         self.fired: dict[str, _Fired] = {}
         self._this_run: set[str] = set()
         self.notes: list[str] = []
@@ -161,9 +160,8 @@ class _VTaskReplay:
         else:
             self.notes.append(f"element-level fp64 comparison skipped ({m}x{n}x{k} is above the budget)")
         clean_median = None
-        if self.fault is not None and self.fault.needs_clean_median():
-            clean = dev.checked_gemm(ops0)
-            clean_median = float((clean.row_sums.double() - ref0.row).abs().median()) / 2.0 ** (vt.scale[0] + vt.scale[1])
+        if self.fault is not None and self.fault.needs_clean_median():  # in units of the unscaled case
+            clean_median = clean_median_of(dev, ops0, ref0) / 2.0 ** (vt.scale[0] + vt.scale[1])
         distinct_max, base_c, first0 = 1, None, None
         scales_run, skipped = [], []
         ranges = numerics.magnitudes(ops0)
@@ -323,12 +321,10 @@ class _VTaskReplay:
                 "distinct_outputs": distinct, "scales_run": scales_run, "scales_skipped": skipped,
                 "matches_capture": capture["matches"], "capture_comparison": capture["detail"],
                 "same_device": same_device, "captured_on": where, "meaning": meaning, "notes": self.notes,
-                "seconds": round(seconds, 4),
-                "_fired": self.fired}
+                "seconds": round(seconds, 4)}
 
 
-def _evidence(vt: vtask.VTask, out: dict, bundle: str, repeat: int, kernel: str, fault: FaultPlan | None) -> Evidence:
-    fired: dict[str, _Fired] = out["_fired"]
+def _evidence(vt: vtask.VTask, out: dict, fired: dict[str, _Fired], bundle: str, fault: FaultPlan | None) -> Evidence:
     check = vt.check if vt.check in fired else (out["checks_fired"][0] if fired else "replay.nondeterministic")
     f = fired.get(check, _Fired())
     g = vt.gemm
@@ -339,7 +335,7 @@ def _evidence(vt: vtask.VTask, out: dict, bundle: str, repeat: int, kernel: str,
                   scale=list(vt.scale), seed=vt.seed or 0, elements=f.elements, samples=f.samples,
                   localised=[[r, c] for r in sorted(f.rows)[:4] for c in sorted(f.cols)[:4]][:16],
                   reruns=max(out["runs"] - 1, 0), reproduced=max(min(f.runs, out['runs']) - 1, 0), distinct_outputs=out["distinct_outputs"],
-                  kernel=kernel, injected=recent_injections(fault))
+                  injected=recent_injections(fault))
     if check in ("gemm.row_checksum", "gemm.col_checksum"):
         ev.threshold, ev.max_value, ev.margin = vt.tau, f.max_value, out["margin"]
     else:
@@ -372,12 +368,12 @@ def replay_device(device: Device, bundles: list[vtask.Bundle], opts: ReplayOptio
     try:
         for b in bundles:
             for vt in b.vtasks:
+                replay = _VTaskReplay(device, vt, opts, fault, stats)
                 with _cpu_threads(device, vt.gemm.m_sub * vt.gemm.n_sub * vt.gemm.k):
-                    out = _VTaskReplay(device, vt, opts, fault, stats).run()
+                    out = replay.run()
                 out["bundle"] = b.path
                 if out["outcome"] != "not_reproduced":
-                    dr.evidence.append(_evidence(vt, out, b.path, opts.repeat, "", fault))
-                out.pop("_fired")
+                    dr.evidence.append(_evidence(vt, out, replay.fired, b.path, fault))
                 outcomes.append(out)
                 progress("case", device=device.identity.id, case=vt.id)
         dr.verdict = worst([Verdict.HEALTHY, *(Verdict(o["severity"]) for o in outcomes)])

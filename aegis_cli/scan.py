@@ -44,7 +44,8 @@ class ScanOptions:
     keep_flagged: bool = False  # keep each flagged GEMM run as observed, for --save-vtasks (DeviceReport.captured)
 
 
-def _workload_for(opts: ScanOptions, device: Device) -> workloads.Workload:
+def workload_for(opts: ScanOptions, device: Device) -> workloads.Workload:
+    """The catalog a scan runs on ``device``: --workload, else the CPU or GPU default."""
     if opts.workload:
         return workloads.load(opts.workload)
     return workloads.load(DEFAULT_CPU_WORKLOAD if device.identity.backend == "cpu" else DEFAULT_GPU_WORKLOAD)
@@ -64,7 +65,7 @@ def plan_cases(wl: workloads.Workload, seed: int, case: str | None = None) -> li
 def gemm_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     """Checked training GEMMs across distributions and power-of-two scales."""
     opts = ctx.opts
-    wl = _workload_for(opts, device)
+    wl = workload_for(opts, device)
     ctx.stats["workload"] = wl.name
     probe = GemmProbe(device, opts.thresholds, reruns=opts.reruns, fault=ctx.fault, keep_flagged=opts.keep_flagged,
                       on_case=lambda cid: ctx.progress("case", device=device.identity.id, case=cid))
@@ -131,7 +132,7 @@ def run_node_probes(devices: list[Device], reports: list[DeviceReport], opts: Sc
 def count_cases(opts: ScanOptions, devices: list[Device]) -> int:
     total = 0
     for d in devices:
-        wl = _workload_for(opts, d)
+        wl = workload_for(opts, d)
         if "gemm" in opts.probes:
             n_scales = 1 if opts.case else len(wl.scan.scales)
             total += len(plan_cases(wl, opts.seed, opts.case)) * n_scales

@@ -29,7 +29,7 @@ GEMM_ROLES = ("a", "b", "c", "row_sums", "col_sums")
 NORMALISATIONS = ("abs-product",)  # s = Σ_k |A_ik|·(|B|·1)_k over the checksum's tile
 SEVERITIES = ("HEALTHY", "SUSPECT", "FAULTY", "ERROR")
 DTYPES = {"BF16": (torch.bfloat16, 2), "F32": (torch.float32, 4)}
-TORCH_DTYPE_NAME = {torch.bfloat16: "BF16", torch.float32: "F32"}
+TORCH_DTYPE_NAME = {t: name for name, (t, _) in DTYPES.items()}
 
 MAX_DIM = 1 << 20
 MAX_STRING = 4096
@@ -126,10 +126,6 @@ class VTask:
 
     def operands(self, device: str | torch.device = "cpu") -> GemmOperands:
         return GemmOperands(self.tensors["a"].to(device), self.tensors["b"].to(device), self.gemm.layout)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def manifest_entry(self, names: dict[str, str]) -> dict:
         return {"id": self.id, "kind": self.kind, "check": self.check, "op": self.op, "case_id": self.case_id,

@@ -58,7 +58,7 @@ def fleet_fingerprints(device, wl, seed: int, fault: FaultPlan | None, limit: in
 def run(spec: dict) -> dict:
     from aegis_cli.backends import resolve_devices
     from aegis_cli.probes import load_all
-    from aegis_cli.scan import ScanOptions, _workload_for, scan_device
+    from aegis_cli.scan import ScanOptions, scan_device, workload_for
 
     device_id = spec["device"]
     hooks, faults = [], []
@@ -101,7 +101,7 @@ def run(spec: dict) -> dict:
     log("scanned", device=device_id, verdict=dr.verdict.value, seconds=round(time.time() - t0, 2))
     limit = int(spec.get("fingerprint_cases", 12))
     if limit > 0 and dr.verdict.value != "ERROR":
-        wl = _workload_for(opts, device)
+        wl = workload_for(opts, device)
         try:
             fps = fleet_fingerprints(device, wl, opts.seed, plan and plan.for_device(device_id), limit)
             doc["probes"][PROBE_KEY] = {"class": fingerprint_class(doc["device"], report_mod.versions(), report_mod.kernel_hashes(),

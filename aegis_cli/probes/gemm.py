@@ -101,6 +101,12 @@ def scaled(ops: GemmOperands, ea: int, eb: int) -> GemmOperands:
     return GemmOperands(numerics.pow2_scale(ops.a, ea), numerics.pow2_scale(ops.b, eb), ops.layout)
 
 
+def clean_median(device: Device, ops: GemmOperands, ref: ReferenceChecksums) -> float:
+    """Median |row checksum − reference| of one clean run: the unit of a ``perturb`` fault."""
+    clean = device.checked_gemm(ops)
+    return float((clean.row_sums.double() - ref.row).abs().median())
+
+
 def scaled_reference(ref: ReferenceChecksums, e: int) -> ReferenceChecksums:
     f = 2.0**e  # exact in fp64
     return ReferenceChecksums(ref.row * f, ref.col * f, ref.row_scale * f, ref.col_scale * f)
@@ -130,10 +136,7 @@ class GemmProbe:
         tile = dev.tile
         base_ref = dev.reference_checksums(base_ops, tile)
         tau = self.th.tau_for(dev, case.shape.k)
-        clean_median = None
-        if self.fault is not None and self.fault.needs_clean_median():
-            clean = dev.checked_gemm(base_ops)
-            clean_median = float((clean.row_sums.double() - base_ref.row).abs().median())
+        med = clean_median(dev, base_ops, base_ref) if self.fault is not None and self.fault.needs_clean_median() else None
         evidence: list[Evidence] = []
         base: GemmResult | None = None
         mag = numerics.magnitudes(base_ops)  # once per case, not per scale
@@ -149,7 +152,7 @@ class GemmProbe:
             expected = numerics.pow2_scale(base.c, ea + eb) if base is not None else None
 
             def once(ops=ops, ref=ref, expected=expected, cid=cid):
-                res = dev.checked_gemm(ops, self.fault, op=cid, clean_median=clean_median)
+                res = dev.checked_gemm(ops, self.fault, op=cid, clean_median=med)
                 return res, self._signals(res, ref, expected, tau)
 
             res, signals = once()
