@@ -35,6 +35,7 @@ from aegis_cli.backends.base import Device
 from aegis_cli.backends.loader import kernel_hashes
 from aegis_cli.errors import GoldenError
 from aegis_cli.probes._common import COMPUTATIONS, assumed_deterministic, sizes_for, stored_faults
+from aegis_cli.report import atomic_write, tool_version
 
 FORMAT = "aegis-golden"
 FORMAT_VERSION = 1
@@ -95,18 +96,10 @@ def record(devices: list[Device], seed: int = GOLDEN_SEED, progress=None) -> dic
                               f"{', '.join(differ[:6])}: refusing to record a golden from a node that is not healthy")
         same["devices"].append(device.identity.uuid)
     return {"format": FORMAT, "format_version": FORMAT_VERSION, "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "aegis": _tool_version(), "seed": seed, "block": BLOCK, "records": records}
-
-
-def _tool_version() -> str:
-    from aegis_cli.report import tool_version
-
-    return tool_version()
+            "aegis": tool_version(), "seed": seed, "block": BLOCK, "records": records}
 
 
 def save(doc: dict, path: str | Path) -> None:
-    from aegis_cli.report import atomic_write
-
     atomic_write(path, json.dumps(doc, indent=1, sort_keys=True) + "\n")
 
 

@@ -77,8 +77,8 @@ class CpuDevice(Device):
         tm, tn = self.tile
         a_mk, b_kn = ops.a_mk, ops.b_kn
         ctx = None
+        tile_sm = _tile_sm(m, n, self.tile)
         if fault is not None:
-            tile_sm = _tile_sm(m, n, self.tile)
             ctx = LaunchContext(self.identity.id, op, self.tile, tile_sm, clean_median)
             a_mk, b_kn = corrupt.apply_operands(fault, ctx, a_mk, b_kn)
         acc = a_mk.float() @ b_kn.float()  # (M, N) fp32 accumulator
@@ -92,7 +92,7 @@ class CpuDevice(Device):
             corrupt.apply_out(fault, ctx, c)
             fault.launches += 1
         return GemmResult(c=c, row_sums=row_sums, col_sums=col_sums, tile=self.tile,
-                          tile_sm=torch.from_numpy(_tile_sm(m, n, self.tile)), kernel="cpu-fp32acc",
+                          tile_sm=torch.from_numpy(tile_sm), kernel="cpu-fp32acc",
                           injected=fault is not None)
 
     def reference_checksums(self, ops: GemmOperands, tile: tuple[int, int]) -> ReferenceChecksums:

@@ -50,12 +50,18 @@ def source_hash(name: str) -> str:
 
 
 def kernel_hashes() -> dict[str, str]:
-    """{file: sha256[:16]} for every kernel source shipped."""
+    """{file: sha256[:16]} for every kernel source shipped (a fresh dict each call)."""
+    return dict(_kernel_hashes())
+
+
+@cache
+def _kernel_hashes() -> tuple[tuple[str, str], ...]:
+    """Fixed for the life of the process, like source_hash: the directory is listed once."""
     try:
         d = kernel_dir()
     except FileNotFoundError:
-        return {}
-    return {p.name: source_hash(p.name)[:16] for p in sorted(d.glob("*.cu"))}
+        return ()
+    return tuple((p.name, source_hash(p.name)[:16]) for p in sorted(d.glob("*.cu")))
 
 
 def cache_dir() -> str:

@@ -182,8 +182,8 @@ def fleet_doc(cfg, devices: list[dict], comparison: dict, started: float, source
 
 
 def _bare_doc(devices: list[dict]) -> dict:
+    """A report header (report.Report's) around gathered devices, for runs without a sweep config."""
     now = report_mod._now()
-    return {"schema_version": report_mod.SCHEMA_VERSION, "kind": "fleet", "tool": {"name": "aegis", "version": report_mod.tool_version()},
-            "command_line": [], "seed": None, "host": socket.gethostname(), "started": now, "finished": now,
-            "duration_seconds": 0.0, "options": {}, "fault_injected": False, "injected": [], "versions": report_mod.versions(),
-            "kernel_hashes": report_mod.kernel_hashes(), "devices": devices}
+    doc = report_mod.Report(kind="fleet", command_line=[], seed=None, options={}, started=now, finished=now).to_dict()
+    doc["devices"] = devices
+    return doc
