@@ -52,7 +52,7 @@ def golden_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
         samples, tiles, elements = [], [], 0
         for o in bad:
             t = tensors[o]
-            blocks = [hex64(b) for b in device_block_fingerprints(t.contiguous(), block)]
+            blocks = got[o]["blocks"] if block == golden.BLOCK else [hex64(b) for b in device_block_fingerprints(t.contiguous(), block)]
             differing = [i for i, (a, b) in enumerate(zip(want["outputs"][o]["blocks"], blocks, strict=False)) if a != b]
             elements += sum(min(t.numel(), (i + 1) * block) - i * block for i in differing)
             tiles += [[i] for i in differing[:8]]
