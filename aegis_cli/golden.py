@@ -34,7 +34,7 @@ from aegis_cli import fingerprint
 from aegis_cli.backends.base import Device
 from aegis_cli.backends.loader import kernel_hashes
 from aegis_cli.errors import GoldenError
-from aegis_cli.probes._common import COMPUTATIONS, assumed_deterministic, sizes_for, stored_faults
+from aegis_cli.probes._common import COMPUTATIONS, assumed_deterministic, sizes_for
 from aegis_cli.report import atomic_write, tool_version
 
 FORMAT = "aegis-golden"
@@ -64,8 +64,7 @@ def fingerprint_outputs(device: Device, name: str, seed: int, fault=None, op: st
     outputs ("input:a" …): a device whose generator or memory is wrong shows there first."""
     comp = COMPUTATIONS[name]
     x = comp.inputs(device, sizes_for(device), seed)
-    out = {k: v.contiguous() for k, v in comp.run(device, x, fault, f"{op}/{name}").items()}
-    stored_faults(fault, device, f"{op}/{name}", out)
+    out = comp.held(device, x, fault, f"{op}/{name}")
     tensors = {**{f"input:{k}": v for k, v in x.items()}, **out}
     recs = {}
     for k, t in tensors.items():

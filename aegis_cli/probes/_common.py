@@ -78,6 +78,13 @@ class Computation:
     shape: Callable[[Sizes], dict]
     vendor: bool = True  # runs a library kernel (torch/cuBLAS/cuDNN), not ours
 
+    def held(self, device: Device, x: dict[str, torch.Tensor], fault: FaultPlan | None, op: str) -> dict[str, torch.Tensor]:
+        """Run on inputs ``x`` and keep the outputs as a probe holds them before comparing:
+        contiguous, with any ``target=mem`` fault applied (stored_faults)."""
+        out = {k: v.contiguous() for k, v in self.run(device, x, fault, op).items()}
+        stored_faults(fault, device, op, out)
+        return out
+
 
 def _gemm_inputs(dev: Device, s: Sizes, seed: int) -> dict[str, torch.Tensor]:
     m, n, k = s.gemm

@@ -27,7 +27,7 @@ from aegis_cli import fingerprint, numerics
 from aegis_cli.backends.base import Device, GemmOperands, Layout
 from aegis_cli.inject import recent_injections
 from aegis_cli.probes import ProbeContext, register_node
-from aegis_cli.probes._common import COMPUTATIONS, MAX_SAMPLES, assumed_deterministic, localise, majority, sizes_for, stored_faults
+from aegis_cli.probes._common import COMPUTATIONS, MAX_SAMPLES, assumed_deterministic, localise, majority, sizes_for
 from aegis_cli.verdict import Evidence, Verdict
 
 DEFAULT = "checked_gemm,matmul,sdpa_fwd,rmsnorm,silu"
@@ -41,8 +41,7 @@ def _run_device(device: Device, names: list[str], ctx: ProbeContext, fault) -> d
     for name in names:
         comp = COMPUTATIONS[name]
         x = comp.inputs(device, sizes_for(device), ctx.opts.seed)
-        res = {k: v.contiguous() for k, v in comp.run(device, x, fault, f"crossdevice/{name}").items()}
-        stored_faults(fault, device, f"crossdevice/{name}", res)
+        res = comp.held(device, x, fault, f"crossdevice/{name}")
         out[name] = {**{f"input:{k}": v for k, v in x.items()}, **res}
         ctx.progress("case", device=device.identity.id, case=f"crossdevice/{name}")
     device.synchronize()

@@ -35,7 +35,6 @@ from aegis_cli.probes._common import (
     localise,
     majority,
     sizes_for,
-    stored_faults,
 )
 from aegis_cli.verdict import Evidence, Verdict
 
@@ -66,8 +65,7 @@ def run_computation(device: Device, name: str, runs: int, seed: int, ctx: ProbeC
     keys: list[str] = []
     for r in range(runs):
         op = f"determinism/{name}/run{r}"
-        out = {k: v.contiguous() for k, v in comp.run(device, x, ctx.fault, op).items()}
-        stored_faults(ctx.fault, device, op, out)
+        out = comp.held(device, x, ctx.fault, op)
         keys = sorted(out)
         fp = tuple(device_fingerprint(out[k]) for k in keys)
         prints.append(fp)

@@ -25,7 +25,7 @@ from aegis_cli import numerics
 from aegis_cli.backends.base import Device, GemmOperands, Layout
 from aegis_cli.inject import recent_injections
 from aegis_cli.probes import ProbeContext, register
-from aegis_cli.probes._common import MAX_SAMPLES, localise, stored_faults
+from aegis_cli.probes._common import COMPUTATIONS, MAX_SAMPLES, localise
 from aegis_cli.probes.determinism import _mode
 from aegis_cli.probes.gemm import case_seed
 from aegis_cli.verdict import Evidence, Verdict
@@ -46,14 +46,7 @@ def _int_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def _run(device: Device, impl: str, ops: GemmOperands, ctx: ProbeContext, op: str) -> dict[str, torch.Tensor]:
-    if impl == "checked_gemm":
-        res = device.checked_gemm(ops, ctx.fault, op=op)
-        out = {"c": res.c, "row_sums": res.row_sums, "col_sums": res.col_sums}
-    else:
-        out = {"c": torch.matmul(ops.a, ops.b.t())}
-    out = {k: v.contiguous() for k, v in out.items()}
-    stored_faults(ctx.fault, device, op, out)
-    return out
+    return COMPUTATIONS[impl].held(device, {"a": ops.a, "b": ops.b}, ctx.fault, op)  # both take B stored (N, K)
 
 
 def _regime(devs: list[dict]) -> dict:
