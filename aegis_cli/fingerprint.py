@@ -100,11 +100,22 @@ def _block_words(t: torch.Tensor, block: int) -> int:
     return block * size // 8
 
 
-def block_fingerprints(t: torch.Tensor, block: int = BLOCK_ELEMS) -> list[int]:
-    """Fingerprint of each run of ``block`` consecutive elements (last one may be short)."""
+def block_tensor(t: torch.Tensor, block: int = BLOCK_ELEMS) -> torch.Tensor:
+    """Per-block fingerprints as an int64 tensor (two's complement bits), host side: the CPU
+    twin of fingerprint_cuda.gpu_block_tensor."""
     bw = _block_words(t, block)
     terms = word_terms(words(t))
-    return [_wrapping_sum(terms[s : s + bw]) for s in range(0, terms.size, bw)]
+    pad = (-terms.size) % bw  # zero terms add nothing to the short last block
+    if pad:
+        terms = np.concatenate([terms, np.zeros(pad, dtype=np.uint64)])
+    with np.errstate(over="ignore"):
+        sums = terms.reshape(-1, bw).sum(axis=1, dtype=np.uint64)
+    return torch.from_numpy(sums.view(np.int64).copy())
+
+
+def block_fingerprints(t: torch.Tensor, block: int = BLOCK_ELEMS) -> list[int]:
+    """Fingerprint of each run of ``block`` consecutive elements (last one may be short)."""
+    return [v & MASK64 for v in block_tensor(t, block).tolist()]
 
 
 def combine(blocks: list[int]) -> int:
@@ -120,6 +131,15 @@ def device_fingerprint(t: torch.Tensor) -> int:
 
         return gpu_fingerprint(t)
     return fingerprint(t)
+
+
+def device_block_tensor(t: torch.Tensor, block: int = BLOCK_ELEMS) -> torch.Tensor:
+    """``block_tensor(t, block)`` computed where ``t`` lives (int64, on ``t``'s device)."""
+    if t.device.type == "cuda":
+        from aegis_cli.fingerprint_cuda import gpu_block_tensor
+
+        return gpu_block_tensor(t, block)
+    return block_tensor(t, block)
 
 
 def device_block_fingerprints(t: torch.Tensor, block: int = BLOCK_ELEMS) -> list[int]:

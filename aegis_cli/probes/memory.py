@@ -77,18 +77,7 @@ def fill(piece: torch.Tensor, pattern: str, seed: int, gen: torch.Generator) -> 
 
 def block_prints(t: torch.Tensor) -> torch.Tensor:
     """int64 block fingerprints (BLOCK bytes each) of a uint8 buffer, on its device."""
-    if t.device.type == "cuda":
-        from aegis_cli.fingerprint_cuda import gpu_block_tensor
-
-        return gpu_block_tensor(t, BLOCK)
-    terms = fingerprint.word_terms(fingerprint.words(t))
-    bw = BLOCK // 8
-    pad = (-terms.size) % bw
-    if pad:
-        terms = np.concatenate([terms, np.zeros(pad, dtype=np.uint64)])
-    with np.errstate(over="ignore"):
-        sums = terms.reshape(-1, bw).sum(axis=1, dtype=np.uint64)
-    return torch.from_numpy(sums.view(np.int64).copy())
+    return fingerprint.device_block_tensor(t, BLOCK)
 
 
 class _Region:
