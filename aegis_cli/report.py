@@ -157,10 +157,11 @@ def _json_default(o):
 
 
 def sanitize(doc):
-    """Replace non-finite floats (inf margins) by strings so the JSON stays standard."""
+    """Replace non-finite floats (inf margins) by the strings "inf", "-inf", "nan" so the JSON
+    stays standard (tuples come back as lists, as JSON writes them)."""
     if isinstance(doc, dict):
         return {k: sanitize(v) for k, v in doc.items()}
-    if isinstance(doc, list):
+    if isinstance(doc, (list, tuple)):
         return [sanitize(v) for v in doc]
     if isinstance(doc, float) and doc != doc:
         return "nan"

@@ -11,7 +11,6 @@ into vTasks: aegis_cli/capture.py.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 
@@ -19,6 +18,7 @@ import torch
 
 from aegis_cli.backends.base import GemmOperands, Layout
 from aegis_cli.errors import BundleError
+from aegis_cli.report import sanitize
 
 FORMAT = "aegis-vtask-bundle"
 FORMAT_VERSION = 1
@@ -132,7 +132,7 @@ class VTask:
                 "gemm": self.gemm.to_json(), "tensors": names, "scale": list(self.scale), "seed": self.seed,
                 "dist": self.dist, "threshold": {"tau": self.tau, "confirm_margin": self.confirm_margin,
                                                  "normalisation": self.normalisation},
-                "observed": _encode_floats(self.observed), "provenance": self.provenance, "extra": self.extra}
+                "observed": sanitize(self.observed), "provenance": self.provenance, "extra": self.extra}
 
 
 @dataclass
@@ -142,15 +142,3 @@ class Bundle:
     created: str
     producer: dict
     vtasks: list[VTask]
-
-
-# -- JSON helpers ---------------------------------------------------------------------------
-def _encode_floats(doc):
-    """Non-finite floats as the strings "inf", "-inf", "nan" (JSON has no such numbers)."""
-    if isinstance(doc, dict):
-        return {k: _encode_floats(v) for k, v in doc.items()}
-    if isinstance(doc, (list, tuple)):
-        return [_encode_floats(v) for v in doc]
-    if isinstance(doc, float) and not math.isfinite(doc):
-        return "nan" if doc != doc else ("inf" if doc > 0 else "-inf")
-    return doc
