@@ -267,20 +267,10 @@ def replay(bundles, devices, repeat, scales, inject, max_bundle_size, fmt, outpu
 # ---- fleet: sweep, history, report (issue 6; library in aegis_cli/fleet, guide in docs/fleet.md) ----------
 def _sweep_logger(fmt: str):
     """Structured log lines on stderr (logfmt or JSON lines): no colours, no progress bars."""
-    import json as _json
-    import time as _time
+    from aegis_cli.fleet.sweep import log_line
 
     def log(event: str, level: str = "info", **kv) -> None:
-        ts = _time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        if fmt == "json":
-            click.echo(_json.dumps({"ts": ts, "level": level, "event": event, **kv}, default=str), err=True)
-            return
-        parts = [f"ts={ts}", f"level={level}", f"event={event}"]
-        for k, v in kv.items():
-            v = "" if v is None else str(v)
-            quote = not v or any(c in v for c in ' ="')
-            parts.append(f"{k}={_json.dumps(v, ensure_ascii=False) if quote else v}")
-        click.echo(" ".join(parts), err=True)
+        click.echo(log_line(event, level, fmt, **kv), err=True)
     return log
 
 

@@ -37,6 +37,19 @@ from aegis_cli.fleet.policy import DAY, DeviceState, PolicyConfig, evaluate_all
 from aegis_cli.verdict import Verdict, overall_exit
 
 Log = Callable[..., None]  # log(event, level="info", **fields)
+
+
+def log_line(event: str, level: str = "info", fmt: str = "logfmt", **kv) -> str:
+    """One structured log line (logfmt, or a JSON object with ``fmt="json"``), local time with offset."""
+    ts = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    if fmt == "json":
+        return json.dumps({"ts": ts, "level": level, "event": event, **kv}, default=str)
+    parts = [f"ts={ts}", f"level={level}", f"event={event}"]
+    for k, v in kv.items():
+        v = "" if v is None else str(v)
+        quote = not v or any(c in v for c in ' ="')
+        parts.append(f"{k}={json.dumps(v, ensure_ascii=False) if quote else v}")
+    return " ".join(parts)
 Stop = Callable[[], "str | None"]  # returns why the sweep must stop (e.g. "SIGTERM"), or None
 
 
@@ -335,7 +348,8 @@ def apply_policy(cfg: SweepConfig, hist: History, doc: dict, log: Log, *, rank: 
 def write_exports(cfg: SweepConfig, hist: History, doc: dict, log: Log) -> None:
     """Quarantine list (every quarantined device in the history), Prometheus textfile
     (``doc``'s devices) and the JSON report, each written atomically."""
-    states = evaluate_all(hist.results(), cfg.policy)
+    if cfg.exports.quarantine_list or cfg.exports.prometheus_textfile:  # the whole history, so only when needed
+        states = evaluate_all(hist.results(), cfg.policy)
     if cfg.exports.quarantine_list:
         n = write_quarantine_list(cfg.exports.quarantine_list, states, {d["uuid"]: d for d in hist.devices()})
         log("quarantine_list", path=cfg.exports.quarantine_list, quarantined=n)

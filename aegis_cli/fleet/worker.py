@@ -24,13 +24,12 @@ from dataclasses import replace
 from aegis_cli import report as report_mod
 from aegis_cli.errors import AegisError
 from aegis_cli.fleet.compare import PROBE_KEY, fingerprint_class
+from aegis_cli.fleet.sweep import log_line
 from aegis_cli.inject import WORKER_MODELS, FaultPlan, parse_spec
 
 
 def log(event: str, **kv) -> None:
-    parts = [f"ts={time.strftime('%Y-%m-%dT%H:%M:%S')}", "level=info", f"event={event}"]
-    parts += [f"{k}={json.dumps(v) if isinstance(v, str) and (' ' in v or not v) else v}" for k, v in kv.items()]
-    print(" ".join(parts), file=sys.stderr, flush=True)
+    print(log_line(event, **kv), file=sys.stderr, flush=True)  # to the worker's log file, as the sweep writes
 
 
 def _die_with_parent() -> None:
