@@ -121,8 +121,8 @@ def _progress_callback(progress: Progress | None):
             return
         if event == "start":
             task["id"] = progress.add_task("scanning", total=info["total"])
-        elif event == "case" and "id" in task:
-            progress.update(task["id"], advance=1, description=f"{info['device']} {info['case'][:60]}")
+        elif event in ("case", "step") and "id" in task:  # a step (non-GEMM probes) is not one of the counted cases
+            progress.update(task["id"], advance=1 if event == "case" else 0, description=f"{info['device']} {info['case'][:60]}")
     return cb
 
 

@@ -155,3 +155,15 @@ def test_case_rerun_runs_only_the_owning_probe_and_computation():
     d = rep.devices[0]
     assert set(d.probe_stats) == {"determinism"} and set(d.probe_stats["determinism"]["computations"]) == {"matmul"}
     assert [e.case_id for e in d.evidence] == ["determinism/matmul/128x192x256"]
+
+
+def test_progress_counts_only_gemm_cases():
+    """The scan's progress total counts GEMM cases; the other probes report steps that must not
+    push the bar past it (they used to send counted "case" events)."""
+    events: list[tuple[str, dict]] = []
+    run_scan(ScanOptions(devices="cpu:0", probes=("gemm", "determinism", "pow2", "memory", "crossdevice")),
+             lambda event, **info: events.append((event, info)))
+    total = next(info["total"] for event, info in events if event == "start")
+    assert total > 0
+    assert sum(event == "case" for event, _ in events) == total
+    assert any(event == "step" for event, _ in events)

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 class ProbeContext:
     opts: ScanOptions
     fault: FaultPlan | None
-    progress: Callable[..., None]  # progress("case", device=..., case=...)
+    progress: Callable[..., None]  # progress("case" | "step", device=..., case=...): "case" counts toward the scan's total
     stats: dict[str, Any] = field(default_factory=dict)
     captured: dict[str, Any] = field(default_factory=dict)  # case id → a run kept as observed (never serialised)
 

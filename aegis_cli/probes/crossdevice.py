@@ -43,7 +43,7 @@ def _run_device(device: Device, names: list[str], ctx: ProbeContext, fault) -> d
         x = comp.inputs(device, sizes_for(device), ctx.opts.seed)
         res = comp.held(device, x, fault, f"crossdevice/{name}")
         out[name] = {**{f"input:{k}": v for k, v in x.items()}, **res}
-        ctx.progress("case", device=device.identity.id, case=f"crossdevice/{name}")
+        ctx.progress("step", device=device.identity.id, case=f"crossdevice/{name}")
     device.synchronize()
     return out
 

@@ -71,7 +71,7 @@ def run_computation(device: Device, name: str, runs: int, seed: int, ctx: ProbeC
         prints.append(fp)
         if fp not in held and len(held) < MAX_HELD:
             held[fp] = (r, out)
-        ctx.progress("case", device=device.identity.id, case=op)
+        ctx.progress("step", device=device.identity.id, case=op)
     device.synchronize()
     best, odd = majority(prints)
     assumed = assumed_deterministic(device, name)

@@ -37,7 +37,7 @@ def golden_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
         if only is not None and name != only:
             continue
         tensors, got = golden.fingerprint_outputs(device, name, seed, ctx.fault)
-        ctx.progress("case", device=device.identity.id, case=f"golden/{name}")
+        ctx.progress("step", device=device.identity.id, case=f"golden/{name}")
         bad = [o for o, v in want["outputs"].items() if got.get(o, {}).get("fingerprint") != v["fingerprint"]]
         checked += len(want["outputs"])
         if not bad:

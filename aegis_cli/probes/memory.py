@@ -239,7 +239,7 @@ def memory_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
             region.chunks.clear()
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
-        ctx.progress("case", device=device.identity.id, case=f"memory/pass{pass_no}")
+        ctx.progress("step", device=device.identity.id, case=f"memory/pass{pass_no}")
     nv_after = nvml.snapshot(device.identity)
     nv_delta = nvml.delta(nv_before, nv_after)
     bad = {k: v for k, v in nv_delta.items() if k in ("ecc_volatile_uncorrected", "ecc_aggregate_uncorrected",

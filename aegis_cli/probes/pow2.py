@@ -85,7 +85,7 @@ def sweep(device: Device, impl: str, step: int, ctx: ProbeContext) -> tuple[dict
                 want = numerics.pow2_scale(base[key], ea + eb)
                 if not torch.equal(_int_view(got), _int_view(want)):
                     deviating.append({"a": ea, "b": eb, "output": key, "expected": want, "actual": got})
-        ctx.progress("case", device=device.identity.id, case=f"{case}/a{ea:+d}")
+        ctx.progress("step", device=device.identity.id, case=f"{case}/a{ea:+d}")
     device.synchronize()
     stats = {"shape": {"m": m, "n": n, "k": k}, "step": step, "tested": tested, "skipped_unsafe": skipped,
              "exact_regime_tested": {"a_plus_b": [min(safe_sums), max(safe_sums)]} if safe_sums else None,
