@@ -51,6 +51,11 @@ def mix64(k: np.ndarray) -> np.ndarray:
         return k ^ (k >> _S33)
 
 
+def int_view(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bits as a signed integer tensor of the same element size (a view: no copy)."""
+    return t.view(_BITS_VIEW[t.element_size()])
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     t = t.detach()
     if t.element_size() not in _BITS_VIEW:

@@ -41,6 +41,18 @@ class ProbeContext:
         raw = getattr(self.opts, "probe_options", {}).get(f"{probe}.{key}")
         return default if raw is None else typ(raw)
 
+    def case_part(self, probe: str) -> str | None:
+        """The part after ``probe/`` of ``--case probe/PART/…`` (what to re-run), else None."""
+        case = self.opts.case
+        return case.split("/")[1] if case and case.startswith(probe + "/") else None
+
+
+def quick_or_full(v: str) -> str:
+    """The type of the probes' ``mode`` option."""
+    if v not in ("quick", "full"):
+        raise ValueError(v)
+    return v
+
 
 ProbeFn = Callable[["Device", ProbeContext], "list[Evidence]"]
 NodeProbeFn = Callable[["list[Device]", ProbeContext], "dict[str, list[Evidence]]"]

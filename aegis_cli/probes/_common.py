@@ -161,10 +161,9 @@ def assumed_deterministic(device: Device, name: str) -> bool:
 
 
 # -- faults in stored tensors (inject target=mem) ----------------------------------------
-_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 def _apply_memflip(plan: FaultPlan, f: FaultSpec, rng: np.random.Generator, ctx: LaunchContext, t: torch.Tensor) -> None:
-    flat = t.view(_INT[t.element_size()]).reshape(-1)  # t is contiguous: a view, edits land in t
+    flat = fingerprint.int_view(t).reshape(-1)  # t is contiguous: a view, edits land in t
     bits = t.element_size() * 8
     n = flat.numel()
     count = min(int(f.get("count", "1")), n)
@@ -182,7 +181,7 @@ def _apply_memflip(plan: FaultPlan, f: FaultSpec, rng: np.random.Generator, ctx:
 
 
 def _apply_swap(plan: FaultPlan, f: FaultSpec, rng: np.random.Generator, ctx: LaunchContext, t: torch.Tensor) -> None:
-    flat = t.view(_INT[t.element_size()]).reshape(-1)
+    flat = fingerprint.int_view(t).reshape(-1)
     n = flat.numel()
     pairs = []
     for c in range(int(f.get("count", "1"))):

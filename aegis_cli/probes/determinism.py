@@ -26,7 +26,7 @@ import torch
 from aegis_cli.backends.base import Device
 from aegis_cli.fingerprint import device_fingerprint
 from aegis_cli.inject import recent_injections
-from aegis_cli.probes import ProbeContext, register
+from aegis_cli.probes import ProbeContext, quick_or_full, register
 from aegis_cli.probes._common import (
     COMPUTATIONS,
     MAX_SAMPLES,
@@ -41,14 +41,8 @@ from aegis_cli.verdict import Evidence, Verdict
 MAX_HELD = 4  # distinct results whose tensors are kept for localisation
 
 
-def _mode(v: str) -> str:
-    if v not in ("quick", "full"):
-        raise ValueError(v)
-    return v
-
-
 OPTIONS = {
-    "mode": (_mode, "quick", "quick: 4 runs per computation (3 on the CPU backend, without sdpa_bwd_det); full: 16"),
+    "mode": (quick_or_full, "quick", "quick: 4 runs per computation (3 on the CPU backend, without sdpa_bwd_det); full: 16"),
     "runs": (int, 0, "runs per computation (0: by mode)"),
     "only": (str, "", "comma-separated computations to run (default: all)"),
 }
@@ -131,8 +125,8 @@ def determinism_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     # torch's CPU kernels have no separate deterministic mode: sdpa_bwd_det repeats sdpa_bwd there
     only = [n.strip() for n in ctx.option("determinism", "only").split(",") if n.strip()] or [
         n for n in COMPUTATIONS if not (cpu_quick and n == "sdpa_bwd_det")]
-    if ctx.opts.case and ctx.opts.case.startswith("determinism/"):
-        only = [ctx.opts.case.split("/")[1]]  # --case determinism/NAME/SHAPE
+    if ctx.case_part("determinism") is not None:
+        only = [ctx.case_part("determinism")]  # --case determinism/NAME/SHAPE
     unknown = [n for n in only if n not in COMPUTATIONS]
     if unknown:
         from aegis_cli.errors import ConfigError

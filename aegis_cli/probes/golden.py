@@ -32,7 +32,7 @@ def golden_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     seed, block = int(doc["seed"]), int(doc["block"])
     evidence: list[Evidence] = []
     checked = 0
-    only = ctx.opts.case.split("/")[1] if ctx.opts.case and ctx.opts.case.startswith("golden/") else None
+    only = ctx.case_part("golden")
     for name, want in rec["computations"].items():
         if only is not None and name != only:
             continue

@@ -30,9 +30,8 @@ from aegis_cli import fingerprint, nvml
 from aegis_cli.backends.base import Device
 from aegis_cli.errors import ConfigError
 from aegis_cli.inject import recent_injections
-from aegis_cli.probes import ProbeContext, register
+from aegis_cli.probes import ProbeContext, quick_or_full, register
 from aegis_cli.probes._common import MAX_SAMPLES, stored_faults
-from aegis_cli.probes.determinism import _mode
 from aegis_cli.probes.gemm import case_seed
 from aegis_cli.verdict import Evidence, Verdict
 
@@ -43,7 +42,7 @@ CPU_CHUNK, CPU_PIECE = 1 << 22, 1 << 20
 MAX_BLOCKS_EXAMINED = 16
 
 OPTIONS = {
-    "mode": (_mode, "quick", "quick: 90% of free GPU memory held 3 s, one pass; full: 95%, 30 s, two passes"),
+    "mode": (quick_or_full, "quick", "quick: 90% of free GPU memory held 3 s, one pass; full: 95%, 30 s, two passes"),
     "fraction": (float, 0.0, "fraction of free GPU memory to cover (0: by mode)"),
     "hold": (float, -1.0, "seconds to hold the patterns while matmuls run (-1: by mode)"),
     "passes": (int, 0, "passes, each with the patterns rotated across chunks (0: by mode)"),

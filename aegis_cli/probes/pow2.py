@@ -23,10 +23,10 @@ import torch
 
 from aegis_cli import numerics
 from aegis_cli.backends.base import Device, GemmOperands, Layout
+from aegis_cli.fingerprint import int_view
 from aegis_cli.inject import recent_injections
-from aegis_cli.probes import ProbeContext, register
+from aegis_cli.probes import ProbeContext, quick_or_full, register
 from aegis_cli.probes._common import COMPUTATIONS, MAX_SAMPLES, localise
-from aegis_cli.probes.determinism import _mode
 from aegis_cli.probes.gemm import case_seed
 from aegis_cli.verdict import Evidence, Verdict
 
@@ -36,13 +36,9 @@ GPU_SHAPE = (1024, 1024, 1024)
 IMPLS = ("checked_gemm", "matmul")
 
 OPTIONS = {
-    "mode": (_mode, "quick", "quick: exponent step 16 (GPU) / 56 (CPU); full: step 4"),
+    "mode": (quick_or_full, "quick", "quick: exponent step 16 (GPU) / 56 (CPU); full: step 4"),
     "step": (int, 0, "exponent grid step (0: by mode)"),
 }
-
-
-def _int_view(t: torch.Tensor) -> torch.Tensor:
-    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
 def _run(device: Device, impl: str, ops: GemmOperands, ctx: ProbeContext, op: str) -> dict[str, torch.Tensor]:
@@ -83,7 +79,7 @@ def sweep(device: Device, impl: str, step: int, ctx: ProbeContext) -> tuple[dict
             out = _run(device, impl, GemmOperands(a_scaled, numerics.pow2_scale(b, eb), Layout.FWD), ctx, op)
             for key, got in out.items():
                 want = numerics.pow2_scale(base[key], ea + eb)
-                if not torch.equal(_int_view(got), _int_view(want)):
+                if not torch.equal(int_view(got), int_view(want)):
                     deviating.append({"a": ea, "b": eb, "output": key, "expected": want, "actual": got})
         ctx.progress("step", device=device.identity.id, case=f"{case}/a{ea:+d}")
     device.synchronize()
@@ -100,7 +96,7 @@ def sweep(device: Device, impl: str, step: int, ctx: ProbeContext) -> tuple[dict
     first = deviating[0]
     again = _run(device, impl, GemmOperands(numerics.pow2_scale(a, first["a"]), numerics.pow2_scale(b, first["b"]), Layout.FWD),
                  ctx, f"{case}/a{first['a']:+d}b{first['b']:+d}")
-    reproduced = int(not torch.equal(_int_view(again[first["output"]]), _int_view(first["expected"])))
+    reproduced = int(not torch.equal(int_view(again[first["output"]]), int_view(first["expected"])))
     samples, tiles, localised, count = [], set(), [], 0
     for d in deviating:
         loc = localise(d["expected"], d["actual"], tile=device.tile if d["output"] == "c" else None, limit=2)
@@ -136,8 +132,8 @@ def pow2_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
         raise ConfigError(f"pow2.step must lie in 1…128, got {step}")
     evidence, stats = [], {}
     impls = IMPLS
-    if ctx.opts.case and ctx.opts.case.startswith("pow2/"):
-        impls = tuple(i for i in IMPLS if ctx.opts.case.split("/")[1] == i)  # --case pow2/IMPL/SHAPE
+    if ctx.case_part("pow2") is not None:
+        impls = tuple(i for i in IMPLS if ctx.case_part("pow2") == i)  # --case pow2/IMPL/SHAPE
     for impl in impls:
         st, ev = sweep(device, impl, step, ctx)
         stats[impl] = st
