@@ -241,13 +241,16 @@ def _check_vtask(ck: _Check, i: int, v) -> tuple[dict, dict]:
     return v, names
 
 
-def _vtask_from_entry(v: dict, tensors: dict[str, torch.Tensor]) -> VTask:
-    g, th = v["gemm"], v["threshold"]
+def _check_finite_inputs(ck: _Check, vid: str, tensors: dict[str, torch.Tensor]) -> None:
+    for role in ("a", "b"):
+        if not bool(torch.isfinite(tensors[role]).all()):
+            raise ck.fail(f"vTask {vid!r}: input {role} contains NaN or Inf")
+
+
+def _vtask_from_entry(v: dict, spec: GemmSpec, tensors: dict[str, torch.Tensor]) -> VTask:
+    th = v["threshold"]
     obs = {k: (float(x) if k in ("max_normalised_diff", "margin") and x is not None else x)
            for k, x in (v.get("observed") or {}).items()}
-    spec = GemmSpec(layout=Layout(g["layout"]), m=g["m"], n=g["n"], k=g["k"], tile=(g["tile"][0], g["tile"][1]),
-                    rows=g.get("rows"), cols=g.get("cols"), flagged_rows=list(g.get("flagged_rows", [])),
-                    flagged_cols=list(g.get("flagged_cols", [])))
     return VTask(id=v["id"], kind=v["kind"], check=v["check"], op=v["op"], gemm=spec, tensors=tensors,
                  tau=float(th["tau"]), confirm_margin=float(th.get("confirm_margin", 4.0)),
                  normalisation=th.get("normalisation", "abs-product"), scale=(v["scale"][0], v["scale"][1]),
@@ -352,7 +355,7 @@ def _parse(data: bytes, label: str, limits: Limits) -> Bundle:
             raise ck.fail(f"duplicate vTask id {v['id']!r}")
         seen.add(v["id"])
         g = v["gemm"]
-        spec = GemmSpec(Layout(g["layout"]), g["m"], g["n"], g["k"], tuple(g["tile"]), g.get("rows"), g.get("cols"))
+        spec = GemmSpec.from_json(g)
         for role, name in names.items():
             if name not in header:
                 raise ck.fail(f"vTask {v['id']!r}: tensor {name!r} (role {role}) is not in the file")
@@ -362,7 +365,7 @@ def _parse(data: bytes, label: str, limits: Limits) -> Bundle:
                 raise ck.fail(f"vTask {v['id']!r}: tensor {name!r} (role {role}) is {e['dtype']} {e['shape']}, "
                               f"expected {dt} {list(shape)} for a {g['layout']} GEMM of {spec.m_sub}x{spec.n_sub}x{spec.k}")
             used.add(name)
-        entries.append((v, names))
+        entries.append((v, names, spec))
     unused = sorted(set(header) - used)
     if unused:
         raise ck.fail(f"tensor {unused[0]!r} is not used by any vTask")
@@ -382,12 +385,10 @@ def _parse(data: bytes, label: str, limits: Limits) -> Bundle:
     except Exception as exc:  # safetensors' own validation; should not trigger after ours
         raise ck.fail(f"safetensors rejected the file ({str(exc).splitlines()[0][:160]})") from None
     vtasks = []
-    for v, names in entries:
+    for v, names, spec in entries:
         ts = {role: tensors[name] for role, name in names.items()}
-        for role in ("a", "b"):
-            if not bool(torch.isfinite(ts[role]).all()):
-                raise ck.fail(f"vTask {v['id']!r}: input {role} contains NaN or Inf")
-        vtasks.append(_vtask_from_entry(v, ts))
+        _check_finite_inputs(ck, v["id"], ts)
+        vtasks.append(_vtask_from_entry(v, spec, ts))
     return Bundle(label, int(meta["format_version"]), created, producer, vtasks)
 
 
@@ -452,9 +453,7 @@ class BundleWriter:
             dt, shape = vt.gemm.expected(role)
             if TORCH_DTYPE_NAME.get(t.dtype) != dt or tuple(t.shape) != shape:
                 raise ck.fail(f"vTask {vt.id!r}: tensor {role} is {t.dtype} {list(t.shape)}, expected {dt} {list(shape)}")
-        for role in ("a", "b"):
-            if not bool(torch.isfinite(vt.tensors[role]).all()):
-                raise ck.fail(f"vTask {vt.id!r}: input {role} contains NaN or Inf")
+        _check_finite_inputs(ck, vt.id, vt.tensors)
         self._ids.add(vt.id)
         self._vtasks.append(vt)
 

@@ -100,6 +100,13 @@ class GemmSpec:
         return {"a": ("BF16", self.layout.a_stored_shape(m, k)), "b": ("BF16", self.layout.b_stored_shape(k, n)),
                 "c": ("BF16", (m, n)), "row_sums": ("F32", (m, -(-n // tn))), "col_sums": ("F32", (-(-m // tm), n))}[role]
 
+    @classmethod
+    def from_json(cls, g: dict) -> GemmSpec:
+        """The inverse of to_json, for a manifest entry already checked by the bundle reader."""
+        return cls(layout=Layout(g["layout"]), m=g["m"], n=g["n"], k=g["k"], tile=(g["tile"][0], g["tile"][1]),
+                   rows=g.get("rows"), cols=g.get("cols"), flagged_rows=list(g.get("flagged_rows", [])),
+                   flagged_cols=list(g.get("flagged_cols", [])))
+
     def to_json(self) -> dict:
         return {"layout": self.layout.value, "m": self.m, "n": self.n, "k": self.k, "tile": list(self.tile),
                 "rows": self.rows, "cols": self.cols, "flagged_rows": self.flagged_rows, "flagged_cols": self.flagged_cols}
