@@ -45,8 +45,8 @@ def _xor_flat(x: torch.Tensor, flat_idx: torch.Tensor, masks: torch.Tensor) -> N
 def positions(f: FaultSpec, shape: tuple[int, int], rng: np.random.Generator, count: int) -> np.ndarray:
     """Flat indices of ``count`` distinct elements; row=/col= pin one coordinate."""
     m, n = shape
-    rows = np.full(count, int(f.get("row"), 0) % m) if f.get("row") else rng.integers(0, m, count)
-    cols = np.full(count, int(f.get("col"), 0) % n) if f.get("col") else rng.integers(0, n, count)
+    rows = np.full(count, f.as_int("row") % m) if f.get("row") else rng.integers(0, m, count)
+    cols = np.full(count, f.as_int("col") % n) if f.get("col") else rng.integers(0, n, count)
     return np.unique(rows * n + cols)
 
 
@@ -66,7 +66,7 @@ def replace_run(f: FaultSpec, shape: tuple[int, int], rng: np.random.Generator) 
 
 def lane_run(f: FaultSpec, numel: int) -> tuple[int, np.ndarray]:
     """(stride, flat indices) of a stuck lane: every ``stride``-th element from ``offset``."""
-    stride, offset = int(f.get("stride", "32")), int(f.get("offset", "0"), 0)
+    stride, offset = f.as_int("stride", "32"), f.as_int("offset", "0")
     return stride, np.arange(offset % stride, numel, stride)
 
 
@@ -89,18 +89,18 @@ def _elementwise(plan: FaultPlan, f: FaultSpec, rng: np.random.Generator, ctx: L
     xf = x.reshape(-1)
     snap = lambda flat: xf[torch.from_numpy(flat[:MAX_RECORDED])].float().clone()
     if f.model in ("bitflip", "mask"):
-        flat = positions(f, tuple(x.shape), rng, int(f.get("count", "1")))
+        flat = positions(f, tuple(x.shape), rng, f.as_int("count", "1"))
         if f.model == "bitflip":
             masks = [1 << pick_bit(f.get("bit", "exp"), bits, rng) for _ in flat]
         else:
-            masks = [int(f.get("mask"), 0)] * flat.size
+            masks = [f.as_int("mask")] * flat.size
         m = torch.tensor([signed(v, bits) for v in masks], dtype=_INT_VIEW[x.dtype])
         before = snap(flat)
         _xor_flat(x, torch.from_numpy(flat), m)
         record(plan, f, ctx, x.shape, flat, before, snap(flat), masks=[f"0x{v & ((1 << bits) - 1):x}" for v in masks[:MAX_RECORDED]])
     elif f.model == "stuck-lane":
         stride, flat = lane_run(f, numel)
-        mask = int(f.get("mask"), 0)
+        mask = f.as_int("mask")
         before = snap(flat)
         _xor_flat(x, torch.from_numpy(flat), torch.full((flat.size,), signed(mask, bits), dtype=_INT_VIEW[x.dtype]))
         record(plan, f, ctx, x.shape, flat, before, snap(flat), masks=[f"0x{mask & ((1 << bits) - 1):x}"], stride=stride)
@@ -147,11 +147,11 @@ def tiles_for(f: FaultSpec, ctx: LaunchContext, tiles: tuple[int, int], rng: np.
         i, j = (int(x) for x in f.get("tile").split("."))
         return [(i % tm_n, j % tn_n)]
     if f.get("every"):
-        return [divmod(lin, tn_n) for lin in range(0, total, int(f.get("every")))]
+        return [divmod(lin, tn_n) for lin in range(0, total, f.as_int("every"))]
     if f.get("sm") is not None:
         if ctx.tile_sm is None:
             return []
-        sm = int(f.get("sm"))
+        sm = f.as_int("sm")
         return [(int(i), int(j)) for i, j in zip(*np.nonzero(ctx.tile_sm == sm), strict=True)]
     return [divmod(int(rng.integers(0, total)), tn_n)]
 
@@ -175,7 +175,7 @@ def apply_acc(plan: FaultPlan, ctx: LaunchContext, acc: torch.Tensor, a_mk: torc
             acc.reshape(-1)[torch.from_numpy(hit)] += delta
             record(plan, f, ctx, acc.shape, hit, magnitude=r * ctx.clean_median)
         elif f.model == "row":
-            i = int(f.get("row"), 0) % m if f.get("row") else int(rng.integers(0, m))
+            i = f.as_int("row") % m if f.get("row") else int(rng.integers(0, m))
             acc[i] = 0.0 if f.get("mode", "zero") == "zero" else float(f.get("value", "1.0"))
             record(plan, f, ctx, acc.shape, np.arange(i * n, (i + 1) * n), row=i, mode=f.get("mode", "zero"))
         elif f.model == "tile":
@@ -192,7 +192,7 @@ def apply_acc(plan: FaultPlan, ctx: LaunchContext, acc: torch.Tensor, a_mk: torc
                     acc[rs, cs] = a_mk[rows].float() @ b_kn[:, cs].float()
                 else:  # skipk: one k-block never accumulated
                     k = a_mk.shape[1]
-                    kb = int(f.get("kstep")) if f.get("kstep") else int(rng.integers(0, -(-k // KSTEP)))
+                    kb = f.as_int("kstep") if f.get("kstep") else int(rng.integers(0, -(-k // KSTEP)))
                     ks = slice(kb * KSTEP % max(k, 1), min(k, kb * KSTEP % max(k, 1) + KSTEP))
                     acc[rs, cs] -= a_mk[rs, ks].float() @ b_kn[ks, cs].float()
             plan.record(f, ctx, target="acc", mode=mode, tiles=[list(t) for t in tiles[:MAX_RECORDED]], n_tiles=len(tiles),

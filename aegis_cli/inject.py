@@ -74,6 +74,10 @@ class FaultSpec:
     def get(self, key: str, default: str | None = None) -> str | None:
         return self.params.get(key, default)
 
+    def as_int(self, key: str, default: str | None = None) -> int:
+        """An integer parameter, read as the grammar checks it (0x…, 0o…, 0b… allowed)."""
+        return int(self.params.get(key, default), 0)
+
     def __str__(self) -> str:
         kv = ",".join(f"{k}={v}" for k, v in self.params.items())
         return f"{self.model}:{kv}" if kv else self.model

@@ -166,9 +166,9 @@ def _apply_memflip(plan: FaultPlan, f: FaultSpec, rng: np.random.Generator, ctx:
     flat = fingerprint.int_view(t).reshape(-1)  # t is contiguous: a view, edits land in t
     bits = t.element_size() * 8
     n = flat.numel()
-    count = min(int(f.get("count", "1")), n)
+    count = min(f.as_int("count", "1"), n)
     if f.get("index") is not None:
-        idx = (int(f.get("index"), 0) + np.arange(count)) % n
+        idx = (f.as_int("index") + np.arange(count)) % n
     else:
         idx = rng.choice(n, size=count, replace=False) if n > count else np.arange(n)
     masks = [1 << pick_bit(f.get("bit", "exp" if t.is_floating_point() else "0"), bits, rng) for _ in idx]
@@ -184,8 +184,8 @@ def _apply_swap(plan: FaultPlan, f: FaultSpec, rng: np.random.Generator, ctx: La
     flat = fingerprint.int_view(t).reshape(-1)
     n = flat.numel()
     pairs = []
-    for c in range(int(f.get("count", "1"))):
-        i = (int(f.get("index"), 0) + 2 * c) % n if f.get("index") is not None else int(rng.integers(0, n))
+    for c in range(f.as_int("count", "1")):
+        i = (f.as_int("index") + 2 * c) % n if f.get("index") is not None else int(rng.integers(0, n))
         # the partner: the next element whose bits differ (a swap of equal bits changes nothing)
         for step in range(1, min(n, 4096)):
             j = (i + step) % n
