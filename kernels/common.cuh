@@ -32,6 +32,8 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 enum { EDIT_XOR = 0, EDIT_SET = 1, EDIT_ADD = 2 };
 enum { TILE_NONE = 0, TILE_ZERO = 1, TILE_STUCK = 2, TILE_SHIFT = 3, TILE_SKIPK = 4 };
 
+#define AEGIS_MAX_LANES 4  // stuck-lane faults per launch (cuda.py MAX_LANES)
+
 struct InjectParams {
     const long long* edit_idx;   // flat row*N + col
     const int* edit_off;         // [tiles_m*tiles_n + 1]
@@ -42,9 +44,11 @@ struct InjectParams {
     int sm_mode;
     float tile_value;            // TILE_STUCK value
     int kstep;                   // 64-wide k block dropped by TILE_SKIPK
-    int lane_stride;             // stuck lane: flat % stride == offset gets lane_mask (0: off)
-    int lane_offset;
-    unsigned lane_mask;
+    // stuck lanes: flat % lane_stride[l] == lane_offset[l] gets lane_mask[l], l < n_lanes
+    int lane_stride[AEGIS_MAX_LANES];
+    int lane_offset[AEGIS_MAX_LANES];
+    unsigned lane_mask[AEGIS_MAX_LANES];
+    int n_lanes;
     int n_edits;
 };
 
@@ -78,9 +82,18 @@ __device__ __forceinline__ void inject_fragment(const InjectParams& p, float* v,
         float x = v[i];
         if (mode == TILE_ZERO) x = 0.f;
         if (mode == TILE_STUCK) x = p.tile_value;
-        if (p.lane_stride > 0 && ((long long)r * N + c) % p.lane_stride == p.lane_offset)
-            x = __uint_as_float(__float_as_uint(x) ^ p.lane_mask);
         v[i] = x;
+    }
+#pragma unroll 1
+    for (int l = 0; l < p.n_lanes; ++l) {  // a runtime loop: one copy of the per-element test
+        const int stride = p.lane_stride[l], offset = p.lane_offset[l];
+        const unsigned mask = p.lane_mask[l];
+#pragma unroll
+        for (int i = 0; i < NREG; ++i) {
+            int r, c;
+            pos(i, r, c);
+            if (((long long)r * N + c) % stride == offset) v[i] = __uint_as_float(__float_as_uint(v[i]) ^ mask);
+        }
     }
     for (int e = e0; e < e1; ++e) {
         const long long flat = p.edit_idx[e];

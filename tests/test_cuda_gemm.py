@@ -152,6 +152,22 @@ def test_acc_fault_detected_where_injected(dev, spec, layout):
         assert hit & flagged, (rec, flagged)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[x.value for x in LAYOUTS])
+def test_several_stuck_lanes_in_one_launch(dev, layout):
+    """Two dense sign-bit lanes in one launch, overlapping every 96th element: C is the clean C
+    negated exactly where one lane hits (bf16 rounding commutes with the sign), unchanged where
+    both or neither do; the checksums flag it."""
+    m, n = 640, 768
+    ops = _ops(dev, layout, m, n, 520, seed=12)
+    clean = dev.checked_gemm(ops)
+    plan = FaultPlan.parse("stuck-lane:mask=0x80000000,stride=32,offset=5; stuck-lane:mask=0x80000000,stride=48,offset=5")
+    res = dev.checked_gemm(ops, plan, op="lanes")
+    flat = torch.arange(m * n, device=res.c.device).reshape(m, n)
+    one = ((flat % 32) == 5) ^ ((flat % 48) == 5)
+    assert torch.equal(res.c.view(torch.int16), torch.where(one, -clean.c, clean.c).view(torch.int16))
+    assert len(plan.injected) == 2 and _flagged_tiles(dev, ops, res)
+
+
 def test_sm_pinned_fault(dev):
     """Every tile run on one SM is corrupted; the record names exactly those tiles and that SM."""
     ops = _ops(dev, Layout.FWD, 4096, 4096, 256, seed=3)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from aegis_cli.errors import InjectSpecError
@@ -65,3 +66,46 @@ def test_plan_for_device_keeps_only_its_faults():
     assert len(plan.for_device("cpu:1").faults) == 2
     assert len(plan.for_device("cpu:0").faults) == 1
     assert FaultPlan.parse("bitflip:device=cpu:1").for_device("cpu:0") is None
+
+
+@pytest.mark.parametrize("spec", ["stuck-lane:mask=0x400000,stride=0x20,offset=0x3", "tile:mode=zero,every=0x3",
+                                  "tile:mode=skipk,kstep=0x1,tile=0.0", "row:row=0x11", "bitflip:count=0x2,seed=1"])
+def test_integer_parameters_read_as_checked(spec):
+    """The grammar accepts 0x… integers for every integer key; applying the fault must read them
+    the same way (a base-10 int() raised ValueError with a traceback for stride=0x20)."""
+    import torch
+
+    from aegis_cli import corrupt
+    from aegis_cli.inject import LaunchContext
+
+    plan = FaultPlan.parse(spec)
+    acc = torch.randn(96, 160, dtype=torch.float32, generator=torch.Generator().manual_seed(0))
+    a, b = torch.randn(96, 64).to(torch.bfloat16), torch.randn(64, 160).to(torch.bfloat16)
+    before = acc.clone()
+    corrupt.apply_acc(plan, LaunchContext("cpu:0", "t", (64, 128), np.zeros((2, 2), dtype=np.int32)), acc, a, b)
+    assert plan.injected and not torch.equal(acc, before)
+
+
+def test_cuda_stuck_lanes_pack_into_lane_slots_or_edits():
+    """Host side of CUDA stuck-lane faults (no GPU needed): dense lanes take kernel lane slots (at
+    most MAX_LANES per launch, a clear error beyond), sparse ones go in as ordinary XOR edits."""
+    import torch
+
+    from aegis_cli.backends import cuda
+    from aegis_cli.backends.base import GemmOperands, Layout
+    from aegis_cli.inject import LaunchContext
+
+    m, n, k = 1024, 512, 64  # a stride-32 lane hits 16 Ki elements
+    ops = GemmOperands(torch.ones(m, k, dtype=torch.bfloat16), torch.ones(n, k, dtype=torch.bfloat16), Layout.FWD)
+    ctx = LaunchContext("cuda:0", "t", (64, 128))
+    dense = [f"stuck-lane:mask=0x{1 << (20 + i):x},stride=32,offset={i}" for i in range(cuda.MAX_LANES)]
+    sparse = "stuck-lane:mask=0x80000000,stride=300000,offset=7"  # 2 of the 512 Ki elements
+    acc = cuda._acc_faults(FaultPlan.parse("; ".join([*dense, sparse])), ctx, ops, (2, 2))
+    assert acc.lanes == [(32, i, 1 << (20 + i)) for i in range(cuda.MAX_LANES)]
+    (flat, op, bits), = acc.edits
+    assert flat.tolist() == [7, 300007] and op == cuda.EDIT_XOR and bits.tolist() == [0x80000000] * 2
+    params, _keep = cuda._inject_params(acc, m, n, (64, 128), torch.device("cpu"))
+    assert params.n_lanes == cuda.MAX_LANES and list(params.lane_offset) == list(range(cuda.MAX_LANES))
+    assert params.n_edits == 2
+    with pytest.raises(InjectSpecError, match="at most 4 dense stuck-lane"):
+        cuda._acc_faults(FaultPlan.parse("; ".join([*dense, "stuck-lane:mask=0x1,stride=64,offset=9"])), ctx, ops, (2, 2))

@@ -50,6 +50,8 @@ _FUNCS: dict[tuple, int] = {}
 
 EDIT_XOR, EDIT_SET, EDIT_ADD = 0, 1, 2
 TILE_CODES = {"zero": 1, "stuck": 2, "shift": 3, "skipk": 4}
+MAX_LANES = 4  # stuck-lane patterns one launch takes (AEGIS_MAX_LANES in kernels/common.cuh)
+_LANE_AS_EDITS = 4096  # a stuck lane hitting at most this many elements goes in as edits instead
 
 
 class _Inject(ctypes.Structure):  # mirrors InjectParams in kernels/common.cuh
@@ -57,7 +59,8 @@ class _Inject(ctypes.Structure):  # mirrors InjectParams in kernels/common.cuh
         ("edit_idx", ctypes.c_void_p), ("edit_off", ctypes.c_void_p), ("edit_val", ctypes.c_void_p),
         ("edit_op", ctypes.c_void_p), ("tile_mode", ctypes.c_void_p),
         ("sm_target", ctypes.c_int), ("sm_mode", ctypes.c_int), ("tile_value", ctypes.c_float), ("kstep", ctypes.c_int),
-        ("lane_stride", ctypes.c_int), ("lane_offset", ctypes.c_int), ("lane_mask", ctypes.c_uint), ("n_edits", ctypes.c_int),
+        ("lane_stride", ctypes.c_int * MAX_LANES), ("lane_offset", ctypes.c_int * MAX_LANES),
+        ("lane_mask", ctypes.c_uint * MAX_LANES), ("n_lanes", ctypes.c_int), ("n_edits", ctypes.c_int),
     ]
 
 
@@ -158,7 +161,7 @@ class _AccFaults:
     sm_mode: int = 0
     tile_value: float = 1.0
     kstep: int = 0
-    lane: tuple[int, int, int] = (0, 0, 0)
+    lanes: list[tuple[int, int, int]] = field(default_factory=list)  # (stride, offset, mask) per stuck lane
     after: list = field(default_factory=list)  # callables(tile_sm ndarray) recording tile faults
 
     def add(self, flat: np.ndarray, op: int, bits) -> None:
@@ -196,19 +199,23 @@ def _elementwise_acc(acc: _AccFaults, plan: FaultPlan, f: FaultSpec, rng: np.ran
     shape = (m, n)
     numel = m * n
     if f.model in ("bitflip", "mask"):
-        flat = corrupt.positions(f, shape, rng, int(f.get("count", "1")))
+        flat = corrupt.positions(f, shape, rng, f.as_int("count", "1"))
         if f.model == "bitflip":
             masks = [1 << corrupt.pick_bit(f.get("bit", "exp"), 32, rng) for _ in flat]
         else:
-            masks = [int(f.get("mask"), 0) & 0xFFFFFFFF] * flat.size
+            masks = [f.as_int("mask") & 0xFFFFFFFF] * flat.size
         acc.add(flat, EDIT_XOR, masks)
         corrupt.record(plan, f, ctx, shape, flat, masks=[f"0x{v:x}" for v in masks[: corrupt.MAX_RECORDED]])
     elif f.model == "stuck-lane":
         stride, flat = corrupt.lane_run(f, numel)
-        mask = int(f.get("mask"), 0) & 0xFFFFFFFF
-        if acc.lane[0]:
-            raise InjectSpecError("the CUDA kernels take one stuck-lane fault per launch")
-        acc.lane = (stride, int(flat[0]) if flat.size else 0, mask)
+        mask = f.as_int("mask") & 0xFFFFFFFF
+        if flat.size <= _LANE_AS_EDITS or stride > 0x7FFFFFFF:  # a sparse lane: plain edits, no lane slot
+            acc.add(flat, EDIT_XOR, mask)
+        elif len(acc.lanes) == MAX_LANES:
+            raise InjectSpecError(f"the CUDA kernels take at most {MAX_LANES} dense stuck-lane faults per launch "
+                                  f"(more than {_LANE_AS_EDITS} elements each)")
+        else:
+            acc.lanes.append((stride, int(flat[0]), mask))
         corrupt.record(plan, f, ctx, shape, flat, masks=[f"0x{mask:x}"], stride=stride)
     elif f.model == "replace":
         span = f.get("span", "1")
@@ -250,7 +257,7 @@ def _acc_faults(plan: FaultPlan, ctx: LaunchContext, ops: GemmOperands, cta: tup
             acc.add(hit, EDIT_ADD, delta.view(np.uint32))
             corrupt.record(plan, f, ctx, (m, n), hit, magnitude=r * ctx.clean_median)
         elif f.model == "row":
-            i = int(f.get("row"), 0) % m if f.get("row") else int(rng.integers(0, m))
+            i = f.as_int("row") % m if f.get("row") else int(rng.integers(0, m))
             mode = f.get("mode", "zero")
             flat = np.arange(i * n, (i + 1) * n)
             acc.add(flat, EDIT_SET, 0 if mode == "zero" else _u32(float(f.get("value", "1.0"))))
@@ -268,9 +275,9 @@ def _tile_fault(acc: _AccFaults, plan: FaultPlan, f: FaultSpec, rng: np.random.G
         acc.tile_value = float(f.get("value", "1.0"))
     if mode == "skipk":
         kblocks = max(1, -(-k // KSTEP))
-        acc.kstep = (int(f.get("kstep")) if f.get("kstep") else int(rng.integers(0, kblocks))) % kblocks
+        acc.kstep = (f.as_int("kstep") if f.get("kstep") else int(rng.integers(0, kblocks))) % kblocks
     if f.get("sm") is not None:  # which tiles land on the SM is known only after the launch
-        acc.sm_target, acc.sm_mode = int(f.get("sm")), code
+        acc.sm_target, acc.sm_mode = f.as_int("sm"), code
         chosen = None
     else:
         chosen = corrupt.tiles_for(f, ctx, tiles, rng)
@@ -299,7 +306,9 @@ def _inject_params(acc: _AccFaults, m: int, n: int, tile: tuple[int, int], devic
     tiles_n = -(-n // tn)
     n_tiles = -(-m // tm) * tiles_n
     p = _Inject(sm_target=acc.sm_target, sm_mode=acc.sm_mode, tile_value=acc.tile_value, kstep=acc.kstep,
-                lane_stride=acc.lane[0], lane_offset=acc.lane[1], lane_mask=acc.lane[2])
+                n_lanes=len(acc.lanes))
+    for i, (stride, offset, mask) in enumerate(acc.lanes):
+        p.lane_stride[i], p.lane_offset[i], p.lane_mask[i] = stride, offset, mask
     keep: list[torch.Tensor] = []
     if acc.tile_mode is not None:
         t = torch.from_numpy(acc.tile_mode).to(device)
