@@ -192,18 +192,42 @@ __device__ __forceinline__ void store_c(const __nv_bfloat162 (&p)[64], const uin
 __device__ __forceinline__ int red_idx(int col) { return (col & ~31) | ((col + ((col >> 2) & 24)) & 31); }
 
 #if defined(AEGIS_BURN) || defined(AEGIS_BURN1)
-// Experiment: N independent FFMAs per thread that the compiler cannot drop (the result is
-// stored only if it equals a value it never reaches): ALU work of about the checksums' size,
-// placed where the checksums run, to tell issue/energy cost from latency.
+// Experiment: N independent instructions per thread that the compiler cannot drop (the result is
+// stored only if it equals a value it never reaches), of the kind AEGIS_BURN_KIND (0: FFMA,
+// 1: SHFL, 2: FSEL on a lane-dependent predicate, 3: FADD): ALU work of about the checksums' size,
+// placed where the checksums run, to tell issue/energy cost from latency and price each kind.
+#ifndef AEGIS_BURN_KIND
+#define AEGIS_BURN_KIND 0
+#endif
 template <int N>
 __device__ __forceinline__ void burn(float seed, float* sink) {
     float x[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) x[i] = seed + i;
+    const int lane = threadIdx.x & 31;
 #pragma unroll
-    for (int n = 0; n < N / 8; ++n)
+    for (int n = 0; n < N / 8; ++n) {
+#if AEGIS_BURN_KIND == 2
+        const bool p = (lane >> (n % 5)) & 1;  // a different predicate each round: no select folding
+        float y[8];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) x[i] = fmaf(x[i], 1.0001f, 0.5f);
+        for (int i = 0; i < 8; ++i) y[i] = p ? x[i] : x[(i + 1 + n) & 7];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) x[i] = y[i];
+#else
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+#if AEGIS_BURN_KIND == 1
+            x[i] = __shfl_xor_sync(0xffffffffu, x[i], 1 << (n % 5));
+#elif AEGIS_BURN_KIND == 3
+            x[i] = x[i] + x[(i + 1 + n) & 7];
+#else
+            x[i] = fmaf(x[i], 1.0001f, 0.5f);
+#endif
+        }
+#endif
+    }
+    (void)lane;
     float t = 0.f;
 #pragma unroll
     for (int i = 0; i < 8; ++i) t += x[i];
