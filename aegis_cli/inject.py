@@ -88,13 +88,21 @@ class FaultSpec:
         return (dev is None or dev == device_id) and (sub is None or sub in op)
 
 
+# Upper bounds of integer keys: counts become array sizes, SM ids a C int in the kernel
+# parameters, everything else an int64 in numpy (row, col, offset, ... are taken modulo the
+# GEMM's extent).
+_INT_MAX = {"count": 1 << 24, "sm": (1 << 31) - 1, "mask": (1 << 64) - 1}
+
+
 def _check_int(spec: str, key: str, value: str, lo: int = 0) -> None:
     try:
         v = int(value, 0)
     except ValueError:
         raise InjectSpecError(f"--inject {spec!r}: {key}={value!r} is not an integer") from None
-    if v < lo:
-        raise InjectSpecError(f"--inject {spec!r}: {key}={value} must be ≥ {lo}")
+    hi = _INT_MAX.get(key, 1 << 62)
+    if not lo <= v <= hi:
+        raise InjectSpecError(f"--inject {spec!r}: {key}={value} must lie in [{lo}, {hi:#x}]" if key == "mask"
+                              else f"--inject {spec!r}: {key}={value} must lie in [{lo}, {hi}]")
 
 
 def _check_float(spec: str, key: str, value: str, lo: float, hi: float) -> None:
@@ -140,7 +148,7 @@ def _validate(text: str, f: FaultSpec) -> None:
             raise InjectSpecError(f"--inject {text!r}: mode must be one of {', '.join(TILE_MODES)}")
         if "tile" in p:
             parts = p["tile"].split(".")
-            if len(parts) != 2 or not all(x.isdigit() for x in parts):
+            if len(parts) != 2 or not all(x.isascii() and x.isdigit() and len(x) <= 18 for x in parts):
                 raise InjectSpecError(f"--inject {text!r}: tile=ROW.COL expected (e.g. tile=0.1), got {p['tile']!r}")
         if sum(k in p for k in ("tile", "every", "sm")) > 1:
             raise InjectSpecError(f"--inject {text!r}: give at most one of tile=, every=, sm=")

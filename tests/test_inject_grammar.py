@@ -42,7 +42,12 @@ def test_valid_specs_parse(spec):
         ("bitflip:bit=exp,bit=sign", "given twice"),
         ("bitflip:colour=red", "unknown key 'colour'"),
         ("bitflip:bit=40", "must be 0..31"),
-        ("bitflip:count=0", "count=0 must be ≥ 1"),
+        ("bitflip:count=0", "count=0 must lie in [1, "),
+        ("bitflip:count=1000000000000", "count=1000000000000 must lie in [1, 16777216]"),  # was a MemoryError
+        ("stuck-lane:mask=0x1,stride=99999999999999999999", "stride=99999999999999999999 must lie in"),  # was a TypeError
+        ("tile:mode=zero,sm=4294967299", "sm=4294967299 must lie in"),  # would have wrapped to SM 3 in the kernel
+        ("mask:mask=0x10000000000000000", "must lie in [1, 0xffffffffffffffff]"),
+        ("tile:mode=zero,tile=1.\u00b2", "tile=ROW.COL"),  # a Unicode digit: isdigit() but not int()
         ("bitflip:prob=2", "prob=2 must lie in"),
         ("perturb:rate=0.1", "perturb needs r="),
         ("mask:target=acc", "needs mask="),
