@@ -435,7 +435,7 @@ def golden_record(devices, seed, output):
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: usage errors and AegisErrors become one line and exit 3."""
+    """Entry point: usage errors, AegisErrors and unexpected exceptions become one line and exit 3."""
     try:
         cli.main(args=argv, prog_name="aegis", standalone_mode=False)
     except click.exceptions.Abort:
@@ -448,4 +448,10 @@ def main(argv: list[str] | None = None) -> None:
         _fail(str(exc), exc.exit_code)
     except KeyboardInterrupt:
         _fail("interrupted", ExitCode.UNKNOWN)
+    except Exception as exc:  # a bug of ours: never exit 1 (that means SUSPECT) or dump a traceback unasked
+        if State.debug:
+            traceback.print_exc()
+        what = " ".join(str(exc).split())[:300]  # one line, whatever the exception says
+        _fail(f"internal error: {type(exc).__name__}: {what} (a bug in aegis: rerun with --debug for the traceback "
+              "and report it)", ExitCode.UNKNOWN)
     sys.exit(0)

@@ -69,6 +69,7 @@ def test_device_error_is_error_verdict_exit_3(capsys, monkeypatch):
         (["scan", "--workload", str(DATA / "bad_unknown_key.yaml")], "unknown key 'hiden'"),
         (["scan", "--workload", str(DATA / "bad_syntax.yaml")], "malformed YAML"),
         (["scan", "--device", "gpu7"], "unknown device 'gpu7'"),
+        (["scan", "--device", "cpu:\u00b2"], "unknown device 'cpu:\u00b2'"),  # isdigit() but not int(): was a traceback, exit 1
         (["scan", "--device", "cpu:9"], "no device cpu:9"),
         (["scan", "--device", "cuda:0"], "cuda"),
         (["scan", "--no-such-option"], "No such option"),
@@ -87,6 +88,20 @@ def test_bad_input_one_line_exit_3(capsys, argv, needle):
     assert lines[0].startswith("Error:")
     assert needle in err
     assert "Traceback" not in err and out == ""
+
+
+def test_unexpected_exception_is_one_line_exit_3(capsys, monkeypatch):
+    """A bug of ours must not exit 1 (SUSPECT) with a traceback: one line, exit 3; --debug shows it."""
+    def boom(*_a, **_k):
+        raise ValueError("simulated bug\nsecond line")
+
+    monkeypatch.setattr(scan_mod, "resolve_devices", boom)
+    code, out, err = run_cli(capsys, "scan", "-q", "--workload", TINY)
+    assert code == ExitCode.UNKNOWN and out == ""
+    lines = [x for x in err.strip().splitlines() if x.strip()]
+    assert len(lines) == 1 and "internal error: ValueError: simulated bug second line" in lines[0], err
+    code, _, err = run_cli(capsys, "--debug", "scan", "-q", "--workload", TINY)
+    assert code == ExitCode.UNKNOWN and "Traceback" in err
 
 
 def test_debug_shows_traceback(capsys):

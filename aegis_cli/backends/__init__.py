@@ -45,8 +45,8 @@ def resolve_devices(spec: str = "auto") -> list[Device]:
             out += backend.devices()
         else:
             name, sep, idx = part.partition(":")
-            if not sep or name not in BACKENDS or not idx.isdigit():
-                raise DeviceError(f"unknown device {part!r} (use auto, all, cpu, cuda, cpu:N or cuda:N)")
+            if not sep or name not in BACKENDS or not (idx.isascii() and idx.isdigit()):
+                raise DeviceError(f"unknown device {part!r} (use auto, all, cpu, cuda, cpu:N, cuda:N or a comma-separated list)")
             backend = get_backend(name)
             if name == "cuda" and not backend.available():
                 raise DeviceError(f"unknown device {part!r}: no CUDA devices on this node")
