@@ -101,8 +101,8 @@ def _check_int(spec: str, key: str, value: str, lo: int = 0) -> None:
         raise InjectSpecError(f"--inject {spec!r}: {key}={value!r} is not an integer") from None
     hi = _INT_MAX.get(key, 1 << 62)
     if not lo <= v <= hi:
-        raise InjectSpecError(f"--inject {spec!r}: {key}={value} must lie in [{lo}, {hi:#x}]" if key == "mask"
-                              else f"--inject {spec!r}: {key}={value} must lie in [{lo}, {hi}]")
+        shown = f"{hi:#x}" if key == "mask" else hi  # a mask reads as bits
+        raise InjectSpecError(f"--inject {spec!r}: {key}={value} must lie in [{lo}, {shown}]")
 
 
 def _check_float(spec: str, key: str, value: str, lo: float, hi: float) -> None:
