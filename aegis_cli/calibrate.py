@@ -102,8 +102,7 @@ def sensitivity(device: Device, rs: list[float], *, trials: int = 100, m: int = 
                            device.generate((k, n), "normal", seed * 1000 + 2 * i + 1), Layout.DGRAD)
         ref = device.reference_checksums(ops, device.tile)
         res = device.checked_gemm(ops)
-        d_row = numerics.normalised_diff(res.row_sums, ref.row, ref.row_scale)
-        d_col = numerics.normalised_diff(res.col_sums, ref.col, ref.col_scale)
+        d_row, d_col = numerics.checksum_diffs(res, ref)
         clean32 = max(clean32, float(d_row.max()), float(d_col.max()))
         clean16 = max(clean16, float(_bf16_row_diff(res.c, ref.row, ref.row_scale, tn).max()))
         medians.append(float((res.row_sums.double() - ref.row).abs().median()))
@@ -117,8 +116,7 @@ def sensitivity(device: Device, rs: list[float], *, trials: int = 100, m: int = 
         for t in range(trials):
             ops, ref = inputs[t % n_inputs]
             res = device.checked_gemm(ops, plan, op=f"sensitivity/{t}", clean_median=medians[t % n_inputs])
-            d_row = numerics.normalised_diff(res.row_sums, ref.row, ref.row_scale)
-            d_col = numerics.normalised_diff(res.col_sums, ref.col, ref.col_scale)
+            d_row, d_col = numerics.checksum_diffs(res, ref)
             hit32 += bool((d_row > tau).any() or (d_col > tau).any())
             hit16 += bool((_bf16_row_diff(res.c, ref.row, ref.row_scale, tn) > tau16).any())
         rate32.append(hit32 / trials)

@@ -22,9 +22,8 @@ MAX_SUBSET = 1024  # writer policy: at most this many flagged rows/columns in a 
 def _flag_sets(res, ref, tau: float) -> tuple[list[int], list[int]]:
     from aegis_cli import numerics
 
-    d_row = numerics.normalised_diff(res.row_sums, ref.row, ref.row_scale) > tau  # (M, nt_n)
-    d_col = numerics.normalised_diff(res.col_sums, ref.col, ref.col_scale) > tau  # (nt_m, N)
-    return (d_row.any(1).nonzero().flatten().cpu().tolist(), d_col.any(0).nonzero().flatten().cpu().tolist())
+    d_row, d_col = numerics.checksum_diffs(res, ref)  # (M, nt_n), (nt_m, N)
+    return ((d_row > tau).any(1).nonzero().flatten().cpu().tolist(), (d_col > tau).any(0).nonzero().flatten().cpu().tolist())
 
 
 def _sample_rows(ev, key: str) -> list[int]:

@@ -94,6 +94,12 @@ def normalised_diff(observed: torch.Tensor, ref: torch.Tensor, scale: torch.Tens
     return torch.nan_to_num(d, nan=math.inf, posinf=math.inf)
 
 
+def checksum_diffs(res: GemmResult, ref: ReferenceChecksums) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalised differences of the fused row sums (M, nt_n) and column sums (nt_m, N) from
+    their fp64 references."""
+    return (normalised_diff(res.row_sums, ref.row, ref.row_scale), normalised_diff(res.col_sums, ref.col, ref.col_scale))
+
+
 def output_rowsum_diff(res: GemmResult, tn: int) -> tuple[torch.Tensor, torch.Tensor]:
     """bf16-output check: Σ over each column tile of the rounded output against the
     fp32-accumulator row sums. Returns (|Σ c − Σ acc|, Σ|c|·u_bf16) in fp64: the second is
@@ -106,6 +112,22 @@ def output_rowsum_diff(res: GemmResult, tn: int) -> tuple[torch.Tensor, torch.Te
     bound = abs_sum * U_BF16 * (1 + U_BF16) + abs_sum * (tn * U_FP32 * 2)
     d = (out_sum - res.row_sums.to(torch.float64)).abs()
     return torch.nan_to_num(d, nan=math.inf, posinf=math.inf), bound
+
+
+def output_rowsum_excess(res: GemmResult, tn: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(over, ratio, bound) of the bf16-output check: where |Σ c − Σ acc| exceeds its rounding
+    bound (output_rowsum_diff), the difference in units of that bound, and the bound."""
+    diff, bound = output_rowsum_diff(res, tn)
+    return diff > bound, diff / bound.clamp(min=1e-300), bound
+
+
+def bf16_mismatches(c: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    """(row, col) positions, on the host, where two bf16 tensors differ bit for bit (an empty
+    (0, 2) tensor when they are identical)."""
+    ci, ei = c.view(torch.int16), expected.view(torch.int16)
+    if torch.equal(ci, ei):
+        return torch.empty((0, 2), dtype=torch.long)
+    return (ci != ei).nonzero().cpu()
 
 
 @dataclass(frozen=True)

@@ -198,9 +198,9 @@ class _VTaskReplay:
     def _signals(self, res: GemmResult, ref, exact, bound, expected, scale) -> None:
         tau = self.vt.tau
         tn = res.tile[1]
-        for check, obs, rv, sc, is_row in (("gemm.row_checksum", res.row_sums, ref.row, ref.row_scale, True),
-                                           ("gemm.col_checksum", res.col_sums, ref.col, ref.col_scale, False)):
-            d = numerics.normalised_diff(obs, rv, sc)
+        d_row, d_col = numerics.checksum_diffs(res, ref)
+        for check, d, obs, rv, is_row in (("gemm.row_checksum", d_row, res.row_sums, ref.row, True),
+                                          ("gemm.col_checksum", d_col, res.col_sums, ref.col, False)):
             flag = d > tau
             if bool(flag.any()):
                 where = flag.nonzero().cpu()
@@ -220,11 +220,10 @@ class _VTaskReplay:
             self._fire("gemm.nonfinite", math.inf, bad[:, 0].tolist(), bad[:, 1].tolist(),
                        [{"row": self._full_row(r), "col": self._full_col(cc), "scale": list(scale)} for r, cc in bad[:MAX_SAMPLES].tolist()],
                        int(bad.shape[0]))
-        diff, rb = numerics.output_rowsum_diff(res, tn)
-        over = diff > rb
+        over, ratio, _bound = numerics.output_rowsum_excess(res, tn)
         if bool(over.any()):
             where = over.nonzero().cpu()
-            self._fire("gemm.output_rowsum", float((diff / rb.clamp(min=1e-300))[over].max()), where[:, 0].tolist(), (),
+            self._fire("gemm.output_rowsum", float(ratio[over].max()), where[:, 0].tolist(), (),
                        [{"row": self._full_row(r), "col_tile": t, "scale": list(scale)} for r, t in where[:MAX_SAMPLES].tolist()],
                        int(over.sum()))
         if exact is not None:
@@ -236,9 +235,9 @@ class _VTaskReplay:
                 self._fire("gemm.element_reference", ratio, where[:, 0].tolist(), where[:, 1].tolist(),
                            [{"row": self._full_row(r), "col": self._full_col(cc), "scale": list(scale), "actual": float(c[r, cc]),
                              "expected": float(exact[r, cc])} for r, cc in where[:MAX_SAMPLES].tolist()], int(bad_el.sum()))
-        if expected is not None and not _same_bits(c, expected):
+        where = numerics.bf16_mismatches(c, expected) if expected is not None else torch.empty((0, 2))
+        if where.numel():
             ci, ei = c.view(torch.int16), expected.view(torch.int16)
-            where = (ci != ei).nonzero().cpu()
             self._fire("gemm.pow2_exact", 1.0, where[:, 0].tolist(), where[:, 1].tolist(),
                        [{"row": self._full_row(r), "col": self._full_col(cc), "scale": list(scale),
                          "actual": f"0x{int(ci[r, cc]) & 0xFFFF:04x}", "expected": f"0x{int(ei[r, cc]) & 0xFFFF:04x}",

@@ -41,8 +41,7 @@ def _ops(dev, layout: Layout, m: int, n: int, k: int, seed: int, dist: str = "no
 
 def _diffs(dev, ops, res):
     ref = dev.reference_checksums(ops, res.tile)
-    return (numerics.normalised_diff(res.row_sums, ref.row, ref.row_scale),
-            numerics.normalised_diff(res.col_sums, ref.col, ref.col_scale))
+    return numerics.checksum_diffs(res, ref)
 
 
 def _flagged_tiles(dev, ops, res) -> set[tuple[int, int]]:

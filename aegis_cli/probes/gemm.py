@@ -176,8 +176,7 @@ class GemmProbe:
     def _signals(self, res: GemmResult, ref: ReferenceChecksums, expected: torch.Tensor | None, tau: float) -> list[Signal]:
         tm, tn = res.tile
         out: list[Signal] = []
-        d_row = numerics.normalised_diff(res.row_sums, ref.row, ref.row_scale)  # (M, nt_n)
-        d_col = numerics.normalised_diff(res.col_sums, ref.col, ref.col_scale)  # (nt_m, N)
+        d_row, d_col = numerics.checksum_diffs(res, ref)  # (M, nt_n), (nt_m, N)
         row_flag, col_flag = d_row > tau, d_col > tau
         clean = torch.cat([d_row[~row_flag].reshape(-1), d_col[~col_flag].reshape(-1)])
         if clean.numel():
@@ -211,20 +210,17 @@ class GemmProbe:
         if not bool(torch.isfinite(c).all()) and bool(torch.isfinite(ref.row).all()):
             bad = (~torch.isfinite(c)).nonzero()
             out.append(self._bitwise_signal("gemm.nonfinite", bad.cpu(), None, c, res, tile_sm))
-        diff, bound = numerics.output_rowsum_diff(res, tn)
-        over = diff > bound
+        over, ratio, bound = numerics.output_rowsum_excess(res, tn)
         if bool(over.any()):
-            ratio = (diff / bound.clamp(min=1e-300))[over]
             rows = over.nonzero().cpu()
             samples = [{"row": int(r), "col_tile": int(t), "tile": [int(r) // tm, int(t)], "output_sum": float(res.c[r, t * tn:(t + 1) * tn].double().sum()),
                         "accumulator_sum": float(res.row_sums[r, t]), "bound": float(bound[r, t])} for r, t in rows[:MAX_SAMPLES].tolist()]
             tiles = sorted({(int(r) // tm, int(t)) for r, t in rows.tolist()})
-            out.append(Signal("gemm.output_rowsum", float(ratio.max()), int(over.sum()), samples, [list(t) for t in tiles][:MAX_LOCALISED],
+            out.append(Signal("gemm.output_rowsum", float(ratio[over].max()), int(over.sum()), samples, [list(t) for t in tiles][:MAX_LOCALISED],
                               _sms(tile_sm, tiles)))
         if expected is not None:
-            ci, ei = c.view(torch.int16), expected.view(torch.int16)
-            if not torch.equal(ci, ei):
-                where = (ci != ei).nonzero().cpu()
+            where = numerics.bf16_mismatches(c, expected)
+            if where.numel():
                 out.append(self._bitwise_signal("gemm.pow2_exact", where, expected, c, res, tile_sm))
         return out
 

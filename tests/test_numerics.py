@@ -1,0 +1,54 @@
+"""The comparison helpers the scan and the replay share (numerics.checksum_diffs,
+output_rowsum_excess, bf16_mismatches): each flags exactly what was changed, nothing on a
+clean result."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from aegis_cli import numerics
+from aegis_cli.backends.base import GemmOperands, Layout
+from aegis_cli.backends.cpu import CpuDevice
+
+
+def _clean(m: int = 150, n: int = 300, k: int = 96, seed: int = 11):
+    dev = CpuDevice()
+    ops = GemmOperands(dev.generate((m, k), "normal", seed), dev.generate((k, n), "normal", seed + 1), Layout.DGRAD)
+    return dev.checked_gemm(ops), dev.reference_checksums(ops, dev.tile)
+
+
+def test_checksum_diffs_flag_only_the_changed_sums():
+    res, ref = _clean()
+    tau = numerics.Thresholds().tau
+    d_row, d_col = numerics.checksum_diffs(res, ref)
+    assert d_row.shape == res.row_sums.shape and d_col.shape == res.col_sums.shape
+    assert float(d_row.max()) < tau and float(d_col.max()) < tau
+    rows, cols = res.row_sums.clone(), res.col_sums.clone()
+    rows[7, 1] += 1.0  # about 1e-4 of its magnitude scale s: far above τ
+    cols[1, 200] = float("nan")
+    d_row, d_col = numerics.checksum_diffs(dataclasses.replace(res, row_sums=rows, col_sums=cols), ref)
+    assert (d_row > tau).nonzero().tolist() == [[7, 1]]
+    assert (d_col > tau).nonzero().tolist() == [[1, 200]] and float(d_col[1, 200]) == float("inf")
+
+
+def test_output_rowsum_excess_finds_a_changed_output_element():
+    res, _ = _clean()
+    tn = res.tile[1]
+    over, ratio, bound = numerics.output_rowsum_excess(res, tn)
+    assert not bool(over.any()) and float(ratio.max()) <= 1.0
+    assert torch.equal(bound, numerics.output_rowsum_diff(res, tn)[1])
+    c = res.c.clone()
+    c[40, 130] = c[40, 130] * 4 + 1  # well past its rounding: row 40, column tile 1
+    over, ratio, _ = numerics.output_rowsum_excess(dataclasses.replace(res, c=c), tn)
+    assert over.nonzero().tolist() == [[40, 130 // tn]] and float(ratio[40, 130 // tn]) > 1.0
+
+
+def test_bf16_mismatches_compares_raw_bits():
+    res, _ = _clean(64, 64, 32)
+    assert numerics.bf16_mismatches(res.c, res.c.clone()).shape == (0, 2)
+    a, b = res.c.clone(), res.c.clone()
+    b.view(torch.int16)[3, 5] ^= 1  # the lowest mantissa bit
+    a[2, 2], b[2, 2] = 0.0, -0.0  # equal as numbers, not as bits
+    assert sorted(map(tuple, numerics.bf16_mismatches(a, b).tolist())) == [(2, 2), (3, 5)]
