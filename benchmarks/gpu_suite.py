@@ -147,7 +147,9 @@ def section_scan(out: Path) -> dict:
         print(p.stderr[-5000:])
         doc = json.loads(target.read_text()) if target.exists() else {}
         devs = doc.get("devices", [])
-        runs.append({"exit": p.returncode, "wall_s": round(wall, 1), "verdicts": [d["verdict"] for d in devs],
+        # wall_s includes interpreter start, imports and kernel compiles; report_s is the scan itself
+        runs.append({"exit": p.returncode, "wall_s": round(wall, 1), "report_s": doc.get("duration_seconds"),
+                     "verdicts": [d["verdict"] for d in devs],
                      "margins": [(d.get("noise") or {}).get("margin") for d in devs],
                      "gemms": [(d.get("stats") or {}).get("gemms") for d in devs],
                      "evidence": [e["summary"] for d in devs for e in d["evidence"]][:5]})
@@ -183,7 +185,8 @@ def _table(results: dict) -> str:
         elif name == "pytest":
             summ = s.get("summary", "")
         elif name == "scan":
-            summ = "; ".join(f"exit {x['exit']} {x['verdicts']} {x['wall_s']}s margin {x['margins']}" for x in s.get("runs", []))
+            summ = "; ".join(f"exit {x['exit']} {x['verdicts']} scan {x.get('report_s')}s (process {x['wall_s']}s) margin {x['margins']}"
+                             for x in s.get("runs", []))
         elif name == "selfcheck":
             summ = f"all_ok={s.get('all_ok')}"
         elif name == "sass":
