@@ -10,6 +10,11 @@ beside the current one, plain and checked, interleaved in the same samples: an A
 Each figure is the median of event-timed launches after warm-up, rotating over several
 input sets so no run reads operands another left in L2. Inputs are seeded random bf16
 (never zeros: zeros run faster than real data).
+
+``--sustained`` runs each variant for seconds at a time instead (``--compare … --clocks`` for
+chosen variants and shapes, with NVML clock and power). On a power-capped card this is the
+figure a long scan sees: the checksums' energy lowers the SM clock, and interleaved bursts
+share that clock drop between the variants instead of charging it to the checked kernel.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import contextlib
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -184,6 +190,77 @@ def compare(variants: dict[str, tuple[str, dict]], sizes, reps: int = 12, layout
     return rows
 
 
+def clocks_under_load(variants: dict[str, tuple[str, dict]], size, seconds: float = 2.0, rounds: int = 3,
+                      with_cublas: bool = True, layout: Layout = Layout.FWD) -> list[dict]:
+    """Sustained runs of each variant (``seconds`` of back-to-back launches — the launch queue
+    fills, so the host is paced by the GPU — variants alternating for ``rounds``), sampling the SM clock and board power through NVML while they run: tells a
+    power-capped card (clock drops under the extra work) from one limited by issue or latency."""
+    import pynvml
+
+    from aegis_cli.backends import cuda
+
+    pynvml.nvmlInit()
+    h = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+    dev = cuda.CudaDevice(0, kernel="wgmma")
+    m, n, k = size
+    sets = _input_sets(dev, layout, m, n, k, 500)
+    fns = {"cublas": lambda i: _torch_matmul(*sets[i % N_SETS], layout)} if with_cublas else {}
+    for name, (variant, defines) in variants.items():
+        cuda.WGMMA_DEFINES.clear()
+        cuda.WGMMA_DEFINES.update(defines)
+        launches = [dev.prepare(a, b, layout, variant=variant) for a, b in sets]
+        fns[name] = lambda i, launches=launches: launches[i % N_SETS].run()
+    cuda.WGMMA_DEFINES.clear()
+    samples: dict[str, dict[str, list[float]]] = {v: {"mhz": [], "w": [], "tflops": []} for v in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            for i in range(4):
+                fn(i)
+            torch.cuda.synchronize()
+            done, t0 = 0, time.perf_counter()
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            while time.perf_counter() - t0 < seconds:
+                for j in range(8):
+                    fn(done + j)
+                done += 8
+                if done > 16:  # sample only after the queue holds work, mid-run
+                    samples[name]["mhz"].append(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM))
+                    samples[name]["w"].append(pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0)
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            end.synchronize()
+            samples[name]["tflops"].append(2.0 * m * n * k * done / (start.elapsed_time(end) * 1e9))
+    rows = []
+    for name, s in samples.items():
+        row = {"variant": name, "layout": layout.value, "m": m, "n": n, "k": k, "sm_mhz": statistics.median(s["mhz"]), "power_w": statistics.median(s["w"]),
+               "tflops": statistics.median(s["tflops"]), "tflops_rounds": [round(x, 1) for x in s["tflops"]]}
+        row["tflop_per_ghz"] = row["tflops"] / (row["sm_mhz"] / 1000.0)
+        rows.append(row)
+        print(f"{name:<10} {layout.value:<6} {m}x{n}x{k}: {row['tflops']:6.1f} TF at {row['sm_mhz']:.0f} MHz, {row['power_w']:.0f} W "
+              f"({row['tflop_per_ghz']:.1f} TF per GHz); rounds {row['tflops_rounds']}", flush=True)
+    return rows
+
+
+def sustained(rounds: int = 2) -> list[dict]:
+    """Every shape of ``shapes()`` under sustained load (clocks_under_load): cuBLAS, plain and
+    checked, 2 s each per round. At the power cap the checksums' energy lowers the clock, which
+    interleaved short bursts (``run``) share between the variants and so do not charge to them."""
+    out = []
+    for name, layout, m, n, k in shapes():
+        rows = {r["variant"]: r for r in clocks_under_load({"plain": ("nosums", {}), "checked": ("", {})}, (m, n, k),
+                                                             rounds=rounds, layout=layout)}
+        row = {"name": name, "layout": layout.value, "m": m, "n": n, "k": k,
+               **{f"{v}_{key}": rows[v][key] for v in rows for key in ("tflops", "sm_mhz", "power_w")}}
+        row["checked_vs_cublas"] = row["checked_tflops"] / row["cublas_tflops"]
+        row["checksum_overhead"] = row["plain_tflops"] / row["checked_tflops"] - 1.0
+        print(f"SUSTAINED {name:<24} {layout.value:<6} {m:>5}x{n:>5}x{k:>5}  cuBLAS {row['cublas_tflops']:6.1f}  plain "
+              f"{row['plain_tflops']:6.1f}  checked {row['checked_tflops']:6.1f}  ratio {row['checked_vs_cublas']:.3f}  "
+              f"checksum cost {100 * row['checksum_overhead']:+.1f}%", flush=True)
+        out.append(row)
+    return out
+
+
 def epilogue_split(reps: int = 12) -> list[dict]:
     """Where the checksum epilogue's time goes (wgmma kernel): no sums, row sums only, column
     sums only, both — interleaved, on a long-K and a short-K shape."""
@@ -247,10 +324,26 @@ def main(argv: list[str] | None = None) -> int:
                     help="time these wgmma variants against each other instead (e.g. plain=nosums checked=)")
     ap.add_argument("--size", nargs=3, type=int, action="append", metavar=("M", "N", "K"), help="shapes for --compare")
     ap.add_argument("--layout", choices=[lay.value for lay in Layout], default="fwd", help="layout for --compare")
+    ap.add_argument("--rounds", type=int, default=3, help="with --clocks: alternating rounds of 2 s per variant")
+    ap.add_argument("--sustained", action="store_true",
+                    help="every shape under sustained load (2 s per variant, 2 rounds) instead of interleaved bursts")
+    ap.add_argument("--clocks", action="store_true",
+                    help="with --compare: sustained runs sampling SM clock and power instead of timed bursts (fwd)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
         return 3
+    if args.sustained or (args.compare and args.clocks):
+        if args.sustained:
+            rows = sustained()
+        else:
+            variants = dict(map(_parse_variant, args.compare))
+            rows = [r for size in (args.size or [(8192, 8192, 8192)])
+                    for r in clocks_under_load(variants, size, rounds=args.rounds, layout=Layout(args.layout))]
+        if args.json:
+            with open(args.json, "w", encoding="utf-8") as fh:
+                json.dump({"device": torch.cuda.get_device_name(0), "rows": rows}, fh, indent=1)
+        return 0
     if args.compare:
         rows = compare(dict(map(_parse_variant, args.compare)), args.size or [(8192, 8192, 8192)], args.reps, Layout(args.layout))
         if args.json:
