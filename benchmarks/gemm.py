@@ -242,12 +242,14 @@ def clocks_under_load(variants: dict[str, tuple[str, dict]], size, seconds: floa
     return rows
 
 
-def sustained(rounds: int = 2) -> list[dict]:
-    """Every shape of ``shapes()`` under sustained load (clocks_under_load): cuBLAS, plain and
-    checked, 2 s each per round. At the power cap the checksums' energy lowers the clock, which
+def sustained(rounds: int = 2, only: tuple[tuple[str, str], ...] | None = None) -> list[dict]:
+    """Every shape of ``shapes()`` (or the (name, layout) pairs in ``only``) under sustained load
+    (clocks_under_load): cuBLAS, plain and checked, 2 s each per round. At the power cap the checksums' energy lowers the clock, which
     interleaved short bursts (``run``) share between the variants and so do not charge to them."""
     out = []
     for name, layout, m, n, k in shapes():
+        if only is not None and (name, layout.value) not in only:
+            continue
         rows = {r["variant"]: r for r in clocks_under_load({"plain": ("nosums", {}), "checked": ("", {})}, (m, n, k),
                                                              rounds=rounds, layout=layout)}
         row = {"name": name, "layout": layout.value, "m": m, "n": n, "k": k,

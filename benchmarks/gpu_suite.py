@@ -135,6 +135,16 @@ def section_gemm(out: Path) -> dict:
     return {"rows": rows, "epilogue_split": split}
 
 
+def section_sustained(out: Path) -> dict:
+    """Three shapes under sustained load (gemm.sustained): the checksum cost a long scan pays at
+    the power cap, which the interleaved bursts of section gemm do not charge in full."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gemm
+
+    only = (("square-8192", "fwd"), ("square-8192", "dgrad"), ("llama3-70b/mlp_down", "fwd"))
+    return {"rows": gemm.sustained(rounds=2, only=only)}
+
+
 def section_scan(out: Path) -> dict:
     """The default scan (llama3-70b catalog, every default probe) three times in a row: each must be HEALTHY."""
     runs = []
@@ -164,6 +174,7 @@ SECTIONS = [
     Section("gemm", section_gemm, 150),
     Section("pytest", section_pytest, 210),
     Section("scan", section_scan, 240),
+    Section("sustained", section_sustained, 150),
 ]
 
 
@@ -182,6 +193,9 @@ def _table(results: dict) -> str:
         if name == "gemm" and "rows" in s:
             summ = "; ".join(f"{x['name'].split('/')[-1]}/{x['layout']}: {x['checked_tflops']:.0f} TF "
                              f"({x['checked_vs_cublas']:.2f}x cuBLAS, sums {100 * x['checksum_overhead']:+.1f}%)" for x in s["rows"])
+        elif name == "sustained":
+            summ = "; ".join(f"{x['name'].split('/')[-1]}/{x['layout']}: {x['checked_vs_cublas']:.2f}x cuBLAS, "
+                             f"sums {100 * x['checksum_overhead']:+.1f}%" for x in s["rows"])
         elif name == "pytest":
             summ = s.get("summary", "")
         elif name == "scan":
