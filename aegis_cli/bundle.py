@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from aegis_cli.backends.base import Layout
+from aegis_cli import numerics
+from aegis_cli.backends.base import GemmOperands, Layout
 from aegis_cli.errors import AegisError, BundleError
 from aegis_cli.vtask import (
     DTYPES,
@@ -241,10 +242,17 @@ def _check_vtask(ck: _Check, i: int, v) -> tuple[dict, dict]:
     return v, names
 
 
-def _check_finite_inputs(ck: _Check, vid: str, tensors: dict[str, torch.Tensor]) -> None:
+def _check_inputs(ck: _Check, vid: str, tensors: dict[str, torch.Tensor], layout: Layout) -> None:
+    """Finite operands whose products cannot overflow fp32 in any partial sum of C or of its
+    checksums: beyond that an inf in C or in a sum is arithmetic, not a fault, and a replay
+    would call every device FAULTY."""
     for role in ("a", "b"):
         if not bool(torch.isfinite(tensors[role]).all()):
             raise ck.fail(f"vTask {vid!r}: input {role} contains NaN or Inf")
+    bound = numerics.overflow_bound(GemmOperands(tensors["a"], tensors["b"], layout))
+    if bound >= numerics.BF16_MAX / 4:
+        raise ck.fail(f"vTask {vid!r}: its inputs can overflow fp32 (Σ|A|·|B| over a checksum tile up to {bound:.3g}, "
+                      f"limit {numerics.BF16_MAX / 4:.3g}), so no check could tell a fault from overflow")
 
 
 def _vtask_from_entry(v: dict, spec: GemmSpec, tensors: dict[str, torch.Tensor]) -> VTask:
@@ -387,7 +395,7 @@ def _parse(data: bytes, label: str, limits: Limits) -> Bundle:
     vtasks = []
     for v, names, spec in entries:
         ts = {role: tensors[name] for role, name in names.items()}
-        _check_finite_inputs(ck, v["id"], ts)
+        _check_inputs(ck, v["id"], ts, spec.layout)
         vtasks.append(_vtask_from_entry(v, spec, ts))
     return Bundle(label, int(meta["format_version"]), created, producer, vtasks)
 
@@ -453,7 +461,7 @@ class BundleWriter:
             dt, shape = vt.gemm.expected(role)
             if TORCH_DTYPE_NAME.get(t.dtype) != dt or tuple(t.shape) != shape:
                 raise ck.fail(f"vTask {vt.id!r}: tensor {role} is {t.dtype} {list(t.shape)}, expected {dt} {list(shape)}")
-        _check_finite_inputs(ck, vt.id, vt.tensors)
+        _check_inputs(ck, vt.id, vt.tensors, vt.gemm.layout)
         self._ids.add(vt.id)
         self._vtasks.append(vt)
 

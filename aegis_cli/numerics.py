@@ -19,6 +19,7 @@ BF16_MIN_NORMAL = 2.0**-126
 BF16_MAX = 3.3895313892515355e38
 U_BF16 = 2.0**-8  # unit roundoff of bf16 (8-bit significand, round to nearest)
 U_FP32 = 2.0**-24
+CHECKSUM_SPAN = 128  # the most outputs one fused checksum sums (the largest tile side of any backend)
 
 
 def fill_distribution(out: torch.Tensor, dist: str, gen: torch.Generator) -> torch.Tensor:
@@ -174,7 +175,8 @@ class Magnitudes:
 
     def exact_safe(self, ea: int, eb: int) -> bool:
         """True when scaling A by 2^ea and B by 2^eb keeps every input, product, partial sum
-        and output normal in fp32 and bf16, so C(2^ea·A, 2^eb·B) = 2^(ea+eb)·C(A, B) bit for bit.
+        and output normal in fp32 and bf16, so C(2^ea·A, 2^eb·B) = 2^(ea+eb)·C(A, B) bit for bit,
+        the fused checksums included (each sums up to CHECKSUM_SPAN outputs).
 
         Partial sums can cancel to any small value, but cancellation to a value whose exponent
         is below the products' lowest nonzero bit only happens at exact zero, which scales
@@ -185,7 +187,7 @@ class Magnitudes:
         # smallest product must stay a normal fp32 (FTZ on the GPU) and survive in the sum's ulp
         if amin < BF16_MIN_NORMAL or bmin < BF16_MIN_NORMAL or amin * bmin < 2.0**-100:
             return False
-        return amax * bmax * self.k < BF16_MAX / 4
+        return amax * bmax * self.k * CHECKSUM_SPAN < BF16_MAX / 4
 
 
 def magnitudes(ops: GemmOperands) -> Magnitudes | None:
@@ -195,6 +197,18 @@ def magnitudes(ops: GemmOperands) -> Magnitudes | None:
     if a_nz.numel() == 0 or b_nz.numel() == 0:
         return None
     return Magnitudes(a_nz.min().item(), a_nz.max().item(), b_nz.min().item(), b_nz.max().item(), a.shape[1])
+
+
+def overflow_bound(ops: GemmOperands) -> float:
+    """An upper bound, in fp64, on every fp32 partial sum a checked GEMM of ``ops`` forms: the
+    largest Σ_k |A_ik|·|B_kj| over outputs (bounded row-wise and column-wise, whichever is
+    tighter: O(K·(M+N)), no GEMM), times the CHECKSUM_SPAN outputs a checksum adds up."""
+    a, b = ops.a_mk.double().abs(), ops.b_kn.double().abs()
+    if a.numel() == 0 or b.numel() == 0:
+        return 0.0
+    by_row = float((a @ b.amax(1)).max())  # Σ_k |A_ik|·max_j |B_kj|
+    by_col = float((a.amax(0) @ b).max())  # Σ_k max_i |A_ik|·|B_kj|
+    return min(by_row, by_col) * CHECKSUM_SPAN
 
 
 def pow2_exact_safe(ops: GemmOperands | Magnitudes | None, ea: int, eb: int) -> bool:

@@ -10,6 +10,7 @@ import struct
 from pathlib import Path
 
 import pytest
+import torch
 
 from aegis_cli import cli
 from aegis_cli.backends.base import Layout
@@ -135,6 +136,7 @@ CASES = {
     "declared size larger than the file": (_header_length(1 << 40), "header declares 1099511627776 bytes but the file has only"),
     "NaN in inputs": (_poison_input(0x7FC0), "input a contains NaN or Inf"),
     "Inf in inputs": (_poison_input(0x7F80), "input a contains NaN or Inf"),
+    "inputs that overflow fp32": (_poison_input(0x7F00), "vTask 'v0': its inputs can overflow fp32"),  # a = 2^127
     "duplicate vTask ids": (_edit_manifest(_dup_ids), "duplicate vTask id 'v0'"),
     "unknown kind": (_edit_manifest(lambda m: m["vtasks"][0].update(kind="attention")), "kind 'attention' is not supported"),
     "unknown field": (_edit_manifest(lambda m: m["vtasks"][0].update(evil="x")), "unknown field(s) evil"),
@@ -220,3 +222,17 @@ def test_empty_bundle_has_nothing_to_replay(tmp_path, capsys):
     assert read_bundle(path).vtasks == []
     code, _, err = run_cli(["replay", str(path), "--device", "cpu"], capsys)
     assert code == 3 and "holds no vTasks, nothing to replay" in err and len(err.strip().splitlines()) == 1
+
+
+def test_writer_refuses_inputs_that_overflow(tmp_path):
+    """Finite inputs whose products overflow fp32 would make every device's replay FAULTY."""
+    vt = make_vtask("big", Layout.FWD, 8, 8, 64)
+    vt.tensors["a"] = (vt.tensors["a"].float() * 2.0**100).to(torch.bfloat16)
+    vt.tensors["b"] = (vt.tensors["b"].float() * 2.0**30).to(torch.bfloat16)
+    with pytest.raises(BundleError, match="can overflow fp32"), BundleWriter(tmp_path / "b.aegis") as w:
+        w.add(vt)
+    assert not (tmp_path / "b.aegis").exists()
+    # the same operands at a sane magnitude are fine
+    with BundleWriter(tmp_path / "ok.aegis") as w:
+        w.add(make_vtask("ok", Layout.FWD, 8, 8, 64))
+    assert len(read_bundle(tmp_path / "ok.aegis").vtasks) == 1

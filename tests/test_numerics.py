@@ -52,3 +52,23 @@ def test_bf16_mismatches_compares_raw_bits():
     b.view(torch.int16)[3, 5] ^= 1  # the lowest mantissa bit
     a[2, 2], b[2, 2] = 0.0, -0.0  # equal as numbers, not as bits
     assert sorted(map(tuple, numerics.bf16_mismatches(a, b).tolist())) == [(2, 2), (3, 5)]
+
+
+def test_overflow_bound_covers_every_output_and_its_checksums():
+    dev = CpuDevice()
+    ops = GemmOperands(dev.generate((40, 24), "heavy", 3), dev.generate((24, 56), "heavy", 4), Layout.DGRAD)
+    a, b = ops.a_mk.double().abs(), ops.b_kn.double().abs()
+    exact = float((a @ b).max())  # the true largest Σ_k |A_ik|·|B_kj|
+    bound = numerics.overflow_bound(ops) / numerics.CHECKSUM_SPAN
+    assert exact <= bound <= min(float((a @ b.amax(1)).max()), float((a.amax(0) @ b).max())) * (1 + 1e-12)
+    from aegis_cli.backends.cuda import CHECK_TILE  # a constant: importing it touches no GPU
+
+    assert max(*CpuDevice().tile, *CHECK_TILE) <= numerics.CHECKSUM_SPAN
+
+
+def test_pow2_exact_safe_leaves_room_for_the_checksum_sums():
+    mag = numerics.Magnitudes(amin=1.0, amax=2.0, bmin=1.0, bmax=2.0, k=1024)
+    # 4·1024·2^e must stay below BF16_MAX/4 even when CHECKSUM_SPAN outputs are added up
+    limit = numerics.BF16_MAX / 4 / (4 * 1024 * numerics.CHECKSUM_SPAN)
+    e = int(torch.tensor(limit).log2().floor())
+    assert mag.exact_safe(e, 0) and not mag.exact_safe(e + 1, 0)
