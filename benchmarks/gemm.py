@@ -192,9 +192,10 @@ def compare(variants: dict[str, tuple[str, dict]], sizes, reps: int = 12, layout
 
 def clocks_under_load(variants: dict[str, tuple[str, dict]], size, seconds: float = 2.0, rounds: int = 3,
                       with_cublas: bool = True, layout: Layout = Layout.FWD) -> list[dict]:
-    """Sustained runs of each variant (``seconds`` of back-to-back launches — the launch queue
-    fills, so the host is paced by the GPU — variants alternating for ``rounds``), sampling the SM clock and board power through NVML while they run: tells a
-    power-capped card (clock drops under the extra work) from one limited by issue or latency."""
+    """Sustained runs of each variant: ``seconds`` of back-to-back launches (the launch queue
+    fills, so the GPU paces the host), variants alternating for ``rounds``, with the SM clock
+    and board power sampled through NVML meanwhile. Tells a power-capped card (the clock drops
+    under extra work) from one limited by issue or latency (the clock holds)."""
     import pynvml
 
     from aegis_cli.backends import cuda
@@ -233,8 +234,9 @@ def clocks_under_load(variants: dict[str, tuple[str, dict]], size, seconds: floa
             samples[name]["tflops"].append(2.0 * m * n * k * done / (start.elapsed_time(end) * 1e9))
     rows = []
     for name, s in samples.items():
-        row = {"variant": name, "layout": layout.value, "m": m, "n": n, "k": k, "sm_mhz": statistics.median(s["mhz"]), "power_w": statistics.median(s["w"]),
-               "tflops": statistics.median(s["tflops"]), "tflops_rounds": [round(x, 1) for x in s["tflops"]]}
+        row = {"variant": name, "layout": layout.value, "m": m, "n": n, "k": k, "sm_mhz": statistics.median(s["mhz"]),
+               "power_w": statistics.median(s["w"]), "tflops": statistics.median(s["tflops"]),
+               "tflops_rounds": [round(x, 1) for x in s["tflops"]]}
         row["tflop_per_ghz"] = row["tflops"] / (row["sm_mhz"] / 1000.0)
         rows.append(row)
         print(f"{name:<10} {layout.value:<6} {m}x{n}x{k}: {row['tflops']:6.1f} TF at {row['sm_mhz']:.0f} MHz, {row['power_w']:.0f} W "
@@ -244,8 +246,9 @@ def clocks_under_load(variants: dict[str, tuple[str, dict]], size, seconds: floa
 
 def sustained(rounds: int = 2, only: tuple[tuple[str, str], ...] | None = None) -> list[dict]:
     """Every shape of ``shapes()`` (or the (name, layout) pairs in ``only``) under sustained load
-    (clocks_under_load): cuBLAS, plain and checked, 2 s each per round. At the power cap the checksums' energy lowers the clock, which
-    interleaved short bursts (``run``) share between the variants and so do not charge to them."""
+    (clocks_under_load): cuBLAS, plain and checked, 2 s each per round. At the power cap the
+    checksum work lowers the clock; interleaved short bursts (``run``) share that clock between
+    the variants and so do not charge it to the checked kernel."""
     out = []
     for name, layout, m, n, k in shapes():
         if only is not None and (name, layout.value) not in only:
@@ -330,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sustained", action="store_true",
                     help="every shape under sustained load (2 s per variant, 2 rounds) instead of interleaved bursts")
     ap.add_argument("--clocks", action="store_true",
-                    help="with --compare: sustained runs sampling SM clock and power instead of timed bursts (fwd)")
+                    help="with --compare: sustained runs sampling SM clock and power instead of timed bursts")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
