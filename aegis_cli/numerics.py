@@ -19,6 +19,7 @@ BF16_MIN_NORMAL = 2.0**-126
 BF16_MAX = 3.3895313892515355e38
 U_BF16 = 2.0**-8  # unit roundoff of bf16 (8-bit significand, round to nearest)
 U_FP32 = 2.0**-24
+FP32_MIN_NORMAL = 2.0**-126  # the most one fp32 operation loses at the bottom of the range (FTZ flush)
 CHECKSUM_SPAN = 128  # the most outputs one fused checksum sums (the largest tile side of any backend)
 
 
@@ -84,13 +85,23 @@ def reference_checksums(ops: GemmOperands, tile: tuple[int, int]) -> ReferenceCh
     a_abs, b_abs = a.abs(), b.abs()
     row_scale = a_abs @ sum_col_tiles(b_abs, tn)
     col_scale = sum_row_tiles(a_abs, tm) @ b_abs
-    return ReferenceChecksums(row=row, col=col, row_scale=row_scale, col_scale=col_scale)
+    return ReferenceChecksums(row=row, col=col, row_scale=row_scale, col_scale=col_scale,
+                              floor=subnormal_slack(ops.mnk[2], max(tm, tn)))
 
 
-def normalised_diff(observed: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """|observed − ref| / scale in fp64; a zero scale (all-zero operands) divides by the
-    smallest normal so any nonzero difference is flagged. NaN/Inf observed → inf."""
-    d = (observed.to(torch.float64) - ref).abs()
+def subnormal_slack(k: int, outputs: int = 1) -> float:
+    """Absolute error the bottom of the fp32 range can add to a sum of ``outputs`` K-term dot
+    products: each product, each partial sum and each output may be flushed to zero (FTZ, as
+    our CUDA kernels compile) or rounded as a subnormal, losing < 2^-126 each. Far below any
+    value that matters; without it, inputs whose products are subnormal read as faults."""
+    return (2 * k + 2) * outputs * FP32_MIN_NORMAL
+
+
+def normalised_diff(observed: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor, floor: float = 0.0) -> torch.Tensor:
+    """max(|observed − ref| − floor, 0) / scale in fp64 (``floor``: ReferenceChecksums.floor);
+    a zero scale (all-zero operands) divides by the smallest normal so any difference above
+    the floor is flagged. NaN/Inf observed → inf."""
+    d = ((observed.to(torch.float64) - ref).abs() - floor).clamp(min=0.0)
     d = d / scale.clamp(min=2.0**-1022)
     return torch.nan_to_num(d, nan=math.inf, posinf=math.inf)
 
@@ -98,7 +109,8 @@ def normalised_diff(observed: torch.Tensor, ref: torch.Tensor, scale: torch.Tens
 def checksum_diffs(res: GemmResult, ref: ReferenceChecksums) -> tuple[torch.Tensor, torch.Tensor]:
     """Normalised differences of the fused row sums (M, nt_n) and column sums (nt_m, N) from
     their fp64 references."""
-    return (normalised_diff(res.row_sums, ref.row, ref.row_scale), normalised_diff(res.col_sums, ref.col, ref.col_scale))
+    return (normalised_diff(res.row_sums, ref.row, ref.row_scale, ref.floor),
+            normalised_diff(res.col_sums, ref.col, ref.col_scale, ref.floor))
 
 
 def output_rowsum_diff(res: GemmResult, tn: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,8 +121,9 @@ def output_rowsum_diff(res: GemmResult, tn: int) -> tuple[torch.Tensor, torch.Te
     c = res.c.to(torch.float64)
     out_sum = sum_col_tiles(c, tn)
     abs_sum = sum_col_tiles(c.abs(), tn)
-    # output rounding, plus the fp32 tile sum's own rounding of order tn·u32·Σ|acc|
-    bound = abs_sum * U_BF16 * (1 + U_BF16) + abs_sum * (tn * U_FP32 * 2)
+    # output rounding, plus the fp32 tile sum's own rounding of order tn·u32·Σ|acc|, plus what
+    # flushing or rounding subnormals (each output and each partial sum) can lose
+    bound = abs_sum * U_BF16 * (1 + U_BF16) + abs_sum * (tn * U_FP32 * 2) + 2 * tn * FP32_MIN_NORMAL
     d = (out_sum - res.row_sums.to(torch.float64)).abs()
     return torch.nan_to_num(d, nan=math.inf, posinf=math.inf), bound
 

@@ -72,3 +72,23 @@ def test_pow2_exact_safe_leaves_room_for_the_checksum_sums():
     limit = numerics.BF16_MAX / 4 / (4 * 1024 * numerics.CHECKSUM_SPAN)
     e = int(torch.tensor(limit).log2().floor())
     assert mag.exact_safe(e, 0) and not mag.exact_safe(e + 1, 0)
+
+
+def test_flushed_subnormal_results_are_not_flagged():
+    """What an FTZ device returns for products below fp32's normal range: zeros. The reference
+    still holds the tiny exact values; the difference is under ReferenceChecksums.floor."""
+    dev = CpuDevice()
+    ops = GemmOperands(numerics.pow2_scale(dev.generate((64, 96), "normal", 5), -66),
+                       numerics.pow2_scale(dev.generate((96, 128), "normal", 6), -66), Layout.DGRAD)
+    res, ref = dev.checked_gemm(ops), dev.reference_checksums(ops, dev.tile)
+    assert float(ref.row.abs().max()) > 0  # the exact sums are tiny, not zero
+    flushed = dataclasses.replace(res, c=torch.zeros_like(res.c), row_sums=torch.zeros_like(res.row_sums),
+                                  col_sums=torch.zeros_like(res.col_sums))
+    tau = numerics.Thresholds().tau
+    for r in (res, flushed):
+        assert all(float(d.max()) <= tau for d in numerics.checksum_diffs(r, ref))
+        assert not bool(numerics.output_rowsum_excess(r, dev.tile[1])[0].any())
+    # the floor is far below anything that matters for data in the normal range
+    normal = dev.reference_checksums(GemmOperands(dev.generate((64, 96), "normal", 5), dev.generate((96, 128), "normal", 6),
+                                                  Layout.DGRAD), dev.tile)
+    assert normal.floor < 1e-30 * float(normal.row_scale.min())

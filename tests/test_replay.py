@@ -235,3 +235,17 @@ def test_table_and_machine_formats(captured, capsys):
     assert "not reproduced here" in out and "What it means" in out
     assert run_cli(["replay", str(captured), "--device", "cpu", "--repeat", "1", "-q", "--format", "prom"]) == 0
     assert 'aegis_device_verdict{device="cpu:0"' in capsys.readouterr().out
+
+
+def test_inputs_whose_products_are_subnormal_are_not_faults(tmp_path):
+    """Products below fp32's normal range are flushed (FTZ, our CUDA kernels) or rounded with an
+    absolute, not relative, error: replaying such a vTask on a healthy device must not say FAULTY."""
+    vt = make_vtask("tiny", Layout.FWD, 8, 8, 64, observed=False)
+    for role in ("a", "b"):
+        vt.tensors[role] = (vt.tensors[role].float() * 2.0**-66).to(torch.bfloat16)  # products ~2^-132
+    path = tmp_path / "b.aegis"
+    with BundleWriter(path) as w:
+        w.add(vt)
+    rep = run_replay(ReplayOptions(bundles=[str(path)], devices="cpu", repeat=2))
+    o = rep.devices[0].probe_stats["replay"]["outcomes"][0]
+    assert rep.exit_code == 0 and o["outcome"] == "not_reproduced" and o["checks_fired"] == []

@@ -121,12 +121,15 @@ class ReferenceChecksums:
     row[i, t] = Σ_k A[i, k] · (Σ_{j in tile t} B[k, j]);  row_scale the same with |A|, |B|
     col[t, j] = Σ_k (Σ_{i in tile t} A[i, k]) · B[k, j];  col_scale likewise
     The scales are the magnitudes the sums are made of (DESIGN §2.1 normalisation).
+    floor is the absolute difference the bottom of the fp32 range alone can make (subnormals
+    flushed to zero on FTZ devices, or rounded); it does not scale with the inputs.
     """
 
     row: torch.Tensor  # fp64 (M, ceil(N/tn))
     col: torch.Tensor  # fp64 (ceil(M/tm), N)
     row_scale: torch.Tensor  # fp64, same shape as row
     col_scale: torch.Tensor  # fp64, same shape as col
+    floor: float = 0.0
 
 
 class Device(abc.ABC):
