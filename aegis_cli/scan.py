@@ -17,7 +17,7 @@ from aegis_cli.backends.base import Device
 from aegis_cli.errors import AegisError, ConfigError
 from aegis_cli.inject import FaultPlan
 from aegis_cli.probes import DEFAULT_PROBES, NODE_PROBES, PROBES, ProbeContext, load_all, parse_probe_options, register
-from aegis_cli.probes.gemm import GemmCase, GemmProbe
+from aegis_cli.probes.gemm import GemmCase, GemmProbe, case_bytes
 from aegis_cli.report import DeviceReport, Report, new_report
 from aegis_cli.verdict import Evidence, Verdict, worst
 
@@ -129,6 +129,24 @@ def run_node_probes(devices: list[Device], reports: list[DeviceReport], opts: Sc
                 r.probe_stats[name] = ctx.stats[name]
 
 
+def check_memory(opts: ScanOptions, devices: list[Device]) -> None:
+    """Refuse, before any work, a GEMM case that could never fit in a device's memory: the OOM
+    killer would end the scan with no report and no exit code of ours."""
+    if "gemm" not in opts.probes:
+        return
+    for d in devices:
+        have = d.memory_bytes()
+        if not have:
+            continue
+        wl = workload_for(opts, d)
+        big = max({c.shape for c in plan_cases(wl, opts.seed, opts.case)}, key=lambda s: case_bytes(s.m, s.n, s.k))
+        need = case_bytes(big.m, big.n, big.k)
+        if need > have:
+            raise ConfigError(f"workload {wl.name!r}: its largest GEMM ({big.op} {big.layout.value} {big.m}x{big.n}x{big.k}) "
+                              f"needs about {need / 2**30:.1f} GiB on {d.identity.id}, which has {have / 2**30:.1f} GiB; "
+                              "lower scan.max_tokens or the model's sizes")
+
+
 def count_cases(opts: ScanOptions, devices: list[Device]) -> int:
     total = 0
     for d in devices:
@@ -157,6 +175,7 @@ def run_scan(opts: ScanOptions, progress: Progress | None = None) -> Report:
         probes = (head,) if head in PROBES or head in NODE_PROBES else ("gemm",)
     opts = dataclasses.replace(opts, probes=probes)  # the caller's options stay as given
     devices = resolve_devices(opts.devices)
+    check_memory(opts, devices)
     if opts.golden:
         from aegis_cli import golden
 

@@ -68,6 +68,7 @@ def test_device_error_is_error_verdict_exit_3(capsys, monkeypatch):
         (["scan", "--workload", "no-such-model"], "unknown workload 'no-such-model'"),
         (["scan", "--workload", str(DATA / "bad_unknown_key.yaml")], "unknown key 'hiden'"),
         (["scan", "--workload", str(DATA / "bad_syntax.yaml")], "malformed YAML"),
+        (["scan", "--workload", str(DATA / "too_big.yaml")], "GiB on cpu:0, which has"),
         (["scan", "--device", "gpu7"], "unknown device 'gpu7'"),
         (["scan", "--device", "cpu:\u00b2"], "unknown device 'cpu:\u00b2'"),  # isdigit() but not int(): was a traceback, exit 1
         (["scan", "--device", "cpu:9"], "no device cpu:9"),
@@ -165,3 +166,20 @@ def test_import_touches_no_cuda():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+def test_memory_preflight_names_the_largest_gemm(monkeypatch, capsys):
+    """The estimate is compared with what the device reports: a device 'smaller' than one
+    TINY case refuses it (and names it), one large enough runs it."""
+    from aegis_cli.probes.gemm import case_bytes
+    from aegis_cli.workloads import load
+
+    big = max(load(TINY).gemms(), key=lambda s: case_bytes(s.m, s.n, s.k))
+    need = case_bytes(big.m, big.n, big.k)
+    monkeypatch.setattr(CpuDevice, "memory_bytes", lambda self: need - 1)
+    code, out, err = run_cli(capsys, "scan", "-q", "--workload", TINY, "--probes", "gemm")
+    assert code == ExitCode.UNKNOWN and out == ""
+    assert f"({big.op} {big.layout.value} {big.m}x{big.n}x{big.k}) needs about" in err
+    monkeypatch.setattr(CpuDevice, "memory_bytes", lambda self: need)
+    code, _, _ = run_cli(capsys, "scan", "-q", "--workload", TINY, "--probes", "gemm")
+    assert code == ExitCode.HEALTHY

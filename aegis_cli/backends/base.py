@@ -177,6 +177,11 @@ class Device(abc.ABC):
         """Backend-specific facts for ``aegis info`` and reports (versions, caches)."""
         return {}
 
+    def memory_bytes(self) -> int | None:
+        """Total memory the device's tensors live in (None: unknown). Preflight only: a scan
+        refuses work that could never fit instead of dying to the OOM killer half-way."""
+        return None
+
 
 class Backend(abc.ABC):
     """A family of devices (all CPUs, all CUDA GPUs)."""

@@ -71,6 +71,12 @@ class CpuDevice(Device):
     def generate(self, shape: tuple[int, ...], dist: str, seed: int) -> torch.Tensor:
         return numerics.generate_bf16(shape, dist, seed, "cpu")
 
+    def memory_bytes(self) -> int | None:
+        try:
+            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):  # not a POSIX system that reports it
+            return None
+
     def checked_gemm(self, ops: GemmOperands, fault: FaultPlan | None = None, op: str = "",
                      clean_median: float | None = None) -> GemmResult:
         m, n, _ = ops.mnk

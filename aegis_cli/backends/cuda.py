@@ -402,6 +402,9 @@ class CudaDevice(Device):
     def generate(self, shape: tuple[int, ...], dist: str, seed: int) -> torch.Tensor:
         return numerics.generate_bf16(shape, dist, seed, self.torch_device)
 
+    def memory_bytes(self) -> int | None:
+        return int(torch.cuda.get_device_properties(self.index).total_memory)
+
     def reference_checksums(self, ops: GemmOperands, tile: tuple[int, int]) -> ReferenceChecksums:
         return numerics.reference_checksums(ops, tile)
 

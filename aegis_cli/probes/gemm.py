@@ -97,6 +97,15 @@ def _bits32(x: float) -> str:
     return f"0x{torch.tensor([x], dtype=torch.float32).view(torch.int32).item() & 0xFFFFFFFF:08x}"
 
 
+def case_bytes(m: int, n: int, k: int) -> int:
+    """Upper estimate of the memory one GEMM case holds at its peak, on either backend: bf16
+    A and B and their scaled copies (4 B per operand element); the fp64 reference's A, B, |A|
+    and |B| (32 B); bf16 C of the base, the current and the expected run (6 B per output),
+    the output check's fp64 C and |C| (16 B) and the CPU backend's fp32 and fp64
+    accumulators (12 B)."""
+    return 36 * (m * k + k * n) + 34 * m * n
+
+
 def scaled(ops: GemmOperands, ea: int, eb: int) -> GemmOperands:
     return GemmOperands(numerics.pow2_scale(ops.a, ea), numerics.pow2_scale(ops.b, eb), ops.layout)
 
