@@ -188,6 +188,21 @@ def test_crashing_worker_is_error_for_its_device_only(tmp_path):
     assert v["cpu:1"][0] == "ERROR" and "killed by signal 9" in v["cpu:1"][1]
 
 
+def test_workload_too_big_for_memory_is_error_with_the_reason(tmp_path):
+    """The scan's memory preflight runs in each worker: ERROR with the reason in the report and
+    in the device_done log line, no allocation attempted."""
+    from tests.helpers import DATA
+
+    cfg = write_config(tmp_path, workload=str(DATA / "too_big.yaml"))
+    p = subprocess.run(aegis("sweep", "--config", str(cfg), "--format", "json"), env=env(1), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 3, p.stderr
+    (dev,) = json.loads(p.stdout)["devices"]
+    assert dev["verdict"] == "ERROR" and "needs about" in dev["error"] and "GiB on cpu:0" in dev["error"]
+    assert "ts=" not in dev["error"]  # the worker's own log lines are left out of the reason
+    done = [ln for ln in p.stderr.splitlines() if "event=device_done" in ln]
+    assert len(done) == 1 and "verdict=ERROR" in done[0] and "needs about" in done[0]
+
+
 def test_plan_prioritises_failed_devices_and_cases_when_budget_short(tmp_path):
     cfg = load_config(write_config(tmp_path, budget_seconds=10, device_timeout_seconds=10))
     now = time.time()

@@ -210,11 +210,14 @@ def _error_doc(identity: dict, message: str, seconds: float, partial: dict | Non
 
 
 def _tail(path: str, n: int = 3) -> str:
+    """The last lines a worker wrote to stderr, its own structured log lines left out when
+    anything else is there (an error message, a traceback)."""
     try:
         lines = [ln for ln in Path(path).read_text(encoding="utf-8", errors="replace").splitlines() if ln.strip()]
     except OSError:
         return ""
-    return " | ".join(lines[-n:])
+    other = [ln for ln in lines if not ln.startswith("ts=")]
+    return " | ".join((other or lines)[-n:])
 
 
 def _kill(w: _Worker) -> None:
@@ -285,7 +288,9 @@ def run_workers(cfg: SweepConfig, plans: list[DevicePlan], identities: dict[str,
                         log("device_failed", level="error", device=w.plan.device_id, rc=rc)
                     else:
                         doc["device"] = {**w.identity, **doc["device"]}
-                    log("device_done", device=w.plan.device_id, verdict=doc["verdict"], seconds=round(took, 2))
+                    # an ERROR says why in the log line too: operators tail logs, not reports
+                    why = {"error": str(doc["error"])[:300]} if doc.get("error") else {}
+                    log("device_done", device=w.plan.device_id, verdict=doc["verdict"], seconds=round(took, 2), **why)
                 results[w.plan.device_id] = doc
     finally:
         for w in running:

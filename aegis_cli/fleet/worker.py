@@ -57,7 +57,7 @@ def fleet_fingerprints(device, wl, seed: int, fault: FaultPlan | None, limit: in
 def run(spec: dict) -> dict:
     from aegis_cli.backends import resolve_devices
     from aegis_cli.probes import load_all
-    from aegis_cli.scan import ScanOptions, scan_device, workload_for
+    from aegis_cli.scan import ScanOptions, check_memory, scan_device, workload_for
 
     device_id = spec["device"]
     hooks, faults = [], []
@@ -77,6 +77,7 @@ def run(spec: dict) -> dict:
     inject = ";".join(str(f) for f in faults) or None
     opts = ScanOptions(devices=device_id, workload=spec.get("workload"), seed=spec.get("seed", 0), reruns=spec.get("reruns", 3),
                        inject=inject, probes=tuple(spec.get("probes") or ("gemm",)), command_line=spec.get("command_line", []))
+    check_memory(opts, [device])  # a workload that cannot fit: one line, exit 3, before any work
     plan = FaultPlan(faults) if faults else None
     quiet = lambda *a, **k: None
     priority = {"cases": list(spec.get("priority_cases") or []), "verdicts": {}}
