@@ -7,6 +7,7 @@ loader so every key keeps its line), unknown keys rejected, values type-checked.
 from __future__ import annotations
 
 import dataclasses
+import stat
 import types
 import typing
 from pathlib import Path
@@ -17,6 +18,34 @@ import yaml
 from aegis_cli.errors import ConfigError
 
 _PLAIN_TAGS = {f"tag:yaml.org,2002:{t}" for t in ("str", "int", "float", "bool", "null", "map", "seq")}
+MAX_INPUT_BYTES = 64 << 20  # configs, catalogs and golden files are kilobytes
+
+
+def read_input_text(path: str | Path, max_bytes: int = MAX_INPUT_BYTES) -> str:
+    """The UTF-8 text of an input file named on the command line or in a config. Refuses what
+    would hang or exhaust memory instead of reading it: FIFOs and devices (/dev/zero never
+    ends), directories, files over ``max_bytes``. ConfigError names the file and the problem."""
+    p = Path(path)
+    try:
+        st = p.stat()
+        if stat.S_ISDIR(st.st_mode):
+            raise ConfigError(f"{p}: is a directory, not a file")
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"{p}: is not a regular file")
+        if st.st_size > max_bytes:
+            raise ConfigError(f"{p}: {st.st_size} bytes, over the limit of {max_bytes}")
+        with open(p, "rb") as fh:
+            data = fh.read(max_bytes + 1)
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: no such file") from None
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read ({exc})") from None
+    if len(data) > max_bytes:
+        raise ConfigError(f"{p}: grew past the limit of {max_bytes} bytes while being read")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{p}: cannot read ({exc})") from None
 
 
 class Located(dict):
@@ -48,14 +77,11 @@ def _construct(node: yaml.Node) -> Any:
 
 def load_yaml(path: Path) -> Any:
     """Parse a YAML file safely; ConfigError names the file and line on any problem."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read ({exc})") from None
+    text = read_input_text(path)
     try:
         node = yaml.compose(text, Loader=yaml.SafeLoader)
+    except RecursionError:
+        raise ConfigError(f"{path}: malformed YAML: nested too deeply") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
@@ -65,6 +91,8 @@ def load_yaml(path: Path) -> Any:
         raise ConfigError(f"{path}: empty file")
     try:
         return _construct(node)
+    except RecursionError:
+        raise ConfigError(f"{path}: malformed YAML: nested too deeply") from None
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
     except yaml.YAMLError as exc:

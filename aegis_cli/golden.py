@@ -33,7 +33,8 @@ import torch
 from aegis_cli import fingerprint
 from aegis_cli.backends.base import Device
 from aegis_cli.backends.loader import kernel_hashes
-from aegis_cli.errors import GoldenError
+from aegis_cli.config import read_input_text
+from aegis_cli.errors import ConfigError, GoldenError
 from aegis_cli.probes._common import COMPUTATIONS, assumed_deterministic, sizes_for
 from aegis_cli.report import atomic_write, tool_version
 
@@ -106,11 +107,15 @@ def save(doc: dict, path: str | Path) -> None:
 
 def load(path: str | Path) -> dict:
     """Read and validate a golden file; GoldenError says what is wrong with it."""
+    if not Path(path).exists():
+        raise GoldenError(f"golden file {path} not found (record one with `aegis golden record --output FILE`)")
     try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise GoldenError(f"golden file {path} not found (record one with `aegis golden record --output FILE`)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        doc = json.loads(read_input_text(path))
+    except ConfigError as exc:
+        raise GoldenError(f"golden file {exc}") from None
+    except RecursionError:
+        raise GoldenError(f"golden file {path} is not readable JSON: nested too deeply") from None
+    except json.JSONDecodeError as exc:
         raise GoldenError(f"golden file {path} is not readable JSON: {exc}") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT:
         raise GoldenError(f"{path} is not an aegis golden fingerprint file")

@@ -69,6 +69,10 @@ def test_device_error_is_error_verdict_exit_3(capsys, monkeypatch):
         (["scan", "--workload", str(DATA / "bad_unknown_key.yaml")], "unknown key 'hiden'"),
         (["scan", "--workload", str(DATA / "bad_syntax.yaml")], "malformed YAML"),
         (["scan", "--workload", str(DATA / "too_big.yaml")], "GiB on cpu:0, which has"),
+        (["scan", "--workload", "/dev/zero"], "/dev/zero: is not a regular file"),  # read forever, before
+        (["scan", "--golden", "/dev/zero"], "golden file /dev/zero: is not a regular file"),
+        (["report", "/dev/zero"], "/dev/zero: is not a regular file"),
+        (["sweep", "--config", "/dev/zero"], "/dev/zero: is not a regular file"),
         (["scan", "--device", "gpu7"], "unknown device 'gpu7'"),
         (["scan", "--device", "cpu:\u00b2"], "unknown device 'cpu:\u00b2'"),  # isdigit() but not int(): was a traceback, exit 1
         (["scan", "--device", "cpu:9"], "no device cpu:9"),
@@ -183,3 +187,28 @@ def test_memory_preflight_names_the_largest_gemm(monkeypatch, capsys):
     monkeypatch.setattr(CpuDevice, "memory_bytes", lambda self: need)
     code, _, _ = run_cli(capsys, "scan", "-q", "--workload", TINY, "--probes", "gemm")
     assert code == ExitCode.HEALTHY
+
+
+@pytest.mark.parametrize(("kind", "needle"), [
+    ("yaml", "malformed YAML: nested too deeply"),  # was "internal error: RecursionError"
+    ("json", "not a JSON report (nested too deeply)"),
+    ("fifo", "is not a regular file"),  # would block forever on open
+    ("dir", "is a directory, not a file"),
+])
+def test_hostile_input_files_one_line_exit_3(tmp_path, capsys, kind, needle):
+    import os
+
+    path = tmp_path / f"input.{kind}"
+    if kind == "yaml":
+        path.write_text("a: " + "[" * 5000 + "]" * 5000 + "\n")
+    elif kind == "json":
+        path.write_text("[" * 100_000 + "]" * 100_000)
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.mkdir()
+    argv = ("scan", "-q", "--workload", str(path)) if kind in ("yaml", "dir") else ("report", str(path))
+    code, out, err = run_cli(capsys, *argv)
+    lines = [x for x in err.strip().splitlines() if x.strip()]
+    assert code == ExitCode.UNKNOWN and out == "" and len(lines) == 1, err
+    assert needle in lines[0] and "internal error" not in lines[0]

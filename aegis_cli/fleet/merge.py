@@ -9,8 +9,8 @@ a distributed sweep (fleet/compare.py).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
+from aegis_cli.config import read_input_text
 from aegis_cli.errors import ConfigError
 from aegis_cli.fleet import compare
 from aegis_cli.fleet.distributed import fleet_doc
@@ -18,13 +18,15 @@ from aegis_cli.fleet.distributed import fleet_doc
 KINDS = ("scan", "sweep", "fleet", "replay")
 
 
+MAX_REPORT_BYTES = 1 << 30  # a fleet report of many thousand devices stays far below
+
+
 def load_report(path: str) -> dict:
+    text = read_input_text(path, MAX_REPORT_BYTES)
     try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such report") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read ({exc})") from None
+        doc = json.loads(text)
+    except RecursionError:
+        raise ConfigError(f"{path}: not a JSON report (nested too deeply)") from None
     except ValueError as exc:
         raise ConfigError(f"{path}: not a JSON report ({exc})") from None
     if not isinstance(doc, dict) or doc.get("kind") not in KINDS or not isinstance(doc.get("devices"), list):
