@@ -149,6 +149,9 @@ def scan(devices, workload, seed, case, reruns, inject, save_vtasks, probes, gol
     """Scan this node's devices with checked training-shaped GEMMs and print a verdict per device."""
     from aegis_cli.scan import ScanOptions, run_scan
 
+    for path in (output, save_vtasks):
+        if path:
+            report_mod.check_writable(path)
     opts = ScanOptions(devices=devices, workload=workload, seed=seed, reruns=reruns, inject=inject, case=case,
                        probes=tuple(p.strip() for p in probes.split(",") if p.strip()), golden=golden,
                        thresholds=_thresholds(threshold, confirm_margin), command_line=["aegis", *sys.argv[1:]], keep_flagged=bool(save_vtasks))
@@ -256,6 +259,8 @@ def replay(bundles, devices, repeat, scales, inject, max_bundle_size, fmt, outpu
     """Replay the vTasks of bundles (aegis scan --save-vtasks) and say where the fault lies."""
     from aegis_cli.replay import ReplayOptions, parse_scales, run_replay
 
+    if output:
+        report_mod.check_writable(output)
     opts = ReplayOptions(bundles=list(bundles), devices=devices, repeat=repeat, scales=parse_scales(scales), inject=inject,
                          max_bundle_bytes=max_bundle_size, command_line=["aegis", *sys.argv[1:]])
     rep = _run_with_progress(run_replay, opts, inject, quiet)
@@ -400,6 +405,8 @@ def report_cmd(files, fmt, output):
     """Merge per-node JSON reports (scan or sweep) into one fleet table; compares fingerprints across devices."""
     from aegis_cli.fleet.merge import merge
 
+    if output:
+        report_mod.check_writable(output)
     doc = merge(list(files))
     _emit(doc, fmt, output, _fleet_table)
     sys.exit(doc["exit_code"])
@@ -421,6 +428,7 @@ def golden_record(devices, seed, output):
     from aegis_cli import golden as golden_mod
     from aegis_cli.backends import resolve_devices
 
+    report_mod.check_writable(output)
     doc = golden_mod.record(resolve_devices(devices), golden_mod.GOLDEN_SEED if seed is None else seed)
     golden_mod.save(doc, output)
     t = Table(title=f"golden fingerprints → {output}", title_justify="left")

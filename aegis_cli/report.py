@@ -235,6 +235,20 @@ def render(doc: dict, fmt: str) -> str:
     raise ValueError(f"no machine renderer for {fmt!r}")
 
 
+def check_writable(path: str | os.PathLike) -> None:
+    """Refuse, before any long work, an output path atomic_write could not write: a directory,
+    or a file whose directory is missing or does not accept new files (the temp file goes
+    there). A typo in ``-o`` must not cost a finished scan's results."""
+    p = Path(path)
+    parent = p.parent
+    if p.is_dir():
+        raise OutputError(f"cannot write {p}: is a directory")
+    if not parent.is_dir():
+        raise OutputError(f"cannot write {p}: no directory {parent}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise OutputError(f"cannot write {p}: directory {parent} is not writable")
+
+
 def atomic_write(path: str | os.PathLike, text: str | bytes) -> None:
     """Write to a temp file in the same directory, fsync, rename: no half-written file
     ever appears under ``path``."""

@@ -212,3 +212,26 @@ def test_hostile_input_files_one_line_exit_3(tmp_path, capsys, kind, needle):
     lines = [x for x in err.strip().splitlines() if x.strip()]
     assert code == ExitCode.UNKNOWN and out == "" and len(lines) == 1, err
     assert needle in lines[0] and "internal error" not in lines[0]
+
+
+@pytest.mark.parametrize("argv", [
+    ("scan", "-q", "--output", "{bad}"),
+    ("scan", "-q", "--save-vtasks", "{bad}"),
+    ("replay", "{bundle}", "--output", "{bad}"),
+    ("report", "{bundle}", "--output", "{bad}"),
+    ("golden", "record", "--output", "{bad}"),
+    ("scan", "-q", "--output", "{dir}"),
+])
+def test_unwritable_output_refused_before_any_work(tmp_path, capsys, monkeypatch, argv):
+    """A typo in -o must not cost a finished scan: the path is checked before devices are touched."""
+    def no_work(*_a, **_k):
+        raise AssertionError("work started before the output path was checked")
+
+    monkeypatch.setattr(scan_mod, "resolve_devices", no_work)
+    monkeypatch.setattr("aegis_cli.backends.resolve_devices", no_work)
+    bad = tmp_path / "missing" / "out.json"
+    args = [a.format(bad=bad, dir=tmp_path, bundle=tmp_path / "unread.aegis") for a in argv]
+    code, out, err = run_cli(capsys, *args)
+    lines = [x for x in err.strip().splitlines() if x.strip()]
+    assert code == ExitCode.UNKNOWN and out == "" and len(lines) == 1, err
+    assert lines[0].startswith("Error: cannot write") and "internal error" not in lines[0]
