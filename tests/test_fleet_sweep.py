@@ -203,6 +203,14 @@ def test_workload_too_big_for_memory_is_error_with_the_reason(tmp_path):
     assert len(done) == 1 and "verdict=ERROR" in done[0] and "needs about" in done[0]
 
 
+def test_unwritable_export_fails_before_any_device_runs(tmp_path):
+    cfg = write_config(tmp_path, exports={"prometheus_textfile": str(tmp_path / "missing" / "aegis.prom")})
+    p = subprocess.run(aegis("sweep", "--config", str(cfg)), env=env(1), capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert p.returncode == 3
+    assert "cannot write" in p.stderr and "no directory" in p.stderr
+    assert "event=device_start" not in p.stderr and not (tmp_path / "history.sqlite").exists()
+
+
 def test_plan_prioritises_failed_devices_and_cases_when_budget_short(tmp_path):
     cfg = load_config(write_config(tmp_path, budget_seconds=10, device_timeout_seconds=10))
     now = time.time()

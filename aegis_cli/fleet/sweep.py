@@ -374,6 +374,11 @@ def run_sweep(cfg: SweepConfig, log: Log | None = None, *, environ: dict[str, st
     environ = os.environ if environ is None else environ
     from aegis_cli.fleet import distributed
 
+    # an export path that cannot be written fails the sweep now, not after every device ran
+    for path in (cfg.exports.report, cfg.exports.quarantine_list, cfg.exports.prometheus_textfile):
+        if path:
+            report_mod.check_writable(path)
+
     if cfg.distributed.mode == "auto" and distributed.launched(environ):
         return distributed.run_distributed(cfg, log, environ, stop)
     started = time.time()
