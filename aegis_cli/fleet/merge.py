@@ -16,8 +16,6 @@ from aegis_cli.fleet import compare
 from aegis_cli.fleet.distributed import fleet_doc
 
 KINDS = ("scan", "sweep", "fleet", "replay")
-
-
 MAX_REPORT_BYTES = 1 << 30  # a fleet report of many thousand devices stays far below
 
 
