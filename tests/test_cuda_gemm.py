@@ -215,3 +215,19 @@ def test_launch_geometry(dev):
         assert launch.grid == (-(-n // 128), -(-m // 128))
     else:
         assert launch.grid[0] == min(dev.sms, -(-m // 128) * -(-n // 256))
+
+
+@pytest.mark.parametrize("case", ["subnormal products", "subnormal inputs"])
+def test_bottom_of_the_range_is_not_a_fault(dev, case):
+    """Clean GEMMs at the bottom of fp32's range must not be flagged: the kernels compile with
+    FTZ, so subnormal products (case 1) flush to zero; whether the tensor cores also flush bf16
+    subnormal *inputs* (case 2: |A| < 2^-126, products normal) is what this test finds out.
+    ReferenceChecksums.floor forgives < 2^-126 per product, partial sum and output."""
+    ea, eb = (-66, -66) if case == "subnormal products" else (-130, 20)
+    ops = _ops(dev, Layout.FWD, 192, 256, 128, seed=41, scale=(ea, eb))
+    if case == "subnormal inputs":
+        assert bool((ops.a.float().abs() < 2.0**-126).all()) and bool((ops.a != 0).any())
+    res, ref = dev.checked_gemm(ops), dev.reference_checksums(ops, dev.tile)
+    d_row, d_col = numerics.checksum_diffs(res, ref)
+    assert float(d_row.max()) <= TAU and float(d_col.max()) <= TAU, (float(d_row.max()), float(d_col.max()))
+    assert not bool(numerics.output_rowsum_excess(res, dev.tile[1])[0].any())
