@@ -235,3 +235,27 @@ def test_unwritable_output_refused_before_any_work(tmp_path, capsys, monkeypatch
     lines = [x for x in err.strip().splitlines() if x.strip()]
     assert code == ExitCode.UNKNOWN and out == "" and len(lines) == 1, err
     assert lines[0].startswith("Error: cannot write") and "internal error" not in lines[0]
+
+
+_DEV = {"device": {"id": "cuda:0", "uuid": "GPU-1"}, "verdict": "HEALTHY"}
+
+
+@pytest.mark.parametrize(("change", "needle"), [
+    (lambda d: d["devices"][0]["device"].update(uuid=123), "device.uuid must be a non-empty string"),
+    (lambda d: d["devices"][0].update(verdict="BOGUS"), "verdict 'BOGUS' is not one of"),
+    (lambda d: d["devices"][0].update(evidence="notalist"), "evidence must be a list of objects"),
+    (lambda d: d["devices"][0].update(evidence=[{"severity": "BAD"}]), "evidence severity 'BAD' is not a verdict"),
+    (lambda d: d["devices"][0].update(probes=[1, 2]), "probes and noise must be objects"),
+    (lambda d: d["devices"][0].update(probes={"fleet_fingerprint": {"fingerprints": {"c": [1]}}}), "must hold a class string"),
+    (lambda d: d.update(finished=5), "finished must be a string, got int"),
+])
+def test_report_merge_refuses_malformed_device_entries(tmp_path, capsys, change, needle):
+    """Valid JSON with wrong types used to crash inside the merge ("internal error")."""
+    doc = {"schema_version": "1.0", "kind": "scan", "devices": [json.loads(json.dumps(_DEV))]}
+    change(doc)
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(doc))
+    code, out, err = run_cli(capsys, "report", str(path))
+    lines = [x for x in err.strip().splitlines() if x.strip()]
+    assert code == ExitCode.UNKNOWN and out == "" and len(lines) == 1, err
+    assert needle in lines[0] and "internal error" not in lines[0]

@@ -14,6 +14,7 @@ from aegis_cli.config import read_input_text
 from aegis_cli.errors import ConfigError
 from aegis_cli.fleet import compare
 from aegis_cli.fleet.distributed import fleet_doc
+from aegis_cli.verdict import Verdict
 
 KINDS = ("scan", "sweep", "fleet", "replay")
 MAX_REPORT_BYTES = 1 << 30  # a fleet report of many thousand devices stays far below
@@ -32,10 +33,51 @@ def load_report(path: str) -> dict:
     major = str(doc.get("schema_version", "")).split(".")[0]
     if major != "1":
         raise ConfigError(f"{path}: report schema_version {doc.get('schema_version')!r} is not supported (1.x)")
-    for d in doc["devices"]:
-        if not isinstance(d, dict) or "device" not in d or "verdict" not in d or "uuid" not in d.get("device", {}):
-            raise ConfigError(f"{path}: a device entry lacks device.uuid or verdict")
+    for key in ("host", "started", "finished"):
+        if doc.get(key) is not None and not isinstance(doc[key], str):
+            raise ConfigError(f"{path}: {key} must be a string, got {type(doc[key]).__name__}")
+    if not isinstance(doc.get("injected") or [], list):
+        raise ConfigError(f"{path}: injected must be a list")
+    for i, d in enumerate(doc["devices"]):
+        _check_device(path, i, d)
     return doc
+
+
+_VERDICTS = {v.value for v in Verdict}
+
+
+def _check_device(path: str, i: int, d) -> None:
+    """One device entry holds the types the merge and the comparison read; anything else is
+    a malformed report (one line, exit 3), not a crash inside the merge."""
+    where = f"{path}: devices[{i}]"
+    dev = d.get("device") if isinstance(d, dict) else None
+    if not isinstance(dev, dict) or "verdict" not in d or "uuid" not in dev:
+        raise ConfigError(f"{path}: a device entry lacks device.uuid or verdict")
+    for key in ("id", "uuid", "host", "name"):
+        if (key in ("id", "uuid") or dev.get(key) is not None) and not (isinstance(dev.get(key), str) and dev.get(key)):
+            raise ConfigError(f"{where}: device.{key} must be a non-empty string")
+    for key in ("verdict", "local_verdict"):
+        if key in d and d[key] not in _VERDICTS:
+            raise ConfigError(f"{where}: {key} {d[key]!r} is not one of {', '.join(sorted(_VERDICTS))}")
+    evidence = d.get("evidence") or []
+    if not isinstance(evidence, list) or not all(isinstance(e, dict) for e in evidence):
+        raise ConfigError(f"{where}: evidence must be a list of objects")
+    for e in evidence:
+        if "severity" in e and e["severity"] not in _VERDICTS:
+            raise ConfigError(f"{where}: evidence severity {e['severity']!r} is not a verdict")
+    probes = d.get("probes") or {}
+    noise = d.get("noise") or {}
+    if not isinstance(probes, dict) or not isinstance(noise, dict):
+        raise ConfigError(f"{where}: probes and noise must be objects")
+    fp = probes.get(compare.PROBE_KEY)
+    if fp is None:
+        return
+    prints = fp.get("fingerprints") if isinstance(fp, dict) else None
+    ok = isinstance(fp, dict) and isinstance(prints or {}, dict)
+    ok = ok and all(isinstance(v, (str, int, float)) for v in (prints or {}).values())  # compared and counted
+    ok = ok and (not prints or isinstance(fp.get("class"), str))
+    if not ok:
+        raise ConfigError(f"{where}: probes.{compare.PROBE_KEY} must hold a class string and a map of case → fingerprint")
 
 
 def merge(paths: list[str]) -> dict:
