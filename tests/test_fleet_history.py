@@ -77,6 +77,25 @@ def test_garbage_file_is_reported_and_not_overwritten(tmp_path, content):
     assert sha(db) == before and not (tmp_path / "h.sqlite-wal").exists()
 
 
+def test_another_programs_database_is_left_untouched(tmp_path):
+    """A valid SQLite file of another program (schema version 0, tables of its own): opening
+    it, even to read, used to add our tables and set user_version = 2."""
+    path = tmp_path / "other.sqlite"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE inventory(host TEXT)")
+    conn.commit()
+    conn.close()
+    before = hashlib.sha256(path.read_bytes()).hexdigest()
+    for create in (True, False):
+        with pytest.raises(HistoryError, match=r"SQLite database of something else \(it holds inventory\)"):
+            History(path, create=create)
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == before
+    conn = sqlite3.connect(path)
+    assert [r[0] for r in conn.execute("SELECT name FROM sqlite_master")] == ["inventory"]
+    assert conn.execute("PRAGMA user_version").fetchone()[0] == 0
+    conn.close()
+
+
 def test_truncated_database_is_reported_and_not_overwritten(tmp_path):
     db = tmp_path / "h.sqlite"
     with History(db) as h:

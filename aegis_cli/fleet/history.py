@@ -136,8 +136,13 @@ class History:
         try:
             rows = self.conn.execute("PRAGMA quick_check").fetchall()
             version = self.conn.execute("PRAGMA user_version").fetchone()[0]
+            names = [r[0] for r in self.conn.execute("SELECT name FROM sqlite_master WHERE name NOT LIKE 'sqlite_%' ORDER BY name")]
         except sqlite3.Error as exc:
             raise self._fail("checking it", exc) from None
+        if version == 0 and names:  # not ours: never add our tables to another program's database
+            shown = ", ".join(names[:5]) + (" …" if len(names) > 5 else "")
+            raise HistoryError(f"history database {self.path} is an SQLite database of something else (it holds {shown}); "
+                               "it was left untouched — point history.path elsewhere")
         if rows != [("ok",)]:
             detail = "; ".join(r[0] for r in rows[:3])
             raise HistoryError(f"history database {self.path} failed its integrity check ({detail}); it was left untouched — "
