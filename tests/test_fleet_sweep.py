@@ -274,3 +274,22 @@ def test_locked_database_is_a_clear_error(tmp_path):
     finally:
         other.execute("ROLLBACK")
         other.close()
+
+
+@pytest.mark.parametrize("content", [b"SQLite format 3\x00" + b"\x01" * 200, b"# my notes\nkeep me\n", b'{"pid": 1}\n'])
+def test_lock_file_pointing_at_another_file_never_truncates_it(tmp_path, content):
+    """A lock_file typo (the history database, a report, notes) used to truncate that file."""
+    from aegis_cli.errors import LockError
+    from aegis_cli.fleet.lock import SweepLock
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(content)
+    with pytest.raises(LockError, match=r"is not an aegis lock file .* left untouched"), SweepLock(victim):
+        pass
+    assert victim.read_bytes() == content
+    # a lock file of ours, empty or holding a dead holder's record, is taken as before
+    for ours in (b"", b'{"pid": 4242, "host": "gpu17", "started": 1.0, "command": ["aegis", "sweep"]}\n'):
+        victim.write_bytes(ours)
+        with SweepLock(victim):
+            assert b'"pid"' in victim.read_bytes()
+        assert victim.read_bytes() == b""

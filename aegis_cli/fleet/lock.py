@@ -13,6 +13,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import sys
 import time
 from pathlib import Path
@@ -29,6 +30,24 @@ def _holder(path: Path) -> str:
     when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)) if isinstance(started, (int, float)) else "?"
     cmd = " ".join(info.get("command") or [])
     return f"pid {info.get('pid', '?')} on {info.get('host', '?')}, started {when}" + (f" ({cmd})" if cmd else "")
+
+
+def _not_a_lock_file(fd: int) -> str | None:
+    """Why the open file is not ours to truncate, or None: a lock file is a regular file that
+    is empty or holds one lock record (a JSON object)."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
+    data = os.pread(fd, 4096, 0)
+    if not data.strip():
+        return None
+    try:
+        rec = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        rec = None
+    if st.st_size >= 4096 or not (isinstance(rec, dict) and {"pid", "host", "started"} <= rec.keys()):
+        return f"exists and is not an aegis lock file ({st.st_size} bytes)"
+    return None
 
 
 class SweepLock:
@@ -49,6 +68,11 @@ class SweepLock:
         except BlockingIOError:
             os.close(fd)
             raise LockError(f"another aegis sweep holds the lock {self.path}: {_holder(self.path)}") from None
+        problem = _not_a_lock_file(fd)
+        if problem:  # lock_file pointed at something else (the history, a report): never truncate it
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            raise LockError(f"lock file {self.path} {problem}; it was left untouched — point lock_file at a file of its own")
         record = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(), "command": sys.argv}
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
