@@ -212,15 +212,21 @@ def magnitudes(ops: GemmOperands) -> Magnitudes | None:
     return Magnitudes(a_nz.min().item(), a_nz.max().item(), b_nz.min().item(), b_nz.max().item(), a.shape[1])
 
 
-def overflow_bound(ops: GemmOperands) -> float:
+def overflow_bound(ops: GemmOperands, chunk: int = 1 << 22) -> float:
     """An upper bound, in fp64, on every fp32 partial sum a checked GEMM of ``ops`` forms: the
     largest Σ_k |A_ik|·|B_kj| over outputs (bounded row-wise and column-wise, whichever is
-    tighter: O(K·(M+N)), no GEMM), times the CHECKSUM_SPAN outputs a checksum adds up."""
-    a, b = ops.a_mk.double().abs(), ops.b_kn.double().abs()
+    tighter: O(K·(M+N)), no GEMM), times the CHECKSUM_SPAN outputs a checksum adds up.
+    Works through slices of about ``chunk`` elements, so a bundle at its size limit does not
+    need several fp64 copies of its operands."""
+    a, b = ops.a_mk, ops.b_kn  # (M, K), (K, N)
+    (m, k), n = a.shape, b.shape[1]
     if a.numel() == 0 or b.numel() == 0:
         return 0.0
-    by_row = float((a @ b.amax(1)).max())  # Σ_k |A_ik|·max_j |B_kj|
-    by_col = float((a.amax(0) @ b).max())  # Σ_k max_i |A_ik|·|B_kj|
+    rows, cols = max(1, chunk // k), max(1, chunk // k)
+    b_max = torch.stack([b[:, j:j + cols].abs().amax(1) for j in range(0, n, cols)]).amax(0).double()  # max_j |B_kj|
+    a_max = torch.stack([a[i:i + rows].abs().amax(0) for i in range(0, m, rows)]).amax(0).double()  # max_i |A_ik|
+    by_row = max(float((a[i:i + rows].double().abs() @ b_max).max()) for i in range(0, m, rows))
+    by_col = max(float((a_max @ b[:, j:j + cols].double().abs()).max()) for j in range(0, n, cols))
     return min(by_row, by_col) * CHECKSUM_SPAN
 
 

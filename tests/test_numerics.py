@@ -61,6 +61,7 @@ def test_overflow_bound_covers_every_output_and_its_checksums():
     exact = float((a @ b).max())  # the true largest Σ_k |A_ik|·|B_kj|
     bound = numerics.overflow_bound(ops) / numerics.CHECKSUM_SPAN
     assert exact <= bound <= min(float((a @ b.amax(1)).max()), float((a.amax(0) @ b).max())) * (1 + 1e-12)
+    assert numerics.overflow_bound(ops, chunk=50) == numerics.overflow_bound(ops)  # slicing changes nothing
     from aegis_cli.backends.cuda import CHECK_TILE  # a constant: importing it touches no GPU
 
     assert max(*CpuDevice().tile, *CHECK_TILE) <= numerics.CHECKSUM_SPAN
