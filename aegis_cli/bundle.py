@@ -250,9 +250,9 @@ def _check_inputs(ck: _Check, vid: str, tensors: dict[str, torch.Tensor], layout
         if not bool(torch.isfinite(tensors[role]).all()):
             raise ck.fail(f"vTask {vid!r}: input {role} contains NaN or Inf")
     bound = numerics.overflow_bound(GemmOperands(tensors["a"], tensors["b"], layout))
-    if bound >= numerics.BF16_MAX / 4:
+    if bound >= numerics.SUM_LIMIT:
         raise ck.fail(f"vTask {vid!r}: its inputs can overflow fp32 (Σ|A|·|B| over a checksum tile up to {bound:.3g}, "
-                      f"limit {numerics.BF16_MAX / 4:.3g}), so no check could tell a fault from overflow")
+                      f"limit {numerics.SUM_LIMIT:.3g}), so no check could tell a fault from overflow")
 
 
 def _vtask_from_entry(v: dict, spec: GemmSpec, tensors: dict[str, torch.Tensor]) -> VTask:

@@ -45,6 +45,14 @@ def cli(debug: bool) -> None:
     State.debug = debug
 
 
+def _writable(_ctx, _param, path: str | None) -> str | None:
+    """Option callback of every output path: checked while the command line is parsed, before
+    any work, so a typo cannot cost a finished scan (report.check_writable)."""
+    if path:
+        report_mod.check_writable(path)
+    return path
+
+
 def _emit(doc: dict, fmt: str, output: str | None, table_fn) -> None:
     if fmt == "table":
         console = Console(file=io.StringIO(), record=True, width=140) if output else Console()
@@ -135,9 +143,11 @@ def _progress_callback(progress: Progress | None):
 @click.option("--case", default=None, help="Re-run exactly one case id from a report.")
 @click.option("--reruns", default=5, show_default=True, type=int, help="Re-runs of a flagged case to confirm it.")
 @click.option("--inject", default=None, metavar="SPEC", help="Inject faults on purpose (self-test); see docs/fault-injection.md.")
-@click.option("--save-vtasks", "save_vtasks", default=None, metavar="PATH", help="Save every flagged case as vTasks in a bundle.")
+@click.option("--save-vtasks", "save_vtasks", default=None, metavar="PATH", callback=_writable,
+              help="Save every flagged case as vTasks in a bundle.")
 @click.option("--format", "fmt", type=click.Choice(report_mod.FORMATS), default="table", show_default=True)
-@click.option("--output", "-o", default=None, metavar="PATH", help="Write the report here (atomically) instead of stdout.")
+@click.option("--output", "-o", default=None, metavar="PATH", callback=_writable,
+              help="Write the report here (atomically) instead of stdout.")
 @click.option("--probes", default=",".join(DEFAULT_PROBES), show_default=True, help="Comma-separated probes to run.")
 @click.option("--golden", default=None, metavar="FILE", help="Compare fingerprints against a golden file (aegis golden record).")
 @click.option("--probe-option", "probe_options", multiple=True, metavar="PROBE.KEY=VALUE",
@@ -149,9 +159,6 @@ def scan(devices, workload, seed, case, reruns, inject, save_vtasks, probes, gol
     """Scan this node's devices with checked training-shaped GEMMs and print a verdict per device."""
     from aegis_cli.scan import ScanOptions, run_scan
 
-    for path in (output, save_vtasks):
-        if path:
-            report_mod.check_writable(path)
     opts = ScanOptions(devices=devices, workload=workload, seed=seed, reruns=reruns, inject=inject, case=case,
                        probes=tuple(p.strip() for p in probes.split(",") if p.strip()), golden=golden,
                        thresholds=_thresholds(threshold, confirm_margin), command_line=["aegis", *sys.argv[1:]], keep_flagged=bool(save_vtasks))
@@ -253,14 +260,13 @@ def _replay_table(console: Console, doc: dict) -> None:
 @click.option("--max-bundle-size", "max_bundle_size", default=None, type=int, metavar="BYTES",
               help="Refuse bundles larger than this (default 2 GiB, or AEGIS_BUNDLE_MAX_BYTES).")
 @click.option("--format", "fmt", type=click.Choice(report_mod.FORMATS), default="table", show_default=True)
-@click.option("--output", "-o", default=None, metavar="PATH", help="Write the report here (atomically) instead of stdout.")
+@click.option("--output", "-o", default=None, metavar="PATH", callback=_writable,
+              help="Write the report here (atomically) instead of stdout.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def replay(bundles, devices, repeat, scales, inject, max_bundle_size, fmt, output, quiet):
     """Replay the vTasks of bundles (aegis scan --save-vtasks) and say where the fault lies."""
     from aegis_cli.replay import ReplayOptions, parse_scales, run_replay
 
-    if output:
-        report_mod.check_writable(output)
     opts = ReplayOptions(bundles=list(bundles), devices=devices, repeat=repeat, scales=parse_scales(scales), inject=inject,
                          max_bundle_bytes=max_bundle_size, command_line=["aegis", *sys.argv[1:]])
     rep = _run_with_progress(run_replay, opts, inject, quiet)
@@ -400,13 +406,12 @@ def history(config_path, db, ident, since, fmt):
 @cli.command("report")
 @click.argument("files", nargs=-1, required=True, metavar="REPORT.json...")
 @click.option("--format", "fmt", type=click.Choice(report_mod.FORMATS), default="table", show_default=True)
-@click.option("--output", "-o", default=None, metavar="PATH", help="Write the fleet report here (atomically) instead of stdout.")
+@click.option("--output", "-o", default=None, metavar="PATH", callback=_writable,
+              help="Write the fleet report here (atomically) instead of stdout.")
 def report_cmd(files, fmt, output):
     """Merge per-node JSON reports (scan or sweep) into one fleet table; compares fingerprints across devices."""
     from aegis_cli.fleet.merge import merge
 
-    if output:
-        report_mod.check_writable(output)
     doc = merge(list(files))
     _emit(doc, fmt, output, _fleet_table)
     sys.exit(doc["exit_code"])
@@ -422,13 +427,12 @@ def golden() -> None:
 @golden.command("record")
 @click.option("--device", "devices", default="auto", show_default=True, help="Devices to record on (assumed known-good).")
 @click.option("--seed", default=None, type=int, help="Seed of the canonical inputs (default: the golden seed).")
-@click.option("--output", "-o", required=True, metavar="FILE", help="Golden file to write (JSON, atomically).")
+@click.option("--output", "-o", required=True, metavar="FILE", callback=_writable, help="Golden file to write (JSON, atomically).")
 def golden_record(devices, seed, output):
     """Record fingerprints of the canonical workloads, keyed by GPU model, driver, CUDA, torch and kernel hash."""
     from aegis_cli import golden as golden_mod
     from aegis_cli.backends import resolve_devices
 
-    report_mod.check_writable(output)
     doc = golden_mod.record(resolve_devices(devices), golden_mod.GOLDEN_SEED if seed is None else seed)
     golden_mod.save(doc, output)
     t = Table(title=f"golden fingerprints → {output}", title_justify="left")

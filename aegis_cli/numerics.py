@@ -15,11 +15,12 @@ from aegis_cli.backends.base import GemmOperands, GemmResult, ReferenceChecksums
 from aegis_cli.errors import ConfigError
 
 DISTRIBUTIONS = ("normal", "uniform", "heavy")
-BF16_MIN_NORMAL = 2.0**-126
+BF16_MIN_NORMAL = 2.0**-126  # fp32's too: bf16 keeps fp32's exponent range
 BF16_MAX = 3.3895313892515355e38
+SUM_LIMIT = BF16_MAX / 4  # what any fp32 partial sum of a checked GEMM must stay below (margin 4)
 U_BF16 = 2.0**-8  # unit roundoff of bf16 (8-bit significand, round to nearest)
 U_FP32 = 2.0**-24
-FP32_MIN_NORMAL = 2.0**-126  # the most one fp32 operation loses at the bottom of the range (FTZ flush)
+FP32_MIN_NORMAL = BF16_MIN_NORMAL  # the most one fp32 operation loses at the bottom of the range (FTZ flush)
 CHECKSUM_SPAN = 128  # the most outputs one fused checksum sums (the largest tile side of any backend)
 
 
@@ -200,7 +201,7 @@ class Magnitudes:
         # smallest product must stay a normal fp32 (FTZ on the GPU) and survive in the sum's ulp
         if amin < BF16_MIN_NORMAL or bmin < BF16_MIN_NORMAL or amin * bmin < 2.0**-100:
             return False
-        return amax * bmax * self.k * CHECKSUM_SPAN < BF16_MAX / 4
+        return amax * bmax * self.k * CHECKSUM_SPAN < SUM_LIMIT
 
 
 def magnitudes(ops: GemmOperands) -> Magnitudes | None:
@@ -222,11 +223,11 @@ def overflow_bound(ops: GemmOperands, chunk: int = 1 << 22) -> float:
     (m, k), n = a.shape, b.shape[1]
     if a.numel() == 0 or b.numel() == 0:
         return 0.0
-    rows, cols = max(1, chunk // k), max(1, chunk // k)
-    b_max = torch.stack([b[:, j:j + cols].abs().amax(1) for j in range(0, n, cols)]).amax(0).double()  # max_j |B_kj|
-    a_max = torch.stack([a[i:i + rows].abs().amax(0) for i in range(0, m, rows)]).amax(0).double()  # max_i |A_ik|
-    by_row = max(float((a[i:i + rows].double().abs() @ b_max).max()) for i in range(0, m, rows))
-    by_col = max(float((a_max @ b[:, j:j + cols].double().abs()).max()) for j in range(0, n, cols))
+    step = max(1, chunk // k)  # rows of A, or columns of B, per slice
+    b_max = torch.stack([b[:, j:j + step].abs().amax(1) for j in range(0, n, step)]).amax(0).double()  # max_j |B_kj|
+    a_max = torch.stack([a[i:i + step].abs().amax(0) for i in range(0, m, step)]).amax(0).double()  # max_i |A_ik|
+    by_row = max(float((a[i:i + step].double().abs() @ b_max).max()) for i in range(0, m, step))
+    by_col = max(float((a_max @ b[:, j:j + step].double().abs()).max()) for j in range(0, n, step))
     return min(by_row, by_col) * CHECKSUM_SPAN
 
 

@@ -21,10 +21,21 @@ from pathlib import Path
 from aegis_cli.errors import LockError
 
 
+def _record(data: bytes) -> dict | None:
+    """The lock record a lock file holds (a JSON object), or None."""
+    try:
+        rec = json.loads(data.decode("utf-8") or "{}")
+    except (UnicodeDecodeError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
 def _holder(path: Path) -> str:
     try:
-        info = json.loads(path.read_text(encoding="utf-8") or "{}")
-    except (OSError, ValueError):
+        info = _record(path.read_bytes())
+    except OSError:
+        info = None
+    if info is None:
         return "an unknown process (the lock file holds no readable record)"
     started = info.get("started")
     when = time.strftime("%Y-%m-%d %H:%M:%S %Z", time.localtime(started)) if isinstance(started, (int, float)) else "?"
@@ -41,11 +52,8 @@ def _not_a_lock_file(fd: int) -> str | None:
     data = os.pread(fd, 4096, 0)
     if not data.strip():
         return None
-    try:
-        rec = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        rec = None
-    if st.st_size >= 4096 or not (isinstance(rec, dict) and {"pid", "host", "started"} <= rec.keys()):
+    rec = _record(data)
+    if st.st_size >= 4096 or rec is None or not {"pid", "host", "started"} <= rec.keys():
         return f"exists and is not an aegis lock file ({st.st_size} bytes)"
     return None
 

@@ -53,8 +53,9 @@ def _check_device(path: str, i: int, d) -> None:
     dev = d.get("device") if isinstance(d, dict) else None
     if not isinstance(dev, dict) or "verdict" not in d or "uuid" not in dev:
         raise ConfigError(f"{path}: a device entry lacks device.uuid or verdict")
-    for key in ("id", "uuid", "host", "name"):
-        if (key in ("id", "uuid") or dev.get(key) is not None) and not (isinstance(dev.get(key), str) and dev.get(key)):
+    for key, required in (("id", True), ("uuid", True), ("host", False), ("name", False)):
+        v = dev.get(key)
+        if (required or v is not None) and not (isinstance(v, str) and v):
             raise ConfigError(f"{where}: device.{key} must be a non-empty string")
     for key in ("verdict", "local_verdict"):
         if key in d and d[key] not in _VERDICTS:

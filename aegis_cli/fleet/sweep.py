@@ -37,6 +37,7 @@ from aegis_cli.fleet.policy import DAY, DeviceState, PolicyConfig, evaluate_all
 from aegis_cli.verdict import Verdict, overall_exit
 
 Log = Callable[..., None]  # log(event, level="info", **fields)
+Stop = Callable[[], "str | None"]  # returns why the sweep must stop (e.g. "SIGTERM"), or None
 
 
 def log_line(event: str, level: str = "info", fmt: str = "logfmt", **kv) -> str:
@@ -50,7 +51,6 @@ def log_line(event: str, level: str = "info", fmt: str = "logfmt", **kv) -> str:
         quote = not v or any(c in v for c in ' ="')
         parts.append(f"{k}={json.dumps(v, ensure_ascii=False) if quote else v}")
     return " ".join(parts)
-Stop = Callable[[], "str | None"]  # returns why the sweep must stop (e.g. "SIGTERM"), or None
 
 
 class SweepInterrupted(AegisError):

@@ -105,8 +105,9 @@ def crossdevice_probe(devices: list[Device], ctx: ProbeContext) -> dict[str, lis
     """Same seeded workload on every device; the odd one out is flagged."""
     t0 = time.perf_counter()
     names = [n.strip() for n in ctx.option("crossdevice", "only").split(",") if n.strip()]
-    if ctx.case_part("crossdevice") is not None:
-        names = [ctx.case_part("crossdevice")]  # --case crossdevice/NAME/OUTPUT
+    part = ctx.case_part("crossdevice")
+    if part is not None:
+        names = [part]  # --case crossdevice/NAME/OUTPUT
     unknown = [n for n in names if n not in COMPUTATIONS]
     if unknown:
         from aegis_cli.errors import ConfigError

@@ -125,8 +125,9 @@ def determinism_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     # torch's CPU kernels have no separate deterministic mode: sdpa_bwd_det repeats sdpa_bwd there
     only = [n.strip() for n in ctx.option("determinism", "only").split(",") if n.strip()] or [
         n for n in COMPUTATIONS if not (cpu_quick and n == "sdpa_bwd_det")]
-    if ctx.case_part("determinism") is not None:
-        only = [ctx.case_part("determinism")]  # --case determinism/NAME/SHAPE
+    part = ctx.case_part("determinism")
+    if part is not None:
+        only = [part]  # --case determinism/NAME/SHAPE
     unknown = [n for n in only if n not in COMPUTATIONS]
     if unknown:
         from aegis_cli.errors import ConfigError

@@ -132,8 +132,9 @@ def pow2_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
         raise ConfigError(f"pow2.step must lie in 1…128, got {step}")
     evidence, stats = [], {}
     impls = IMPLS
-    if ctx.case_part("pow2") is not None:
-        impls = tuple(i for i in IMPLS if ctx.case_part("pow2") == i)  # --case pow2/IMPL/SHAPE
+    part = ctx.case_part("pow2")
+    if part is not None:
+        impls = tuple(i for i in IMPLS if part == i)  # --case pow2/IMPL/SHAPE
     for impl in impls:
         st, ev = sweep(device, impl, step, ctx)
         stats[impl] = st
