@@ -153,6 +153,21 @@ def bench_shape(dev, name: str, layout: Layout, m: int, n: int, k: int, reps: in
     return row
 
 
+def _variant_launches(dev, variants: dict[str, tuple[str, dict]], sets, layout: Layout) -> dict[str, list]:
+    """One prepared launch per input set for each wgmma variant ``name: (variant, extra -D defines)``."""
+    from aegis_cli.backends import cuda
+
+    out = {}
+    try:
+        for name, (variant, defines) in variants.items():
+            cuda.WGMMA_DEFINES.clear()
+            cuda.WGMMA_DEFINES.update(defines)
+            out[name] = [dev.prepare(a, b, layout, variant=variant) for a, b in sets]
+    finally:
+        cuda.WGMMA_DEFINES.clear()
+    return out
+
+
 def compare(variants: dict[str, tuple[str, dict]], sizes, reps: int = 12, layout: Layout = Layout.FWD) -> list[dict]:
     """Interleaved timing of wgmma-kernel variants, each ``name: (variant, extra -D defines)``, plus
     cuBLAS, on each (m, n, k) of ``sizes``; costs are relative to the first variant. Variants of
@@ -166,15 +181,10 @@ def compare(variants: dict[str, tuple[str, dict]], sizes, reps: int = 12, layout
     for m, n, k in sizes:
         sets = _input_sets(dev, layout, m, n, k, 300)
         fns = {"cublas": lambda i, sets=sets: _torch_matmul(*sets[i % N_SETS], layout)}
-        outputs = {}
-        for name, (variant, defines) in variants.items():
-            cuda.WGMMA_DEFINES.clear()
-            cuda.WGMMA_DEFINES.update(defines)
-            launches = [dev.prepare(a, b, layout, variant=variant) for a, b in sets]
-            fns[name] = lambda i, launches=launches: launches[i % N_SETS].run()
-            if not any(d.startswith("AEGIS_NO_") for d in defines):
-                outputs[name] = (variant, launches[0].outputs)  # of input set 0
-        cuda.WGMMA_DEFINES.clear()
+        launches = _variant_launches(dev, variants, sets, layout)
+        fns.update({name: (lambda i, ls=ls: ls[i % N_SETS].run()) for name, ls in launches.items()})
+        outputs = {name: (variant, launches[name][0].outputs)  # of input set 0
+                   for name, (variant, defines) in variants.items() if not any(d.startswith("AEGIS_NO_") for d in defines)}
         ms = _time(fns, reps)
         row = {"m": m, "n": n, "k": k, "layout": layout.value, **{f"{v}_tflops": 2.0 * m * n * k / t / 1e9 for v, t in ms.items()}}
         row.update({f"{v}_cost": ms[v] / ms[first] - 1.0 for v in variants if v != first})
@@ -206,12 +216,7 @@ def clocks_under_load(variants: dict[str, tuple[str, dict]], size, seconds: floa
     m, n, k = size
     sets = _input_sets(dev, layout, m, n, k, 500)
     fns = {"cublas": lambda i: _torch_matmul(*sets[i % N_SETS], layout)} if with_cublas else {}
-    for name, (variant, defines) in variants.items():
-        cuda.WGMMA_DEFINES.clear()
-        cuda.WGMMA_DEFINES.update(defines)
-        launches = [dev.prepare(a, b, layout, variant=variant) for a, b in sets]
-        fns[name] = lambda i, launches=launches: launches[i % N_SETS].run()
-    cuda.WGMMA_DEFINES.clear()
+    fns.update({name: (lambda i, ls=ls: ls[i % N_SETS].run()) for name, ls in _variant_launches(dev, variants, sets, layout).items()})
     samples: dict[str, dict[str, list[float]]] = {v: {"mhz": [], "w": [], "tflops": []} for v in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
@@ -338,26 +343,18 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("no CUDA device", file=sys.stderr)
         return 3
-    if args.sustained or (args.compare and args.clocks):
-        if args.sustained:
-            rows = sustained()
-        else:
-            variants = dict(map(_parse_variant, args.compare))
-            rows = [r for size in (args.size or [(8192, 8192, 8192)])
-                    for r in clocks_under_load(variants, size, rounds=args.rounds, layout=Layout(args.layout))]
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as fh:
-                json.dump({"device": torch.cuda.get_device_name(0), "rows": rows}, fh, indent=1)
-        return 0
-    if args.compare:
-        rows = compare(dict(map(_parse_variant, args.compare)), args.size or [(8192, 8192, 8192)], args.reps, Layout(args.layout))
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as fh:
-                json.dump({"device": torch.cuda.get_device_name(0), "rows": rows}, fh, indent=1)
-        return 0
-    rows = run(args.reps, args.kernel, args.square, args.baseline)
-    if args.repeat_square:
-        rows += [dict(r, name=r["name"] + "(repeat)") for r in run(args.reps, args.kernel, True, args.baseline)]
+    sizes = args.size or [(8192, 8192, 8192)]
+    if args.sustained:
+        rows = sustained()
+    elif args.compare and args.clocks:
+        variants = dict(map(_parse_variant, args.compare))
+        rows = [r for size in sizes for r in clocks_under_load(variants, size, rounds=args.rounds, layout=Layout(args.layout))]
+    elif args.compare:
+        rows = compare(dict(map(_parse_variant, args.compare)), sizes, args.reps, Layout(args.layout))
+    else:
+        rows = run(args.reps, args.kernel, args.square, args.baseline)
+        if args.repeat_square:
+            rows += [dict(r, name=r["name"] + "(repeat)") for r in run(args.reps, args.kernel, True, args.baseline)]
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump({"device": torch.cuda.get_device_name(0), "rows": rows}, fh, indent=1)
