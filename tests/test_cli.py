@@ -16,6 +16,13 @@ from aegis_cli.errors import ExitCode
 from tests.helpers import DATA, TINY, run_cli
 
 
+def _one_error_line(code: int, out: str, err: str) -> str:
+    """Bad input: exit 3, nothing on stdout, exactly one line on stderr (returned)."""
+    lines = [x for x in err.strip().splitlines() if x.strip()]
+    assert code == ExitCode.UNKNOWN and out == "" and len(lines) == 1, err
+    return lines[0]
+
+
 def test_scan_default_is_healthy(capsys):
     code, out, _ = run_cli(capsys, "scan", "-q")
     assert code == ExitCode.HEALTHY
@@ -209,9 +216,8 @@ def test_hostile_input_files_one_line_exit_3(tmp_path, capsys, kind, needle):
         path.mkdir()
     argv = ("scan", "-q", "--workload", str(path)) if kind in ("yaml", "dir") else ("report", str(path))
     code, out, err = run_cli(capsys, *argv)
-    lines = [x for x in err.strip().splitlines() if x.strip()]
-    assert code == ExitCode.UNKNOWN and out == "" and len(lines) == 1, err
-    assert needle in lines[0] and "internal error" not in lines[0]
+    line = _one_error_line(code, out, err)
+    assert needle in line and "internal error" not in line
 
 
 @pytest.mark.parametrize("argv", [
@@ -232,9 +238,8 @@ def test_unwritable_output_refused_before_any_work(tmp_path, capsys, monkeypatch
     bad = tmp_path / "missing" / "out.json"
     args = [a.format(bad=bad, dir=tmp_path, bundle=tmp_path / "unread.aegis") for a in argv]
     code, out, err = run_cli(capsys, *args)
-    lines = [x for x in err.strip().splitlines() if x.strip()]
-    assert code == ExitCode.UNKNOWN and out == "" and len(lines) == 1, err
-    assert lines[0].startswith("Error: cannot write") and "internal error" not in lines[0]
+    line = _one_error_line(code, out, err)
+    assert line.startswith("Error: cannot write") and "internal error" not in line
 
 
 _DEV = {"device": {"id": "cuda:0", "uuid": "GPU-1"}, "verdict": "HEALTHY"}
@@ -256,6 +261,5 @@ def test_report_merge_refuses_malformed_device_entries(tmp_path, capsys, change,
     path = tmp_path / "r.json"
     path.write_text(json.dumps(doc))
     code, out, err = run_cli(capsys, "report", str(path))
-    lines = [x for x in err.strip().splitlines() if x.strip()]
-    assert code == ExitCode.UNKNOWN and out == "" and len(lines) == 1, err
-    assert needle in lines[0] and "internal error" not in lines[0]
+    line = _one_error_line(code, out, err)
+    assert needle in line and "internal error" not in line
