@@ -226,25 +226,34 @@ def clocks_under_load(variants: dict[str, tuple[str, dict]], size, seconds: floa
             done, t0 = 0, time.perf_counter()
             start = torch.cuda.Event(enable_timing=True)
             start.record()
+            e0 = None
             while time.perf_counter() - t0 < seconds:
                 for j in range(8):
                     fn(done + j)
                 done += 8
                 if done > 16:  # sample only after the queue holds work, mid-run
+                    if e0 is None:  # board energy (mJ) from here to the last sample: the mean power
+                        e0, te0 = pynvml.nvmlDeviceGetTotalEnergyConsumption(h), time.perf_counter()
                     samples[name]["mhz"].append(pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM))
-                    samples[name]["w"].append(pynvml.nvmlDeviceGetPowerUsage(h) / 1000.0)
+            if e0 is not None:
+                de, dt = pynvml.nvmlDeviceGetTotalEnergyConsumption(h) - e0, time.perf_counter() - te0
+                if dt > 0.2:
+                    samples[name]["w"].append(de / 1000.0 / dt)
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             end.synchronize()
             samples[name]["tflops"].append(2.0 * m * n * k * done / (start.elapsed_time(end) * 1e9))
     rows = []
     for name, s in samples.items():
-        row = {"variant": name, "layout": layout.value, "m": m, "n": n, "k": k, "sm_mhz": statistics.median(s["mhz"]),
-               "power_w": statistics.median(s["w"]), "tflops": statistics.median(s["tflops"]),
-               "tflops_rounds": [round(x, 1) for x in s["tflops"]]}
+        # the clock is sampled in 15 MHz steps that it dithers between at the cap: the mean over
+        # hundreds of samples resolves it finer than the median, which snaps to one step
+        row = {"variant": name, "layout": layout.value, "m": m, "n": n, "k": k, "sm_mhz": statistics.fmean(s["mhz"]),
+               "clock_samples": len(s["mhz"]), "power_w": statistics.fmean(s["w"]) if s["w"] else float("nan"),
+               "tflops": statistics.median(s["tflops"]), "tflops_rounds": [round(x, 1) for x in s["tflops"]]}
         row["tflop_per_ghz"] = row["tflops"] / (row["sm_mhz"] / 1000.0)
         rows.append(row)
-        print(f"{name:<10} {layout.value:<6} {m}x{n}x{k}: {row['tflops']:6.1f} TF at {row['sm_mhz']:.0f} MHz, {row['power_w']:.0f} W "
+        print(f"{name:<10} {layout.value:<6} {m}x{n}x{k}: {row['tflops']:6.1f} TF at {row['sm_mhz']:.1f} MHz "
+              f"({row['clock_samples']} samples), {row['power_w']:.1f} W "
               f"({row['tflop_per_ghz']:.1f} TF per GHz); rounds {row['tflops_rounds']}", flush=True)
     return rows
 
