@@ -118,9 +118,14 @@ def block_tensor(t: torch.Tensor, block: int = BLOCK_ELEMS) -> torch.Tensor:
     return torch.from_numpy(sums.view(np.int64).copy())
 
 
+def unsigned(blocks: torch.Tensor) -> list[int]:
+    """Block fingerprints held as int64 bits (block_tensor, gpu_block_tensor) as Python ints in [0, 2^64)."""
+    return [v & MASK64 for v in blocks.cpu().tolist()]
+
+
 def block_fingerprints(t: torch.Tensor, block: int = BLOCK_ELEMS) -> list[int]:
     """Fingerprint of each run of ``block`` consecutive elements (last one may be short)."""
-    return [v & MASK64 for v in block_tensor(t, block).tolist()]
+    return unsigned(block_tensor(t, block))
 
 
 def combine(blocks: list[int]) -> int:
@@ -149,11 +154,7 @@ def device_block_tensor(t: torch.Tensor, block: int = BLOCK_ELEMS) -> torch.Tens
 
 def device_block_fingerprints(t: torch.Tensor, block: int = BLOCK_ELEMS) -> list[int]:
     """``block_fingerprints(t, block)`` computed where ``t`` lives."""
-    if t.device.type == "cuda":
-        from aegis_cli.fingerprint_cuda import gpu_block_fingerprints
-
-        return gpu_block_fingerprints(t, block)
-    return block_fingerprints(t, block)
+    return unsigned(device_block_tensor(t, block))
 
 
 def differing_blocks(expected: list[int], actual: list[int]) -> list[int]:

@@ -18,7 +18,7 @@ import torch
 
 from aegis_cli.backends.loader import get_module
 from aegis_cli.errors import DeviceError
-from aegis_cli.fingerprint import BLOCK_ELEMS, MASK64, _block_words, _flat
+from aegis_cli.fingerprint import BLOCK_ELEMS, MASK64, _block_words, _flat, unsigned
 
 KERNEL = "fingerprint.cu"
 THREADS = 256
@@ -124,4 +124,4 @@ def gpu_block_tensor(t: torch.Tensor, block: int = BLOCK_ELEMS) -> torch.Tensor:
 
 def gpu_block_fingerprints(t: torch.Tensor, block: int = BLOCK_ELEMS) -> list[int]:
     """Fingerprint of each run of ``block`` consecutive elements (last one may be short)."""
-    return [v & MASK64 for v in gpu_block_tensor(t, block).cpu().tolist()]
+    return unsigned(gpu_block_tensor(t, block))
