@@ -105,7 +105,7 @@ def sensitivity(device: Device, rs: list[float], *, trials: int = 100, m: int = 
         d_row, d_col = numerics.checksum_diffs(res, ref)
         clean32 = max(clean32, float(d_row.max()), float(d_col.max()))
         clean16 = max(clean16, float(_bf16_row_diff(res.c, ref.row, ref.row_scale, tn).max()))
-        medians.append(float((res.row_sums.double() - ref.row).abs().median()))
+        medians.append(numerics.median_row_diff(res, ref))
         inputs.append((ops, ref))
     # the bf16 mode gets the same margin over its own clean maximum as the fp32 mode has
     tau16 = clean16 * (tau / clean32) if clean32 > 0 else th.tau_bf16

@@ -114,6 +114,12 @@ def checksum_diffs(res: GemmResult, ref: ReferenceChecksums) -> tuple[torch.Tens
             normalised_diff(res.col_sums, ref.col, ref.col_scale, ref.floor))
 
 
+def median_row_diff(res: GemmResult, ref: ReferenceChecksums) -> float:
+    """Median |fused row sum − reference| of a run, unnormalised: on a clean run, the unit of a
+    ``perturb`` fault (FaultPlan.needs_clean_median)."""
+    return float((res.row_sums.double() - ref.row).abs().median())
+
+
 def output_rowsum_diff(res: GemmResult, tn: int) -> tuple[torch.Tensor, torch.Tensor]:
     """bf16-output check: Σ over each column tile of the rounded output against the
     fp32-accumulator row sums. Returns (|Σ c − Σ acc|, Σ|c|·u_bf16) in fp64: the second is

@@ -112,8 +112,7 @@ def scaled(ops: GemmOperands, ea: int, eb: int) -> GemmOperands:
 
 def clean_median(device: Device, ops: GemmOperands, ref: ReferenceChecksums) -> float:
     """Median |row checksum − reference| of one clean run: the unit of a ``perturb`` fault."""
-    clean = device.checked_gemm(ops)
-    return float((clean.row_sums.double() - ref.row).abs().median())
+    return numerics.median_row_diff(device.checked_gemm(ops), ref)
 
 
 def scaled_reference(ref: ReferenceChecksums, e: int) -> ReferenceChecksums:
