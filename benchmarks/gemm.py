@@ -201,7 +201,7 @@ def compare(variants: dict[str, tuple[str, dict]], sizes, reps: int = 12, layout
 
 
 def clocks_under_load(variants: dict[str, tuple[str, dict]], size, seconds: float = 2.0, rounds: int = 3,
-                      with_cublas: bool = True, layout: Layout = Layout.FWD) -> list[dict]:
+                      layout: Layout = Layout.FWD) -> list[dict]:
     """Sustained runs of each variant: ``seconds`` of back-to-back launches (the launch queue
     fills, so the GPU paces the host), variants alternating for ``rounds``, with the SM clock
     and board power sampled through NVML meanwhile. Tells a power-capped card (the clock drops
@@ -215,7 +215,7 @@ def clocks_under_load(variants: dict[str, tuple[str, dict]], size, seconds: floa
     dev = cuda.CudaDevice(0, kernel="wgmma")
     m, n, k = size
     sets = _input_sets(dev, layout, m, n, k, 500)
-    fns = {"cublas": lambda i: _torch_matmul(*sets[i % N_SETS], layout)} if with_cublas else {}
+    fns = {"cublas": lambda i: _torch_matmul(*sets[i % N_SETS], layout)}
     fns.update({name: (lambda i, ls=ls: ls[i % N_SETS].run()) for name, ls in _variant_launches(dev, variants, sets, layout).items()})
     samples: dict[str, dict[str, list[float]]] = {v: {"mhz": [], "w": [], "tflops": []} for v in fns}
     for _ in range(rounds):
