@@ -139,7 +139,7 @@ def _progress_callback(progress: Progress | None):
               help="auto, all, cpu, cuda, cpu:N, cuda:N or a comma-separated list.")
 @click.option("--workload", default=None, help="Catalog name (see `aegis info`) or path to a workload YAML. "
               "Default: cpu-quick on CPUs, llama3-70b on GPUs.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed of every input; recorded in the report.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed of every input (0…2147483647); recorded in the report.")
 @click.option("--case", default=None, help="Re-run exactly one case id from a report.")
 @click.option("--reruns", default=5, show_default=True, type=int, help="Re-runs of a flagged case to confirm it.")
 @click.option("--inject", default=None, metavar="SPEC", help="Inject faults on purpose (self-test); see docs/fault-injection.md.")
@@ -181,7 +181,7 @@ def scan(devices, workload, seed, case, reruns, inject, save_vtasks, probes, gol
 @cli.command()
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
 def info(fmt):
-    """Devices and backends found, versions, kernels, and where caches live."""
+    """Devices and backends found, versions, probes, kernels, and where caches live."""
     from aegis_cli.info import gather
 
     doc = gather()
@@ -201,6 +201,8 @@ def info(fmt):
     for k, v in doc["paths"].items():
         t.add_row(k, v)
     t.add_row("workloads", ", ".join(doc["workloads"]))
+    for p in doc["probes"]:
+        t.add_row(f"probe {p['name']}", p["summary"] + ("  (default)" if p["default"] else ""))
     for k, v in doc["kernel_hashes"].items():
         t.add_row(f"kernel {k}", v)
     console.print(t)
@@ -381,7 +383,7 @@ def history(config_path, db, ident, since, fmt):
         w = _csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore", lineterminator="\n")
         w.writeheader()
         for r in rows:
-            w.writerow({k: (" ".join(v) if isinstance(v, list) else v) for k, v in r.items()})
+            w.writerow({k: (" ".join(map(str, v)) if isinstance(v, list) else v) for k, v in r.items()})
         click.echo(buf.getvalue(), nl=False)
         return
     console = Console()

@@ -36,6 +36,7 @@ from aegis_cli.backends.loader import kernel_hashes
 from aegis_cli.config import read_input_text
 from aegis_cli.errors import ConfigError, GoldenError
 from aegis_cli.probes._common import COMPUTATIONS, assumed_deterministic, sizes_for
+from aegis_cli.probes.gemm import check_seed
 from aegis_cli.report import atomic_write, tool_version
 
 FORMAT = "aegis-golden"
@@ -79,6 +80,7 @@ def record(devices: list[Device], seed: int = GOLDEN_SEED, progress=None) -> dic
     """Fingerprints of the canonical workloads on ``devices`` (assumed known-good). Devices
     sharing a key must agree bit for bit, else GoldenError: nothing trustworthy to record."""
     progress = progress or (lambda *a, **k: None)
+    check_seed(seed)
     records: list[dict] = []
     for device in devices:
         key = device_key(device)
@@ -122,7 +124,7 @@ def load(path: str | Path) -> dict:
     if doc.get("format_version") != FORMAT_VERSION:
         raise GoldenError(f"golden file {path} has format_version {doc.get('format_version')!r}; this aegis reads {FORMAT_VERSION}")
     try:
-        int(doc["seed"])
+        check_seed(doc["seed"])
         int(doc["block"])
         for r in doc["records"]:
             for c in r["computations"].values():
@@ -130,7 +132,7 @@ def load(path: str | Path) -> dict:
                     int(o["fingerprint"], 16)
                     [int(b, 16) for b in o["blocks"]]
             dict(r["key"])
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, ConfigError) as exc:
         raise GoldenError(f"golden file {path} is malformed ({type(exc).__name__}: {exc})") from None
     doc["_path"] = str(path)
     return doc

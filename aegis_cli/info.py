@@ -32,5 +32,21 @@ def gather() -> dict:
         "devices": devices,
         "paths": {"kernels": kdir, "workloads": str(workloads.catalog_dir()), "cupy kernel cache": loader.cache_dir()},
         "workloads": workloads.available(),
+        "probes": probes(),
         "kernel_hashes": loader.kernel_hashes(),
     }
+
+
+def probes() -> list[dict]:
+    """Every probe ``aegis scan --probes`` takes: name, whether it runs by default, what it does
+    (the first line of its docstring), and its ``--probe-option`` keys."""
+    from aegis_cli import scan  # noqa: F401  (registers the gemm probe)
+    from aegis_cli.probes import DEFAULT_PROBES, NODE_PROBES, PROBE_OPTIONS, PROBES, load_all
+
+    load_all()
+    out = []
+    for name, fn in sorted({**PROBES, **NODE_PROBES}.items()):
+        doc = (fn.__doc__ or "").strip().splitlines()
+        out.append({"name": name, "default": name in DEFAULT_PROBES, "node": name in NODE_PROBES,
+                    "summary": doc[0] if doc else "", "options": sorted(PROBE_OPTIONS.get(name, {}))})
+    return out

@@ -175,11 +175,18 @@ class Thresholds:
     def __post_init__(self) -> None:
         if not (0 < self.tau < 1 and 0 < self.tau_bf16 < 1):
             raise ConfigError(f"thresholds must lie in (0, 1), got tau={self.tau}, tau_bf16={self.tau_bf16}")
+        if not 1 <= self.confirm_margin <= 1e12:  # the range a vTask bundle records (bundle-format.md)
+            raise ConfigError(f"confirm margin must lie in 1…1e12 (a factor over τ), got {self.confirm_margin}")
 
 
 def pow2_scale(t: torch.Tensor, e: int) -> torch.Tensor:
-    """t·2^e, exact for bf16 when nothing leaves the normal range (checked by caller)."""
-    return t if e == 0 else (t.to(torch.float32) * (2.0**e)).to(t.dtype)
+    """t·2^e, exact for bf16 when nothing leaves the normal range (checked by caller). Two
+    factors of 2^(e/2): 2^e alone is not an fp32 for |e| ≥ 128 (replay --scales 64,64), while
+    the result and every intermediate lie between t and t·2^e."""
+    if e == 0:
+        return t
+    half = e // 2
+    return (t.to(torch.float32) * (2.0**half) * (2.0 ** (e - half))).to(t.dtype)
 
 
 @dataclass(frozen=True)

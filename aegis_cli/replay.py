@@ -124,6 +124,12 @@ class _VTaskReplay:
         self.fired: dict[str, _Fired] = {}
         self._this_run: set[str] = set()
         self.notes: list[str] = []
+        # the capture's τ, raised to this device's accumulation bound at this K where its matrix
+        # unit truncates: a vTask captured on a CPU, replayed on a GPU, is judged by the GPU's noise
+        self.tau = max(vt.tau, device.accumulation_bound(vt.gemm.k))
+        if self.tau > vt.tau:
+            self.notes.append(f"τ raised from the captured {vt.tau:.3g} to {self.tau:.3g}, "
+                              f"this device's accumulation bound at K = {vt.gemm.k}")
 
     def _full_row(self, i: int) -> int:
         return self.row_map[i] if self.row_map is not None else i
@@ -197,7 +203,7 @@ class _VTaskReplay:
 
     # -- (a) fp64 reference and (c) exact expectations ---------------------------------------
     def _signals(self, res: GemmResult, ref, exact, bound, expected, scale) -> None:
-        tau = self.vt.tau
+        tau = self.tau
         tn = res.tile[1]
         d_row, d_col = numerics.checksum_diffs(res, ref)
         for check, d, obs, rv, is_row in (("gemm.row_checksum", d_row, res.row_sums, ref.row, True),
@@ -284,7 +290,7 @@ class _VTaskReplay:
         margin = None
         cs = [self.fired[c].max_value for c in ("gemm.row_checksum", "gemm.col_checksum") if c in self.fired]
         if cs:
-            margin = max(cs) / vt.tau if all(math.isfinite(x) for x in cs) else math.inf
+            margin = max(cs) / self.tau if all(math.isfinite(x) for x in cs) else math.inf
         runs_total = self.opts.repeat * len(scales_run)
         if distinct > 1:
             outcome, severity = "inconsistent", Verdict.FAULTY
@@ -317,7 +323,7 @@ class _VTaskReplay:
                 "shape": {"m": vt.gemm.m, "n": vt.gemm.n, "k": vt.gemm.k}, "subset": vt.gemm.subset,
                 "replayed_shape": {"m": vt.gemm.m_sub, "n": vt.gemm.n_sub, "k": vt.gemm.k}, "capture_scale": list(vt.scale),
                 "outcome": outcome, "label": OUTCOMES[outcome], "severity": severity.value, "checks_fired": fired,
-                "captured_check_fired": vt.check in self.fired, "margin": margin, "runs": runs_total,
+                "captured_check_fired": vt.check in self.fired, "tau": self.tau, "margin": margin, "runs": runs_total,
                 "distinct_outputs": distinct, "scales_run": scales_run, "scales_skipped": skipped,
                 "matches_capture": capture["matches"], "capture_comparison": capture["detail"],
                 "same_device": same_device, "captured_on": where, "meaning": meaning, "notes": self.notes,
@@ -337,7 +343,7 @@ def _evidence(vt: vtask.VTask, out: dict, fired: dict[str, _Fired], bundle: str,
                   reruns=max(out["runs"] - 1, 0), reproduced=max(min(f.runs, out['runs']) - 1, 0), distinct_outputs=out["distinct_outputs"],
                   injected=recent_injections(fault))
     if check in ("gemm.row_checksum", "gemm.col_checksum"):
-        ev.threshold, ev.max_value, ev.margin = vt.tau, f.max_value, out["margin"]
+        ev.threshold, ev.max_value, ev.margin = out["tau"], f.max_value, out["margin"]
     else:
         ev.max_value = f.max_value
     return ev

@@ -17,7 +17,7 @@ from aegis_cli.backends.base import Device
 from aegis_cli.errors import AegisError, ConfigError
 from aegis_cli.inject import FaultPlan
 from aegis_cli.probes import DEFAULT_PROBES, NODE_PROBES, PROBES, ProbeContext, load_all, parse_probe_options, register
-from aegis_cli.probes.gemm import GemmCase, GemmProbe, case_bytes
+from aegis_cli.probes.gemm import GemmCase, GemmProbe, case_bytes, check_seed
 from aegis_cli.report import DeviceReport, Report, new_report
 from aegis_cli.verdict import Evidence, Verdict, worst
 
@@ -43,6 +43,9 @@ class ScanOptions:
     command_line: list[str] = field(default_factory=list)
     keep_flagged: bool = False  # keep each flagged GEMM run as observed, for --save-vtasks (DeviceReport.captured)
 
+    def __post_init__(self) -> None:
+        check_seed(self.seed)
+
 
 def workload_for(opts: ScanOptions, device: Device) -> workloads.Workload:
     """The catalog a scan runs on ``device``: --workload, else the CPU or GPU default."""
@@ -58,6 +61,10 @@ def plan_cases(wl: workloads.Workload, seed: int, case: str | None = None) -> li
         if not cases:
             raise ConfigError(f"case {case!r} is not in workload {wl.name!r} (case ids look like "
                               f"{wl.name}/OP/LAYOUT/DIST/MxNxK/s+0+0)")
+        ids = [cases[0].case_id(ea, eb) for ea, eb in wl.scan.scales]
+        if case not in ids:  # else the scan would run the base scale, ignore it and say HEALTHY
+            raise ConfigError(f"case {case!r}: workload {wl.name!r} has no such scale (its scales: "
+                              f"{', '.join(i.rsplit('/', 1)[1] for i in ids)})")
     return cases
 
 
@@ -78,24 +85,24 @@ def gemm_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
 
 
 def scan_device(device: Device, opts: ScanOptions, fault: FaultPlan | None, progress: Progress) -> DeviceReport:
-    """Every selected probe on one device; any failure of the device → ERROR, never HEALTHY."""
+    """Every selected probe on one device; any failure of the device → ERROR, never HEALTHY
+    (FAULTY when an earlier probe already confirmed corruption: its evidence is kept)."""
     t0 = time.time()
     dr = DeviceReport(identity=device.identity, verdict=Verdict.ERROR)
     ctx = ProbeContext(opts=opts, fault=fault, progress=progress)
+    ran = Verdict.HEALTHY
     try:
-        evidence: list[Evidence] = []
         for name in opts.probes:
             if name in NODE_PROBES:
                 continue  # node probes run once over all devices (run_node_probes)
-            evidence += PROBES[name](device, ctx)
-        dr.evidence = evidence
-        dr.verdict = worst([Verdict.HEALTHY, *(e.severity for e in evidence)])
+            dr.evidence += PROBES[name](device, ctx)
     except AegisError as exc:
         if isinstance(exc, ConfigError):
             raise
-        dr.error = str(exc)
+        dr.error, ran = str(exc), Verdict.ERROR
     except Exception as exc:  # a driver or runtime failure during checks: the device is not trusted
-        dr.error = f"{type(exc).__name__}: {exc}"
+        dr.error, ran = f"{type(exc).__name__}: {exc}", Verdict.ERROR
+    dr.verdict = worst([ran, *(e.severity for e in dr.evidence)])
     dr.workload = ctx.stats.pop("workload", "")
     dr.stats = ctx.stats.pop("gemm", None)
     dr.probe_stats = ctx.stats
@@ -108,7 +115,8 @@ def scan_device(device: Device, opts: ScanOptions, fault: FaultPlan | None, prog
 def run_node_probes(devices: list[Device], reports: list[DeviceReport], opts: ScanOptions, plan: FaultPlan | None,
                     progress: Progress) -> None:
     """Node probes (e.g. crossdevice) over every scanned device; their evidence joins each
-    device's report and can only worsen its verdict. A failure marks the devices ERROR."""
+    device's report and can only worsen its verdict. A failure marks the devices ERROR (those
+    already FAULTY stay FAULTY)."""
     by_id = {r.identity.id: r for r in reports}
     for name in (p for p in opts.probes if p in NODE_PROBES):
         ctx = ProbeContext(opts=opts, fault=plan, progress=progress)
@@ -119,7 +127,7 @@ def run_node_probes(devices: list[Device], reports: list[DeviceReport], opts: Sc
         except Exception as exc:  # a device failed during the node probe: none of them is trusted
             for r in reports:
                 r.error = (r.error + "; " if r.error else "") + f"{name}: {type(exc).__name__}: {exc}"
-                r.verdict = Verdict.ERROR
+                r.verdict = worst([r.verdict, Verdict.ERROR])
             continue
         for dev_id, evidence in found.items():
             r = by_id[dev_id]

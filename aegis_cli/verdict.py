@@ -28,8 +28,10 @@ class Verdict(str, enum.Enum):
                 Verdict.FAULTY: ExitCode.FAULTY, Verdict.ERROR: ExitCode.UNKNOWN}[self]
 
     @property
-    def rank(self) -> int:  # ERROR outranks FAULTY: a device we could not check is not trusted
-        return {Verdict.HEALTHY: 0, Verdict.SUSPECT: 1, Verdict.FAULTY: 2, Verdict.ERROR: 3}[self]
+    def rank(self) -> int:
+        # FAULTY outranks ERROR, as in the node exit code: both leave a device untrusted, but
+        # confirmed corruption found before a later check failed is the finding to act on
+        return {Verdict.HEALTHY: 0, Verdict.SUSPECT: 1, Verdict.ERROR: 2, Verdict.FAULTY: 3}[self]
 
 
 def worst(verdicts) -> Verdict:

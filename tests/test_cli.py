@@ -46,10 +46,10 @@ def test_injected_fault_exits_faulty_and_says_so(capsys):
 
 def test_suspect_exit_code(capsys):
     # a reproducible flag below the confirmation margin is SUSPECT: make every flag "small"
-    code, _, _ = run_cli(capsys, "scan", "-q", "--workload", TINY, "--inject", "bitflip:bit=exp", "--confirm-margin", "1e300")
+    code, _, _ = run_cli(capsys, "scan", "-q", "--workload", TINY, "--inject", "bitflip:bit=exp", "--confirm-margin", "1e12")
     # nonfinite/pow2 checks are rigorous and stay FAULTY; use a finite, checksum-only fault instead
     assert code in (ExitCode.FAULTY, ExitCode.SUSPECT)
-    code, out, _ = run_cli(capsys, "scan", "-q", "--workload", TINY, "--inject", "tile:mode=skipk,tile=0.0", "--confirm-margin", "1e300", "--probes", "gemm")
+    code, out, _ = run_cli(capsys, "scan", "-q", "--workload", TINY, "--inject", "tile:mode=skipk,tile=0.0", "--confirm-margin", "1e12", "--probes", "gemm")
     assert code == ExitCode.SUSPECT, out
     assert "SUSPECT" in out
 
@@ -89,6 +89,22 @@ def test_device_error_is_error_verdict_exit_3(capsys, monkeypatch):
         (["scan", "--format", "xml"], "xml"),
         (["scan", "--probes", "bogus"], "unknown probe"),
         (["scan", "--case", "cpu-quick/nope/fwd/normal/1x1x1/s+0+0"], "is not in workload"),
+        # a case whose scale the catalog lacks ran the base scale, ignored it and said HEALTHY
+        (["scan", "--case", "cpu-quick/qkv/fwd/normal/192x384x256/s+3+3"], "has no such scale (its scales: s+0+0, s-16-16"),
+        (["scan", "--case", "cpu-quick/qkv/fwd/normal/192x384x256/sXYZ"], "has no such scale"),
+        (["scan", "--case", "pow2/nosuchimpl/64x96x128"], "pow2 has no implementation 'nosuchimpl'"),
+        (["scan", "--case", "memory/bogus"], "the memory probe has no such case"),
+        (["scan", "--case", "golden/checked_gemm"], "give it with --golden FILE"),
+        # a seed a vTask bundle cannot record, or one that aliases another seed's inputs
+        (["scan", "--seed", "-1"], "seed must be an integer in 0…2147483647, got -1"),
+        (["scan", "--seed", "2147483648"], "got 2147483648"),
+        (["golden", "record", "--seed", "-5", "-o", "/tmp/never-written.json"], "seed must be an integer"),
+        (["scan", "--confirm-margin", "0.5"], "confirm margin must lie in 1…1e12"),
+        (["scan", "--confirm-margin", "nan"], "confirm margin must lie in 1…1e12"),
+        # probe options that would check nothing (HEALTHY over 0 bytes) or never finish
+        (["scan", "--probes", "memory", "--probe-option", "memory.passes=-1"], "memory.passes='-1' must lie in 0…1000"),
+        (["scan", "--probes", "memory", "--probe-option", "memory.mb=-1"], "must lie in 0…1048576"),
+        (["scan", "--probes", "memory", "--probe-option", "memory.hold=inf"], "must lie in -1…3600"),
         (["frobnicate"], "No such command"),
     ],
 )
@@ -100,6 +116,25 @@ def test_bad_input_one_line_exit_3(capsys, argv, needle):
     assert lines[0].startswith("Error:")
     assert needle in err
     assert "Traceback" not in err and out == ""
+
+
+def test_fault_survives_a_later_probe_error(capsys, monkeypatch):
+    """Confirmed corruption found by one probe is kept (FAULTY, exit 2, its evidence) when a later
+    probe on the same device fails; the failure is recorded beside it."""
+    from aegis_cli import probes
+    from aegis_cli.errors import DeviceError
+
+    probes.load_all()
+
+    def broken(device, ctx):
+        raise DeviceError("simulated driver failure in a later probe")
+
+    monkeypatch.setitem(probes.PROBES, "memory", broken)
+    code, out, _ = run_cli(capsys, "scan", "-q", "--workload", TINY, "--probes", "gemm,memory", "--reruns", "1",
+                           "--inject", "bitflip:bit=30,row=3,col=5", "--format", "json")
+    dev = json.loads(out)["devices"][0]
+    assert code == ExitCode.FAULTY and dev["verdict"] == "FAULTY"
+    assert dev["evidence"] and "simulated driver failure" in dev["error"]
 
 
 def test_unexpected_exception_is_one_line_exit_3(capsys, monkeypatch):
@@ -165,8 +200,11 @@ def test_info_lists_backends_and_paths(capsys):
     assert {b["name"] for b in doc["backends"]} == {"cpu", "cuda"}
     assert "cpu-quick" in doc["workloads"]
     assert doc["paths"]["cupy kernel cache"]
+    probes = {p["name"]: p for p in doc["probes"]}  # what --probes takes
+    assert {"gemm", "memory", "pow2", "determinism", "crossdevice", "golden"} <= set(probes)
+    assert probes["gemm"]["default"] and not probes["golden"]["default"] and "passes" in probes["memory"]["options"]
     code, out, _ = run_cli(capsys, "info")
-    assert code == 0 and "backend cpu" in out
+    assert code == 0 and "backend cpu" in out and "probe gemm" in out
 
 
 def test_import_touches_no_cuda():

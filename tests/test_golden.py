@@ -49,6 +49,28 @@ def test_wrong_the_same_way_every_time_is_faulty(golden_file):
     assert ev.samples[0]["output"] == "c" and ev.tiles
 
 
+def test_runs_that_differ_among_themselves_are_faulty(golden_file):
+    # an intermittent fault: the first run misses the golden bits, the re-runs return to them.
+    # Runs of a recorded (deterministic) computation that disagree are a confirmed corruption.
+    import numpy as np
+
+    coin = lambda s, launch: np.random.default_rng([s, 0, launch, 0xC01]).random()  # inject.py's coin
+    seed = next(s for s in range(1000) if coin(s, 0) < 0.5 and all(coin(s, n) >= 0.5 for n in (1, 2, 3)))
+    rep = run_scan(ScanOptions(devices="cpu:0", probes=("golden",), golden=str(golden_file), reruns=3,
+                               inject=f"bitflip:bit=30,target=out,prob=0.5,seed={seed},op=golden/checked_gemm"))
+    d = rep.devices[0]
+    (ev,) = d.evidence
+    assert ev.check == "golden.mismatch" and ev.severity.value == "FAULTY" and ev.distinct_outputs == 2
+    assert "wrong in 1 of 4 runs" in ev.summary and rep.exit_code == 2
+
+
+def test_unknown_golden_case_is_refused(golden_file):
+    from aegis_cli.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"has no computation 'nosuch'"):
+        run_scan(ScanOptions(devices="cpu:0", golden=str(golden_file), case="golden/nosuch/x"))
+
+
 def test_key_mismatch_refuses_with_clear_message(golden_file, tmp_path):
     doc = json.loads(golden_file.read_text())
     doc["records"][0]["key"]["torch"] = "0.0.1"

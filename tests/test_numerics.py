@@ -93,3 +93,20 @@ def test_flushed_subnormal_results_are_not_flagged():
     normal = dev.reference_checksums(GemmOperands(dev.generate((64, 96), "normal", 5), dev.generate((96, 128), "normal", 6),
                                                   Layout.DGRAD), dev.tile)
     assert normal.floor < 1e-30 * float(normal.row_scale.min())
+
+
+def test_pow2_scale_reaches_2_to_the_128():
+    # replay --scales 64,64 scales the base C by 2^128, which is not an fp32: one factor made
+    # every expected value inf and a healthy device FAULTY
+    t = torch.tensor([1.0, -1.5, 2.0**-30, 0.0], dtype=torch.bfloat16)
+    assert torch.equal(numerics.pow2_scale(t * 2.0**-64, 128), (t.double() * 2.0**64).to(torch.bfloat16))
+    assert torch.equal(numerics.pow2_scale(t * 2.0**100, -160), (t.double() * 2.0**-60).to(torch.bfloat16))
+    assert torch.isinf(numerics.pow2_scale(t[:1], 128)).all()  # an output that truly overflows still does
+
+
+def test_faulty_outranks_error():
+    from aegis_cli.verdict import Verdict, worst
+
+    # corruption confirmed before a later check failed stays the finding (as in the node exit code)
+    assert worst([Verdict.FAULTY, Verdict.ERROR]) is Verdict.FAULTY
+    assert worst([Verdict.SUSPECT, Verdict.ERROR]) is Verdict.ERROR and worst([]) is Verdict.ERROR

@@ -249,3 +249,35 @@ def test_inputs_whose_products_are_subnormal_are_not_faults(tmp_path):
     rep = run_replay(ReplayOptions(bundles=[str(path)], devices="cpu", repeat=2))
     o = rep.devices[0].probe_stats["replay"]["outcomes"][0]
     assert rep.exit_code == 0 and o["outcome"] == "not_reproduced" and o["checks_fired"] == []
+
+
+def test_scales_summing_to_128_stay_exact(tmp_path):
+    # small operands (as captured at scale -32) replayed at --scales 64,64: the expected C is the
+    # base C times 2^128, which one fp32 factor cannot carry (it made a healthy device FAULTY)
+    vt = make_vtask("small", m=8, n=8, k=64, tile=(4, 4), observed=False)
+    for role in ("a", "b"):
+        vt.tensors[role] = (vt.tensors[role].float() * 2.0**-32).to(torch.bfloat16)
+    path = tmp_path / "small.aegis"
+    with BundleWriter(path) as w:
+        w.add(vt)
+    rep = run_replay(ReplayOptions(bundles=[str(path)], devices="cpu", repeat=1, scales=parse_scales("64,64")))
+    (o,) = rep.devices[0].probe_stats["replay"]["outcomes"]
+    assert o["scales_run"] == [[0, 0], [64, 64]] and o["outcome"] == "not_reproduced"
+    assert o["checks_fired"] == [] and rep.exit_code == 0
+
+
+def test_replay_judges_by_the_replaying_devices_noise(tmp_path, monkeypatch):
+    # a vTask captured with the CPU's τ, replayed on a device whose matrix unit truncates: its
+    # accumulation bound at this K, not the capture's τ, is the threshold (else clean noise reads
+    # as "reproduced")
+    from aegis_cli.backends.cpu import CpuDevice
+
+    vt = make_vtask("clean", m=8, n=8, k=64, tile=(4, 4), observed=False)
+    path = tmp_path / "clean.aegis"
+    with BundleWriter(path) as w:
+        w.add(vt)
+    monkeypatch.setattr(CpuDevice, "accumulation_bound", lambda self, k: 1e-3)
+    rep = run_replay(ReplayOptions(bundles=[str(path)], devices="cpu", repeat=1))
+    (o,) = rep.devices[0].probe_stats["replay"]["outcomes"]
+    assert o["tau"] == 1e-3 > vt.tau and any("τ raised" in n for n in o["notes"])
+    assert o["outcome"] == "not_reproduced"

@@ -18,7 +18,7 @@ SCHEMA = json.loads((Path(__file__).parent.parent / "docs" / "report.schema.json
     [
         ([], "HEALTHY"),
         (["--inject", "bitflip:bit=exp"], "FAULTY"),
-        (["--inject", "tile:mode=skipk", "--confirm-margin", "1e300", "--probes", "gemm"], "SUSPECT"),
+        (["--inject", "tile:mode=skipk", "--confirm-margin", "1e12", "--probes", "gemm"], "SUSPECT"),
         (["--inject", "bitflip:target=out,bit=14"], "FAULTY"),
     ],
 )

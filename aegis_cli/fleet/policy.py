@@ -6,10 +6,11 @@ since its last bad one). Walking its results oldest first:
   ACTIVE      → QUARANTINED  when FAULTY results within ``window_days`` reach ``faulty_count``
                              or SUSPECT results within ``window_days`` reach ``suspect_count``
                              (ERROR counts as SUSPECT only with ``error_counts_as_suspect``)
-  QUARANTINED → PROBATION    on a HEALTHY result; another SUSPECT/FAULTY restarts the count
-  PROBATION   → ACTIVE       after ``probation_sweeps`` consecutive HEALTHY results — unless the
-                             quarantine came from a FAULTY result and ``readmit_faulty`` is off
-                             (the default: a confirmed fault hides after a reboot, it is not cured)
+  QUARANTINED → PROBATION    on a HEALTHY result; another SUSPECT/FAULTY restarts the count. Not
+                             when the quarantine came from a FAULTY result and ``readmit_faulty``
+                             is off (the default: a confirmed fault hides after a reboot, it is
+                             not cured): such a device stays QUARANTINED, its clean streak counted
+  PROBATION   → ACTIVE       after ``probation_sweeps`` consecutive HEALTHY results
 ERROR results neither count as clean nor reset probation (the device was not checked).
 Only results after a re-admission count towards the next quarantine.
 

@@ -110,6 +110,9 @@ class SweepConfig:
             raise ConfigError("budget_seconds and device_timeout_seconds must be > 0")
         if self.reruns < 1:
             raise ConfigError(f"reruns must be ≥ 1, got {self.reruns}")
+        from aegis_cli.probes.gemm import check_seed
+
+        check_seed(self.seed)
         if self.max_parallel < 0 or self.fingerprint_cases < 0:
             raise ConfigError("max_parallel and fingerprint_cases must be ≥ 0")
         if self.inject:
@@ -288,9 +291,10 @@ def run_workers(cfg: SweepConfig, plans: list[DevicePlan], identities: dict[str,
                         log("device_failed", level="error", device=w.plan.device_id, rc=rc)
                     else:
                         doc["device"] = {**w.identity, **doc["device"]}
-                    # an ERROR says why in the log line too: operators tail logs, not reports
-                    why = {"error": str(doc["error"])[:300]} if doc.get("error") else {}
-                    log("device_done", device=w.plan.device_id, verdict=doc["verdict"], seconds=round(took, 2), **why)
+                # every device ends with one device_done line; an ERROR says why there too:
+                # operators tail logs, not reports
+                why = {"error": str(doc["error"])[:300]} if doc.get("error") else {}
+                log("device_done", device=w.plan.device_id, verdict=doc["verdict"], seconds=round(took, 2), **why)
                 results[w.plan.device_id] = doc
     finally:
         for w in running:

@@ -22,10 +22,11 @@ import time
 from dataclasses import replace
 
 from aegis_cli import report as report_mod
-from aegis_cli.errors import AegisError
+from aegis_cli.errors import AegisError, ConfigError
 from aegis_cli.fleet.compare import PROBE_KEY, fingerprint_class
 from aegis_cli.fleet.sweep import log_line
 from aegis_cli.inject import WORKER_MODELS, FaultPlan, parse_spec
+from aegis_cli.verdict import worst
 
 
 def log(event: str, **kv) -> None:
@@ -82,21 +83,25 @@ def run(spec: dict) -> dict:
     quiet = lambda *a, **k: None
     priority = {"cases": list(spec.get("priority_cases") or []), "verdicts": {}}
     t0 = time.time()
-    if priority["cases"]:
-        from aegis_cli.verdict import worst
-
-        pre = []
-        for cid in priority["cases"]:
+    pre = []
+    for cid in priority["cases"]:
+        try:
             dr = scan_device(device, replace(opts, case=cid), plan and plan.for_device(device_id), quiet)
-            priority["verdicts"][cid] = dr.verdict.value
-            pre.append(dr)
-            log("priority_case", device=device_id, case=cid, verdict=dr.verdict.value)
+        except ConfigError as exc:  # a case from history this configuration no longer has
+            priority["verdicts"][cid] = f"not run: {exc}"
+            log("priority_case_skipped", device=device_id, case=cid, reason=str(exc))
+            continue
+        priority["verdicts"][cid] = dr.verdict.value
+        pre.append(dr)
+        log("priority_case", device=device_id, case=cid, verdict=dr.verdict.value)
+    if pre:
         partial = pre[0].to_dict(opts.thresholds.tau)
         partial["evidence"] = [e for dr in pre for e in dr.to_dict(opts.thresholds.tau)["evidence"]]
         partial["verdict"] = worst(dr.verdict for dr in pre).value
         partial["probes"]["sweep"] = {"priority": priority, "full_scan": "not finished"}
         report_mod.atomic_write(spec["output"] + ".partial.json", report_mod.render(partial, "json"))
     dr = scan_device(device, opts, plan and plan.for_device(device_id), quiet)
+    _keep_priority_findings(dr, pre)
     doc = dr.to_dict(opts.thresholds.tau)
     log("scanned", device=device_id, verdict=dr.verdict.value, seconds=round(time.time() - t0, 2))
     limit = int(spec.get("fingerprint_cases", 12))
@@ -110,6 +115,18 @@ def run(spec: dict) -> dict:
             doc["probes"][PROBE_KEY] = {"error": f"{type(exc).__name__}: {exc}"}
     doc["probes"]["sweep"] = {"priority": priority, "full_scan": "completed", "worker_seconds": round(time.time() - t0, 3)}
     return doc
+
+
+def _keep_priority_findings(dr, pre: list) -> None:
+    """Fold the priority re-runs into the full scan's report: an intermittent fault that a
+    priority case caught again and the full scan happened to miss must not end as HEALTHY."""
+    seen = {(e.check, e.case_id) for e in dr.evidence}
+    for p in pre:
+        dr.evidence += [e for e in p.evidence if (e.check, e.case_id) not in seen]
+        seen |= {(e.check, e.case_id) for e in p.evidence}
+        if p.error:
+            dr.error = (dr.error + "; " if dr.error else "") + f"priority case: {p.error}"
+    dr.verdict = worst([dr.verdict, *(p.verdict for p in pre)])
 
 
 def main(argv: list[str]) -> int:

@@ -47,6 +47,20 @@ class ProbeContext:
         return case.split("/")[1] if case and case.startswith(probe + "/") else None
 
 
+def bounded(typ: type, lo: float, hi: float) -> Callable[[str], object]:
+    """An option type: ``typ`` in [lo, hi] (NaN refused). Values that would check nothing or
+    never finish are refused before any work: HEALTHY means every check ran."""
+
+    def parse(v: str):
+        x = typ(v)
+        if not lo <= x <= hi:
+            raise ValueError(f"must lie in {lo}…{hi}")
+        return x
+
+    parse.__name__ = typ.__name__
+    return parse
+
+
 def quick_or_full(v: str) -> str:
     """The type of the probes' ``mode`` option."""
     if v not in ("quick", "full"):
@@ -94,8 +108,9 @@ def parse_probe_options(items: dict[str, str]) -> dict[str, str]:
         typ = PROBE_OPTIONS[probe][key][0]
         try:
             typ(raw)
-        except ValueError:
-            raise ConfigError(f"probe option {name}={raw!r} is not a valid {typ.__name__}") from None
+        except ValueError as exc:
+            why = str(exc) if str(exc).startswith("must") else f"is not a valid {typ.__name__}"
+            raise ConfigError(f"probe option {name}={raw!r} {why}") from None
     return dict(items)
 
 

@@ -48,9 +48,12 @@ def _run_device(device: Device, names: list[str], ctx: ProbeContext, fault) -> d
     return out
 
 
-def _referee(name: str, key: str, results: dict[str, dict], ids: list[str], tau: float) -> dict[str, float] | None:
+def _referee(name: str, key: str, results: dict[str, dict], ids: list[str], devices: dict[str, Device],
+             thresholds: numerics.Thresholds) -> dict[str, float] | None:
     """Each device's worst error at the differing elements over its rigorous bound (> 1: wrong),
-    for GEMM outputs; None when no fp64 reference applies."""
+    for GEMM outputs; None when no fp64 reference applies. Checksums are judged on the devices'
+    own checksum tile and against each device's τ for this K (raised to its accumulation bound
+    where the matrix unit truncates), as the GEMM probe judges them."""
     if name not in ("checked_gemm", "matmul") or key.startswith("input:"):
         return None
     a0, a1 = results[ids[0]][name][key], results[ids[1]][name][key]
@@ -73,16 +76,16 @@ def _referee(name: str, key: str, results: dict[str, dict], ids: list[str], tau:
             ratio = ((got - exact).abs() / bound.clamp(min=2.0**-1022)).nan_to_num(nan=float("inf"))
             out[d] = float(ratio.max())
         return out
-    tile = (128, 128)
+    tile = devices[ids[0]].tile  # one model per comparison group: one tile
     ref = numerics.reference_checksums(GemmOperands(a.to(torch.bfloat16), b.to(torch.bfloat16), Layout.FWD), tile)
     want, scale = (ref.row, ref.row_scale) if key == "row_sums" else (ref.col, ref.col_scale)
-    if tuple(want.shape) != tuple(a0.shape):  # the device's checksum tile differs from 128×128
+    if tuple(want.shape) != tuple(a0.shape):  # sums of another layout than this reference's
         return None
     idx = torch.tensor([r["index"] for r in recs])
     for d in ids:
         got = results[d][name][key].cpu().double().reshape(-1)[idx]
         diff = numerics.normalised_diff(got, want.reshape(-1)[idx], scale.reshape(-1)[idx])
-        out[d] = float(diff.max()) / tau
+        out[d] = float(diff.max()) / thresholds.tau_for(devices[d], k)
     return out
 
 
@@ -149,7 +152,7 @@ def crossdevice_probe(devices: list[Device], ctx: ProbeContext) -> dict[str, lis
                                                           f"{len(agree)} of {len(ids)} {model} devices agree with each other (majority)",
                                                           ctx, by_id[ids[j]], plans[ids[j]]))
                     continue
-                ratios = _referee(name, key, results, [agree[0], ids[odd[0]]], ctx.opts.thresholds.tau) if len(set(prints)) == 2 else None
+                ratios = _referee(name, key, results, [agree[0], ids[odd[0]]], by_id, ctx.opts.thresholds) if len(set(prints)) == 2 else None
                 wrong = [d for d, r in (ratios or {}).items() if r > 1.0]
                 if ratios is not None and len(wrong) == 1:
                     right = next(d for d in ratios if d != wrong[0])

@@ -25,6 +25,7 @@ import torch
 
 from aegis_cli import fingerprint, numerics
 from aegis_cli.backends.base import Device, GemmOperands, GemmResult, ReferenceChecksums
+from aegis_cli.errors import ConfigError
 from aegis_cli.inject import FaultPlan, recent_injections
 from aegis_cli.verdict import Evidence, Verdict
 from aegis_cli.workloads import GemmShape
@@ -32,6 +33,17 @@ from aegis_cli.workloads import GemmShape
 MAX_SAMPLES = 8
 MAX_LOCALISED = 16
 RIGOROUS = ("gemm.nonfinite", "gemm.output_rowsum", "gemm.pow2_exact")
+
+
+MAX_SEED = 0x7FFF_FFFF  # case_seed maps scan seeds 0..MAX_SEED to distinct inputs, no larger ones
+
+
+def check_seed(seed: object) -> int:
+    """A scan seed, refused (ConfigError) outside 0…MAX_SEED: beyond it two seeds would give the
+    same inputs under different names, and vTask bundles cannot record a negative one."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ConfigError(f"seed must be an integer in 0…{MAX_SEED}, got {seed!r}")
+    return seed
 
 
 def case_seed(seed: int, *parts: object) -> int:
@@ -153,6 +165,9 @@ class GemmProbe:
             if only is not None and cid != only and (ea, eb) != (0, 0):
                 continue
             if (ea, eb) != (0, 0) and not numerics.pow2_exact_safe(mag, ea, eb):
+                if cid == only:  # the one case asked for cannot run: say so, never HEALTHY
+                    raise ConfigError(f"case {cid!r} cannot run with seed {case.seed}: scale {ea:+d}{eb:+d} would take "
+                                      "these inputs out of the range where power-of-two scaling is exact")
                 self.stats.skipped_scales += 1
                 continue
             ops = scaled(base_ops, ea, eb) if (ea, eb) != (0, 0) else base_ops

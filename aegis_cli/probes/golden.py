@@ -5,16 +5,20 @@ Runs only with ``aegis scan --golden FILE`` (the scan adds it then, and refuses 
 the file has no record for a device's key).
 
   golden.mismatch   an input or output fingerprint differs from the golden one. The
-                    computation is re-run ``min(reruns, 3)`` times: the same wrong bits every
-                    time (a device wrong the same way every time), or differing bits, are
-                    FAULTY; a return to the golden bits is SUSPECT (did not reproduce).
-                    Differing blocks (golden block fingerprints) localise it to element ranges.
+                    computation is re-run ``min(reruns, 3)`` times. Always FAULTY: the same
+                    wrong bits every time (a device wrong the same way every time), or runs
+                    that differ among themselves, a bitwise mismatch between runs of a
+                    computation recorded only because it is deterministic on a healthy device
+                    (DESIGN §3, as in the determinism probe), even when later runs return to the
+                    golden bits. Differing blocks (golden block fingerprints) localise it to
+                    element ranges.
 """
 
 from __future__ import annotations
 
 from aegis_cli import golden
 from aegis_cli.backends.base import Device
+from aegis_cli.errors import ConfigError
 from aegis_cli.fingerprint import device_block_fingerprints, hex64
 from aegis_cli.inject import recent_injections
 from aegis_cli.probes import ProbeContext, register
@@ -25,6 +29,8 @@ from aegis_cli.verdict import Evidence, Verdict
 def golden_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     """Fingerprints of the canonical workloads against a golden file."""
     if not ctx.opts.golden:
+        if ctx.case_part("golden") is not None:
+            raise ConfigError(f"case {ctx.opts.case!r} compares against a golden file: give it with --golden FILE")
         ctx.stats["golden"] = {"compared": False, "reason": "no --golden FILE given"}
         return []
     doc = golden.load(ctx.opts.golden)
@@ -33,6 +39,9 @@ def golden_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     evidence: list[Evidence] = []
     checked = 0
     only = ctx.case_part("golden")
+    if only is not None and only not in rec["computations"]:
+        raise ConfigError(f"case {ctx.opts.case!r}: the golden record {rec['key']!r} has no computation {only!r} "
+                          f"(it has: {', '.join(rec['computations'])})")
     for name, want in rec["computations"].items():
         if only is not None and name != only:
             continue
@@ -61,10 +70,9 @@ def golden_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
                                 "expected_block_fingerprint": want["outputs"][o]["blocks"][i], "actual_block_fingerprint": blocks[i]})
         if wrong_runs == len(seen) and len(set(seen)) == 1:
             sev, why = Verdict.FAULTY, f"the same wrong bits in all {len(seen)} runs: this device is wrong the same way every time"
-        elif wrong_runs == len(seen):
-            sev, why = Verdict.FAULTY, f"wrong in all {len(seen)} runs, with {len(set(seen))} different results"
-        else:
-            sev, why = Verdict.SUSPECT, f"wrong in {wrong_runs} of {len(seen)} runs (did not reproduce every time)"
+        else:  # a deterministic computation changed its bits between runs
+            sev, why = Verdict.FAULTY, (f"wrong in {wrong_runs} of {len(seen)} runs, with {len(set(seen))} different results "
+                                        "from a computation that is bitwise deterministic on a healthy device")
         evidence.append(Evidence(
             check="golden.mismatch", severity=sev, case_id=f"golden/{name}",
             summary=f"golden.mismatch: {name}: {', '.join(bad)} differ from the golden fingerprint; {why}",

@@ -30,7 +30,7 @@ from aegis_cli import fingerprint, nvml
 from aegis_cli.backends.base import Device
 from aegis_cli.errors import ConfigError
 from aegis_cli.inject import recent_injections
-from aegis_cli.probes import ProbeContext, quick_or_full, register
+from aegis_cli.probes import ProbeContext, bounded, quick_or_full, register
 from aegis_cli.probes._common import MAX_SAMPLES, stored_faults
 from aegis_cli.probes.gemm import case_seed
 from aegis_cli.verdict import Evidence, Verdict
@@ -44,9 +44,9 @@ MAX_BLOCKS_EXAMINED = 16
 OPTIONS = {
     "mode": (quick_or_full, "quick", "quick: 90% of free GPU memory held 3 s, one pass; full: 95%, 30 s, two passes"),
     "fraction": (float, 0.0, "fraction of free GPU memory to cover (0: by mode)"),
-    "hold": (float, -1.0, "seconds to hold the patterns while matmuls run (-1: by mode)"),
-    "passes": (int, 0, "passes, each with the patterns rotated across chunks (0: by mode)"),
-    "mb": (int, 0, "CPU backend: host buffer size in MiB (0: by mode, 32 quick / 512 full)"),
+    "hold": (bounded(float, -1, 3600), -1.0, "seconds to hold the patterns while matmuls run (-1: by mode)"),
+    "passes": (bounded(int, 0, 1000), 0, "passes, each with the patterns rotated across chunks (0: by mode)"),
+    "mb": (bounded(int, 0, 1 << 20), 0, "CPU backend: host buffer size in MiB (0: by mode, 32 quick / 512 full)"),
 }
 
 _TEMPLATES: dict[torch.device, torch.Tensor] = {}
@@ -173,6 +173,9 @@ def _compare(region: _Region, before: list[torch.Tensor], ctx_device: str) -> tu
 @register("memory", OPTIONS)
 def memory_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     """Patterns in most of free memory, fingerprinted, held under load, re-read."""
+    part = ctx.case_part("memory")  # --case memory/passN or memory/nvml re-runs the whole probe
+    if part is not None and not (part == "nvml" or (part.startswith("pass") and part[4:].isdecimal())):
+        raise ConfigError(f"case {ctx.opts.case!r}: the memory probe has no such case (memory/passN, memory/nvml)")
     mode = ctx.option("memory", "mode")
     full = mode == "full"
     fraction = ctx.option("memory", "fraction") or (0.95 if full else 0.90)

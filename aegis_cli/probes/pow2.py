@@ -134,7 +134,11 @@ def pow2_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     impls = IMPLS
     part = ctx.case_part("pow2")
     if part is not None:
-        impls = tuple(i for i in IMPLS if part == i)  # --case pow2/IMPL/SHAPE
+        if part not in IMPLS:
+            from aegis_cli.errors import ConfigError
+
+            raise ConfigError(f"case {ctx.opts.case!r}: pow2 has no implementation {part!r} (known: {', '.join(IMPLS)})")
+        impls = (part,)  # --case pow2/IMPL/SHAPE
     for impl in impls:
         st, ev = sweep(device, impl, step, ctx)
         stats[impl] = st
