@@ -167,3 +167,27 @@ def test_progress_counts_only_gemm_cases():
     assert total > 0
     assert sum(event == "case" for event, _ in events) == total
     assert any(event == "step" for event, _ in events)
+
+
+@pytest.mark.gpu
+def test_crossdevice_two_gpus_fp64_reference_decides_on_checksums():
+    # the referee judges the fused sums on the kernels' own 64×128 tiles and each GPU's τ for this
+    # K (a fixed 128×128 tile left every checksum disagreement undecided on CUDA)
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    seen = {}
+    for seed in range(24):
+        rep = run_scan(ScanOptions(devices="cuda:0,cuda:1", probes=("crossdevice",),
+                                   probe_options={"crossdevice.only": "checked_gemm"},
+                                   inject=f"memflip:device=cuda:0,op=crossdevice/checked_gemm,bit=exp,seed={seed}"))
+        v = {d.identity.id: d.verdict.value for d in rep.devices}
+        (ev,) = rep.devices[0].evidence
+        out = ev.samples[0]["output"]
+        assert v == {"cuda:0": "FAULTY", "cuda:1": "HEALTHY"}, (seed, out, ev.summary)
+        assert "fp64 reference decides" in ev.summary, (seed, out, ev.summary)
+        seen[out] = seed
+        if {"row_sums", "col_sums"} <= set(seen):
+            break
+    assert {"row_sums", "col_sums"} <= set(seen), seen
