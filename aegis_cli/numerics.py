@@ -214,6 +214,9 @@ class Magnitudes:
         # smallest product must stay a normal fp32 (FTZ on the GPU) and survive in the sum's ulp
         if amin < BF16_MIN_NORMAL or bmin < BF16_MIN_NORMAL or amin * bmin < 2.0**-100:
             return False
+        # each operand itself must stay finite: 2^64·A with 2^-64·B keeps the products in range
+        if amax >= SUM_LIMIT or bmax >= SUM_LIMIT:
+            return False
         return amax * bmax * self.k * CHECKSUM_SPAN < SUM_LIMIT
 
 
@@ -244,7 +247,18 @@ def overflow_bound(ops: GemmOperands, chunk: int = 1 << 22) -> float:
     return min(by_row, by_col) * CHECKSUM_SPAN
 
 
+def accumulation_ceiling(k: int, span: int) -> float:
+    """Worst-case |Δ|/s of an fp32 checksum of ``span`` K-deep dot products, whatever the data:
+    each of the K + span adds may round (or, on a truncating matrix unit, chop) by 2⁻²³ of a
+    partial sum ≤ s. Far above the calibrated τ, which holds for the scan's input distributions;
+    on other data a flag below this ceiling may be rounding, not corruption."""
+    n = (k + span) * 2.0**-23
+    return n / (1 - n) if n < 0.5 else math.inf
+
+
 def pow2_exact_safe(ops: GemmOperands | Magnitudes | None, ea: int, eb: int) -> bool:
-    """Magnitudes.exact_safe for operands (measured here) or for magnitudes measured once."""
+    """Whether C(2^ea·A, 2^eb·B) = 2^(ea+eb)·C(A, B) bit for bit: Magnitudes.exact_safe at that
+    scale and at the base scale both (a base C with flushed or rounded-away products is no
+    exact expectation), for operands (measured here) or for magnitudes measured once."""
     mag = magnitudes(ops) if isinstance(ops, GemmOperands) else ops
-    return mag is None or mag.exact_safe(ea, eb)
+    return mag is None or (mag.exact_safe(0, 0) and mag.exact_safe(ea, eb))

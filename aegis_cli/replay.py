@@ -157,15 +157,17 @@ class _VTaskReplay:
         ref0 = dev.reference_checksums(ops0, tile)
         m, n, k = ops0.mnk
         exact0 = bound0 = None
-        if m * n * k <= ELEMENT_BUDGET:
+        # at K ≥ 2²² γ_K has no finite value (and inf·0 would be a NaN bound no error exceeds)
+        if m * n * k <= ELEMENT_BUDGET and k * U_ACC < 0.5:
             a64, b64 = ops0.a_mk.double(), ops0.b_kn.double()
             exact0 = a64 @ b64  # (M', N') exact up to fp64 rounding
             mag = a64.abs() @ b64.abs()
-            gamma = k * U_ACC / (1 - k * U_ACC) if k * U_ACC < 0.5 else math.inf
+            gamma = k * U_ACC / (1 - k * U_ACC)
             bound0 = (exact0.abs() + gamma * mag) * (numerics.U_BF16 * (1 + 2.0**-6)) + gamma * mag * 1.01
             floor = numerics.subnormal_slack(k)  # does not scale with the inputs
         else:
-            self.notes.append(f"element-level fp64 comparison skipped ({m}x{n}x{k} is above the budget)")
+            why = "is above the budget" if m * n * k > ELEMENT_BUDGET else "has K too deep for a finite rounding bound"
+            self.notes.append(f"element-level fp64 comparison skipped ({m}x{n}x{k} {why})")
         clean_median = None
         if self.fault is not None and self.fault.needs_clean_median():  # in units of the unscaled case
             clean_median = clean_median_of(dev, ops0, ref0) / 2.0 ** (vt.scale[0] + vt.scale[1])
@@ -297,7 +299,14 @@ class _VTaskReplay:
         elif fired:
             outcome = "reproduced"
             rigorous = [c for c in fired if c in RIGOROUS]
-            severity = Verdict.FAULTY if rigorous or (margin or 0) >= vt.confirm_margin else Verdict.SUSPECT
+            # a vTask may carry any data, not the scan's calibrated distributions: a checksum flag
+            # that fp32 rounding of these inputs could explain confirms nothing on its own
+            ceiling = numerics.accumulation_ceiling(vt.gemm.k, max(dev.tile)) + dev.accumulation_bound(vt.gemm.k)
+            within = bool(cs) and max(cs) <= ceiling
+            if within and not rigorous:
+                self.notes.append(f"checksum differences (≤ {max(cs):.3g}·s) are within what fp32 rounding of these inputs "
+                                  f"can reach ({ceiling:.3g}·s): SUSPECT, not FAULTY")
+            severity = Verdict.FAULTY if rigorous or ((margin or 0) >= vt.confirm_margin and not within) else Verdict.SUSPECT
         else:
             outcome, severity = "not_reproduced", Verdict.HEALTHY
         prov = vt.provenance

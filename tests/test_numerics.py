@@ -110,3 +110,25 @@ def test_faulty_outranks_error():
     # corruption confirmed before a later check failed stays the finding (as in the node exit code)
     assert worst([Verdict.FAULTY, Verdict.ERROR]) is Verdict.FAULTY
     assert worst([Verdict.SUSPECT, Verdict.ERROR]) is Verdict.ERROR and worst([]) is Verdict.ERROR
+
+
+def test_pow2_exact_needs_finite_operands_and_an_exact_base():
+    # 2^64·A with 2^-64·B keeps the products in range but A itself overflows bf16
+    mag = numerics.Magnitudes(2.0**60, 2.0**65, 2.0**-62, 2.0**-60, 4)
+    assert mag.exact_safe(0, 0) and not mag.exact_safe(64, -64) and not numerics.pow2_exact_safe(mag, 64, -64)
+    # products of 2^-140 round away in the base run: no scaled run can be compared with it
+    tiny = numerics.Magnitudes(2.0**-70, 2.0**-70, 2.0**-70, 2.0**-70, 8)
+    assert tiny.exact_safe(20, 20) and not numerics.pow2_exact_safe(tiny, 20, 20)
+
+
+def test_accumulation_ceiling_covers_round_to_nearest_worst_case():
+    # one dominant product per row, then K-1 products below half an ulp of it: round to nearest
+    # drops every one of them, |Δ|/s grows with K past the calibrated τ but stays under the ceiling
+    dev = CpuDevice(0)
+    for k in (64, 1024):
+        a = torch.full((128, k), 1.5 * 2.0**-25, dtype=torch.bfloat16)
+        a[:, 0] = 1.0
+        ops = GemmOperands(a, torch.ones((k, 128), dtype=torch.bfloat16), Layout.DGRAD)
+        d_row, d_col = numerics.checksum_diffs(dev.checked_gemm(ops), dev.reference_checksums(ops, dev.tile))
+        worst = max(float(d_row.max()), float(d_col.max()))
+        assert numerics.Thresholds().tau < worst <= numerics.accumulation_ceiling(k, max(dev.tile))

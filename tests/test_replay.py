@@ -281,3 +281,20 @@ def test_replay_judges_by_the_replaying_devices_noise(tmp_path, monkeypatch):
     (o,) = rep.devices[0].probe_stats["replay"]["outcomes"]
     assert o["tau"] == 1e-3 > vt.tau and any("τ raised" in n for n in o["notes"])
     assert o["outcome"] == "not_reproduced"
+
+
+def test_flags_within_rounding_of_unusual_data_stay_suspect(tmp_path):
+    # a vTask from another producer whose data makes fp32 rounding exceed the calibrated τ on a
+    # healthy device: reproducible, but no evidence of corruption, so SUSPECT, not FAULTY
+    vt = make_vtask("adv", m=16, n=16, k=1024, tile=(128, 128), observed=False)
+    a = torch.full((16, 1024), 1.5 * 2.0**-25, dtype=torch.bfloat16)
+    a[:, 0] = 1.0
+    vt.tensors["a"] = a if tuple(vt.tensors["a"].shape) == (16, 1024) else a.t().contiguous()
+    vt.tensors["b"] = torch.ones(tuple(vt.tensors["b"].shape), dtype=torch.bfloat16)
+    path = tmp_path / "adv.aegis"
+    with BundleWriter(path) as w:
+        w.add(vt)
+    rep = run_replay(ReplayOptions(bundles=[str(path)], devices="cpu", repeat=2))
+    (o,) = rep.devices[0].probe_stats["replay"]["outcomes"]
+    assert o["outcome"] == "reproduced" and o["margin"] > 1 and o["severity"] == "SUSPECT"
+    assert any("within what fp32 rounding" in n for n in o["notes"]) and rep.exit_code == 1
