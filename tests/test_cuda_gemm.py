@@ -151,6 +151,28 @@ def test_acc_fault_detected_where_injected(dev, spec, layout):
         assert hit & flagged, (rec, flagged)
 
 
+def test_shift_with_one_row_of_cta_tiles_is_not_claimed(dev):
+    """With M ≤ 128 the next CTA tile's A block is the tile's own: a shift would change nothing,
+    so it is neither injected nor recorded as injected (a miss would otherwise be counted)."""
+    ops = _ops(dev, Layout.FWD, 100, 384, 256, seed=13)
+    plan = FaultPlan.parse("tile:mode=shift,tile=1.0")
+    res = dev.checked_gemm(ops, plan, op="shift")
+    assert not plan.injected and not _flagged_tiles(dev, ops, res)
+
+
+def test_dimensions_beyond_32_bit_indexing_are_refused(dev):
+    from aegis_cli.backends.cuda import MAX_DIM
+    from aegis_cli.errors import ConfigError
+
+    k = MAX_DIM + 64  # 4 GiB per operand, never filled: prepare refuses before any launch
+    a = torch.empty((1, k), dtype=torch.bfloat16, device=dev.torch_device)
+    b = torch.empty((1, k), dtype=torch.bfloat16, device=dev.torch_device)
+    with pytest.raises(ConfigError, match="take dimensions up to"):
+        dev.prepare(a, b, Layout.FWD)
+    del a, b
+    torch.cuda.empty_cache()
+
+
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[x.value for x in LAYOUTS])
 def test_several_stuck_lanes_in_one_launch(dev, layout):
     """Two dense sign-bit lanes in one launch, overlapping every 96th element: C is the clean C

@@ -36,7 +36,7 @@ import torch
 from aegis_cli import corrupt, fingerprint, numerics
 from aegis_cli.backends import loader
 from aegis_cli.backends.base import Backend, Device, DeviceIdentity, GemmOperands, GemmResult, Layout, ReferenceChecksums
-from aegis_cli.errors import DeviceError, InjectSpecError
+from aegis_cli.errors import ConfigError, DeviceError, InjectSpecError
 from aegis_cli.inject import KSTEP, FaultPlan, FaultSpec, LaunchContext
 
 CHECK_TILE = (64, 128)  # checksum tile of both kernels
@@ -50,6 +50,7 @@ _FUNCS: dict[tuple, int] = {}
 
 EDIT_XOR, EDIT_SET, EDIT_ADD = 0, 1, 2
 TILE_CODES = {"zero": 1, "stuck": 2, "shift": 3, "skipk": 4}
+MAX_DIM = (1 << 31) - (1 << 16)  # M, N, K: room for the kernels' 32-bit (K + BK - 1) / BK
 MAX_LANES = 4  # stuck-lane patterns one launch takes (AEGIS_MAX_LANES in kernels/common.cuh)
 _LANE_AS_EDITS = 4096  # a stuck lane hitting at most this many elements goes in as edits instead
 
@@ -110,7 +111,10 @@ def _tensor_map(t: torch.Tensor, box_inner: int, box_outer: int):
     if _LIBCUDA is None:
         _LIBCUDA = ctypes.CDLL("libcuda.so.1")
     outer, inner = t.shape
-    desc = (ctypes.c_uint64 * 16)()
+    # the driver wants the 128-byte descriptor 64-byte aligned; ctypes gives 16
+    raw = (ctypes.c_uint8 * 192)()
+    desc = (ctypes.c_uint64 * 16).from_address(ctypes.addressof(raw) + (-ctypes.addressof(raw)) % 64)
+    desc._keep = raw
     dims = (ctypes.c_uint64 * 2)(inner, outer)
     strides = (ctypes.c_uint64 * 1)(t.stride(0) * 2)
     box = (ctypes.c_uint32 * 2)(box_inner, box_outer)
@@ -271,6 +275,11 @@ def _tile_fault(acc: _AccFaults, plan: FaultPlan, f: FaultSpec, rng: np.random.G
                 tiles: tuple[int, int], k: int, cta: tuple[int, int]) -> None:
     mode = f.get("mode", "zero")
     code = TILE_CODES[mode]
+    if mode == "shift" and -(-tiles[0] // cta[0]) < 2:
+        # the kernels read the A block of the next CTA tile (128 rows down, wrapping): with one
+        # row of CTA tiles that is the same block, so nothing would change. Not injected, and
+        # not recorded as injected (the CPU model shifts by one 64-row tile instead)
+        return
     if mode == "stuck":
         acc.tile_value = float(f.get("value", "1.0"))
     if mode == "skipk":
@@ -432,6 +441,8 @@ class CudaDevice(Device):
         ``variant``: "" (checksums), "nosums" (benchmark baseline) or "inject"."""
         ops = GemmOperands(a, b, layout)
         m, n, k = ops.mnk
+        if max(m, n, k) > MAX_DIM:  # the kernels index and count k-blocks in 32-bit ints
+            raise ConfigError(f"GEMM {m}x{n}x{k}: the CUDA kernels take dimensions up to {MAX_DIM}")
         a, b = _row_major(a), _row_major(b)
         kind = self.kernel_for(a, b, k, kernel)
         tm, tn = self.tile

@@ -97,7 +97,10 @@ def get_module(name: str, *, defines: dict[str, object] | None = None, options: 
         mod = _MODULES.get(key)
         if mod is not None:
             return mod
-        code = "".join(f"#define {k} {v}\n" for k, v in defs) + kernel_path(name).read_text(encoding="utf-8")
+        # the source hash covers the included headers; CuPy's disk cache keys on this text only,
+        # so without it a header change would run a stale binary built for the old header
+        code = (f"// aegis source {source_hash(name)}\n" + "".join(f"#define {k} {v}\n" for k, v in defs)
+                + kernel_path(name).read_text(encoding="utf-8"))
         opts = ("--std=c++17", f"-I{kernel_dir()}", *arch, *options)
         t0 = time.perf_counter()
         with cupy.cuda.Device(device_id):
