@@ -12,7 +12,6 @@ import io
 import json
 import os
 import platform
-import socket
 import sys
 import tempfile
 import time
@@ -22,7 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from aegis_cli.backends.base import DeviceIdentity
+from aegis_cli.backends.base import DeviceIdentity, node_name
 from aegis_cli.backends.loader import kernel_hashes
 from aegis_cli.errors import OutputError
 from aegis_cli.verdict import Evidence, Verdict, overall_exit
@@ -125,7 +124,7 @@ class Report:
             "tool": {"name": "aegis", "version": tool_version()},
             "command_line": self.command_line,
             "seed": self.seed,
-            "host": socket.gethostname(),
+            "host": node_name(),
             "started": self.started,
             "finished": self.finished,
             "duration_seconds": round(self.duration, 3),

@@ -182,3 +182,18 @@ def test_parse_since():
     assert parse_since("2025-01-31", now) == 1738281600.0
     with pytest.raises(Exception, match="use a duration like 30d"):
         parse_since("yesterday", now)
+
+
+def test_results_keep_recording_order_when_the_clock_steps_back(tmp_path, monkeypatch):
+    t = [time.time()]
+    monkeypatch.setattr(hist_mod.time, "time", lambda: t[0])
+    cfg = PolicyConfig(probation_sweeps=5)
+    with History(tmp_path / "h.sqlite") as h:
+        for v in ["SUSPECT"] * 3 + ["HEALTHY"] * 4:
+            t[0] += 3600
+            h.record_sweep(doc({"GPU-a": v}))
+        assert evaluate("GPU-a", h.results(["GPU-a"]), cfg).state == PROBATION
+        t[0] -= 86400  # NTP steps the clock back a day; a new failure must still count
+        h.record_sweep(doc({"GPU-a": "SUSPECT"}))
+        st = evaluate("GPU-a", h.results(["GPU-a"]), cfg)
+        assert st.state == QUARANTINED and st.clean_streak == 0 and st.last.verdict == "SUSPECT"

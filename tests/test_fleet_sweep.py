@@ -329,3 +329,84 @@ def test_priority_case_caught_again_is_not_lost(tmp_path):
     assert {e["case_id"] for e in doc["evidence"]} == {cid}
     verdicts = doc["probes"]["sweep"]["priority"]["verdicts"]
     assert verdicts[cid] == "FAULTY" and verdicts["two/mlp_down/fwd/normal/160x256x512/s+9+9"].startswith("not run:")
+
+
+def _apply(tmp_path, cfg_path, verdicts: dict[str, str], logs: list | None = None):
+    """One sweep's worth of results through the policy, as apply_policy records them."""
+    from aegis_cli.fleet.sweep import apply_policy
+    from tests.test_fleet_history import doc
+
+    cfg = load_config(cfg_path)
+    with History(cfg.history.path) as h:
+        states, acts = apply_policy(cfg, h, doc(verdicts), (lambda *a, **k: logs.append((a, k))) if logs is not None else
+                                    (lambda *a, **k: None), export=False)
+    return states, acts
+
+
+def test_policy_change_still_runs_the_readmit_action(tmp_path):
+    # quarantined for FAULTY (permanent by default), two clean sweeps, then readmit_faulty turned
+    # on: the device leaves quarantine, and its readmit command must run (it keyed on the old
+    # results re-read under the new config, saw no change and left the node drained)
+    acts_on = {"on_quarantine": ["true"], "on_readmit": ["true", "{host_quarantined}"]}
+    cfg = write_config(tmp_path, actions=acts_on, policy={"probation_sweeps": 2})
+    _, acts = _apply(tmp_path, cfg, {"GPU-a": "FAULTY"})
+    assert [a.event for a in acts] == ["quarantine"]
+    for _ in range(2):
+        _apply(tmp_path, cfg, {"GPU-a": "HEALTHY"})
+    cfg = write_config(tmp_path, actions=acts_on, policy={"probation_sweeps": 2, "readmit_faulty": True})
+    states, acts = _apply(tmp_path, cfg, {"GPU-a": "HEALTHY"})
+    assert states["GPU-a"].state == "ACTIVE" and [a.event for a in acts] == ["readmit"]
+    assert acts[0].argv == ["true", "0"]
+
+
+def test_readmit_tells_how_many_of_the_nodes_gpus_are_still_quarantined(tmp_path):
+    cfg = write_config(tmp_path, actions={"on_readmit": ["resume", "{host_short}", "{host_quarantined}"]},
+                       policy={"probation_sweeps": 1, "readmit_faulty": True})
+    _apply(tmp_path, cfg, {"GPU-a": "FAULTY", "GPU-b": "FAULTY"})
+    states, acts = _apply(tmp_path, cfg, {"GPU-a": "HEALTHY", "GPU-b": "FAULTY"})
+    assert states["GPU-a"].state == "ACTIVE" and states["GPU-b"].state == "QUARANTINED"
+    (a,) = acts
+    assert a.event == "readmit" and a.argv == ["resume", "n1", "1"]  # the example scripts keep the node drained
+
+
+def test_failed_action_is_logged_as_an_error(tmp_path):
+    logs: list = []
+    cfg = write_config(tmp_path, actions={"enabled": True, "on_quarantine": [sys.executable, "-c", "import sys; sys.exit('drain failed')"]})
+    _apply(tmp_path, cfg, {"GPU-a": "FAULTY"}, logs)
+    (line,) = [kw for a, kw in logs if a and a[0] == "action"]
+    assert line["level"] == "error" and line["returncode"] == 1 and "drain failed" in line["output"]
+
+
+def test_export_over_the_history_is_refused(tmp_path):
+    from aegis_cli.fleet.sweep import run_sweep
+
+    cfg = load_config(write_config(tmp_path, exports={"report": "history.sqlite"}))
+    with pytest.raises(ConfigError, match=r"history\.sqlite is also the sweep's history\.path"):
+        run_sweep(cfg)
+
+
+def test_timed_out_device_gets_its_failed_cases_first(tmp_path):
+    cfg = load_config(write_config(tmp_path, device_timeout_seconds=4))
+    now = time.time()
+    rows = [ResultRow("GPU-x", now - 300, "FAULTY", seconds=0.2, cases=["wl/a/s+0+0"], checks=["gemm.row_checksum"]),
+            ResultRow("GPU-x", now - 200, "ERROR", seconds=4.0, error="worker timed out after 4 s (device timeout); killed"),
+            ResultRow("GPU-x", now - 100, "ERROR", seconds=4.0, error="worker timed out after 4 s (device timeout); killed")]
+    (plan,) = plan_devices(cfg, [{"id": "cpu:0", "uuid": "GPU-x"}], rows, now)
+    assert plan.priority_cases == ["wl/a/s+0+0"]
+
+
+def test_node_name_comes_from_aegis_host(monkeypatch):
+    from aegis_cli.backends.cpu import CpuDevice
+
+    monkeypatch.setenv("AEGIS_HOST", "gpu-node-17")
+    assert CpuDevice(0).identity.host == "gpu-node-17"
+
+
+def test_worker_exits_when_its_sweep_is_gone():
+    code = "from aegis_cli.fleet.worker import _die_with_parent; _die_with_parent(); print('alive')"
+    mine = subprocess.run([sys.executable, "-c", code], env={**os.environ, "AEGIS_SWEEP_PID": str(os.getpid())},
+                          capture_output=True, text=True, timeout=60)
+    assert mine.returncode == 0 and mine.stdout.strip() == "alive"  # started by its sweep (even one that is pid 1)
+    other = subprocess.run([sys.executable, "-c", code], env={**os.environ, "AEGIS_SWEEP_PID": "1"},
+                           capture_output=True, text=True, timeout=60)
+    assert other.returncode == 3 and other.stdout == ""  # its sweep died before the death signal was armed

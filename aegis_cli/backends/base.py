@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import abc
 import enum
+import os
+import socket
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -40,6 +42,12 @@ class Layout(str, enum.Enum):
     def b_stored_shape(self, k: int, n: int) -> tuple[int, int]:
         return (n, k) if self is Layout.FWD else (k, n)
 
+
+def node_name() -> str:
+    """The node a device is on, as reports, quarantine lists, metrics and actions name it:
+    ``AEGIS_HOST`` if set (in a Kubernetes pod, set it to spec.nodeName: the pod's own hostname
+    is the pod name), else the hostname."""
+    return os.environ.get("AEGIS_HOST", "").strip() or socket.gethostname()
 
 @dataclass(frozen=True)
 class DeviceIdentity:

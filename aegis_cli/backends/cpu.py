@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from aegis_cli import corrupt, fingerprint, numerics
-from aegis_cli.backends.base import Backend, Device, DeviceIdentity, GemmOperands, GemmResult, ReferenceChecksums
+from aegis_cli.backends.base import Backend, Device, DeviceIdentity, GemmOperands, GemmResult, ReferenceChecksums, node_name
 from aegis_cli.errors import DeviceError
 from aegis_cli.inject import FaultPlan, LaunchContext
 
@@ -64,7 +64,7 @@ class CpuDevice(Device):
             index=index,
             name=_cpu_name(),
             uuid=f"CPU-{_machine_id()[:24]}-{index}",
-            host=socket.gethostname(),
+            host=node_name(),
             extra={"threads": str(torch.get_num_threads()), "simulated": "yes" if index else "no"},
         )
 

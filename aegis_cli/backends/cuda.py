@@ -26,7 +26,6 @@ import contextlib
 import ctypes
 import importlib.util
 import os
-import socket
 import threading
 from dataclasses import dataclass, field
 
@@ -35,7 +34,7 @@ import torch
 
 from aegis_cli import corrupt, fingerprint, numerics
 from aegis_cli.backends import loader
-from aegis_cli.backends.base import Backend, Device, DeviceIdentity, GemmOperands, GemmResult, Layout, ReferenceChecksums
+from aegis_cli.backends.base import Backend, Device, DeviceIdentity, GemmOperands, GemmResult, Layout, ReferenceChecksums, node_name
 from aegis_cli.errors import ConfigError, DeviceError, InjectSpecError
 from aegis_cli.inject import KSTEP, FaultPlan, FaultSpec, LaunchContext
 
@@ -379,7 +378,7 @@ def _identity(index: int) -> DeviceIdentity:
     nv = _nvml_identity(index, pci)
     uuid = nv.get("uuid") or f"GPU-{props.uuid}"
     return DeviceIdentity(
-        backend="cuda", index=index, name=nv.get("name") or props.name, uuid=uuid, host=socket.gethostname(),
+        backend="cuda", index=index, name=nv.get("name") or props.name, uuid=uuid, host=node_name(),
         serial=nv.get("serial"), pci_bus_id=nv.get("pci_bus_id") or pci, driver=nv.get("driver"),
         extra={"cc": f"{props.major}.{props.minor}", "sms": str(props.multi_processor_count),
                "memory_gib": f"{props.total_memory / 2**30:.1f}", "identity_source": "nvml" if nv else "torch"},

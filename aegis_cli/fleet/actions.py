@@ -10,19 +10,20 @@ re-admission), not on every sweep. Every file is written atomically.
 from __future__ import annotations
 
 import json
-import socket
 import string
 import subprocess
 import time
 from dataclasses import dataclass, field
 
+from aegis_cli.backends.base import node_name
 from aegis_cli.errors import ConfigError
 from aegis_cli.fleet.policy import ACTIVE, DeviceState, wilson
 from aegis_cli.report import VERDICT_CODE, atomic_write
 
 PLACEHOLDERS = {
-    "uuid": "device UUID", "serial": "board serial ('' when unknown)", "host": "hostname that ran the sweep",
-    "host_short": "hostname up to the first dot (Slurm/Kubernetes node name)", "device": "device id, e.g. cuda:3",
+    "uuid": "device UUID", "serial": "board serial ('' when unknown)", "host": "node name (AEGIS_HOST, else the hostname)",
+    "host_short": "node name up to the first dot (Slurm/Kubernetes node name)", "device": "device id, e.g. cuda:3",
+    "host_quarantined": "other devices of this node still quarantined or on probation (resume a node only at 0)",
     "index": "device index", "name": "device model name", "state": "QUARANTINED, PROBATION or ACTIVE",
     "reason": "why (one line)", "event": "quarantine or readmit",
 }
@@ -52,7 +53,7 @@ class ActionsConfig:
 class ActionRecord:
     uuid: str
     event: str  # quarantine | readmit
-    argv: list[str]
+    argv: list[str] | None  # None: no command configured for the event (recorded all the same)
     executed: bool
     returncode: int | None = None
     output: str = ""
@@ -67,18 +68,21 @@ def render_argv(template: list[str], fields: dict[str, str]) -> list[str]:
 
 
 def device_fields(dev: dict, st: DeviceState, event: str) -> dict[str, str]:
-    host = dev.get("host") or socket.gethostname()
+    host = dev.get("host") or node_name()
     return {"uuid": dev["uuid"], "serial": dev.get("serial") or "", "host": host, "host_short": host.split(".")[0],
             "device": dev.get("id", ""), "index": str(dev.get("index", "")), "name": dev.get("name") or "",
-            "state": st.state, "reason": " ".join((st.reason or event).split()), "event": event}
+            "state": st.state, "reason": " ".join((st.reason or event).split()), "event": event,
+            "host_quarantined": str(dev.get("host_quarantined", 0))}
 
 
 def run_actions(cfg: ActionsConfig, changes: list[tuple[dict, DeviceState, str]]) -> list[ActionRecord]:
-    """Run (or dry-run) the command for each (device dict, new state, event) change."""
+    """Run (or dry-run) the command for each (device dict, new state, event) change. Every
+    change gets a record, with no command too: the history's record of what was announced."""
     out = []
     for dev, st, event in changes:
         template = cfg.on_quarantine if event == "quarantine" else cfg.on_readmit
         if not template:
+            out.append(ActionRecord(dev["uuid"], event, None, executed=False))
             continue
         argv = render_argv(template, device_fields(dev, st, event))
         rec = ActionRecord(dev["uuid"], event, argv, executed=cfg.enabled)
@@ -96,12 +100,12 @@ def run_actions(cfg: ActionsConfig, changes: list[tuple[dict, DeviceState, str]]
     return out
 
 
-def transitions(before: dict[str, DeviceState], after: dict[str, DeviceState]) -> dict[str, str]:
-    """uuid → 'quarantine' | 'readmit' for devices whose state changed in this sweep."""
+def transitions(was_quarantined: dict[str, bool], after: dict[str, DeviceState]) -> dict[str, str]:
+    """uuid → 'quarantine' | 'readmit' for devices whose quarantine differs from what was last
+    announced for them (``was_quarantined``)."""
     ev = {}
     for uuid, st in after.items():
-        was = before.get(uuid)
-        was_q = was is not None and was.quarantined
+        was_q = was_quarantined.get(uuid, False)
         if st.quarantined and not was_q:
             ev[uuid] = "quarantine"
         elif was_q and st.state == ACTIVE:

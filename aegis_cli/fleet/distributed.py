@@ -16,11 +16,11 @@ import contextlib
 import datetime
 import json
 import os
-import socket
 import time
 from collections.abc import Mapping
 
 from aegis_cli import report as report_mod
+from aegis_cli.backends.base import node_name
 from aegis_cli.errors import AegisError, DeviceError, LockError
 from aegis_cli.fleet import compare
 from aegis_cli.fleet.history import History
@@ -142,7 +142,7 @@ def run_distributed(cfg, log, env: Mapping[str, str], stop=None):
             states, acts = apply_policy(cfg, hist, doc, log, rank=rank, world_size=world, export=False)
         dist.barrier()
         if local_rank == 0:
-            host = socket.gethostname()
+            host = node_name()
             node_doc = sweep_doc(cfg, [d for d in fleet_devices if d["device"].get("host") == host], started, extra)
             with History(cfg.history.path, busy_timeout=cfg.history.busy_timeout_seconds) as hist:
                 write_exports(cfg, hist, node_doc, log)

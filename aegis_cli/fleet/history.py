@@ -274,11 +274,21 @@ class History:
         if where:
             sql += " WHERE " + " AND ".join(where)
         out = []
-        for r in self._query(sql + " ORDER BY ts, id", args):
+        # in the order they were recorded, not by timestamp: a clock stepped back must not file a
+        # new result under old ones (the policy walks results in this order)
+        for r in self._query(sql + " ORDER BY id", args):
             out.append(ResultRow(uuid=r[0], ts=r[1], verdict=r[2], host=r[3] or "", device_id=r[4] or "", workload=r[5] or "",
                                  error=r[6], seconds=r[7] or 0.0, evidence=r[8] or 0, checks=json.loads(r[9] or "[]"),
                                  cases=json.loads(r[10] or "[]"), sweep_id=r[11]))
         return out
+
+    def last_events(self, uuids: list[str]) -> dict[str, str]:
+        """uuid → the last quarantine/readmit event recorded for it (what was last announced)."""
+        if not uuids:
+            return {}
+        sql = (f"SELECT uuid, event FROM actions WHERE id IN (SELECT MAX(id) FROM actions WHERE uuid IN "
+               f"({', '.join('?' * len(uuids))}) GROUP BY uuid)")
+        return dict(self._query(sql, list(uuids)))
 
     def actions(self, uuid: str | None = None) -> list[dict]:
         cols = ("ts", "uuid", "event", "state", "reason", "argv", "executed", "returncode", "output")

@@ -96,11 +96,11 @@ def rate_text(k: int, n: int) -> str:
 
 
 def evaluate(uuid: str, rows: list[ResultRow], cfg: PolicyConfig) -> DeviceState:
-    """The device's state after its results (oldest first)."""
+    """The device's state after its results, in the order they were recorded (History.results)."""
     st = DeviceState(uuid)
     window = cfg.window_days * DAY
     bad: list[ResultRow] = []  # SUSPECT/FAULTY(/ERROR) since the last re-admission
-    for r in sorted(rows, key=lambda r: r.ts):
+    for r in rows:
         st.sweeps += 1
         st.counts[r.verdict] = st.counts.get(r.verdict, 0) + 1
         st.last = r

@@ -17,7 +17,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from pathlib import Path
 
 from aegis_cli import config as config_mod
 from aegis_cli import report as report_mod
+from aegis_cli.backends.base import node_name
 from aegis_cli.errors import AegisError, ConfigError
 from aegis_cli.fleet.actions import ActionRecord, ActionsConfig, prometheus_text, run_actions, transitions, write_quarantine_list
 from aegis_cli.fleet.history import History, ResultRow
@@ -180,7 +180,9 @@ def plan_devices(cfg: SweepConfig, identities: list[dict], rows: list[ResultRow]
             cases += [c for c in r.cases if c not in cases]
         done = [r.seconds for r in mine if r.verdict != "ERROR" and r.seconds][-5:]
         estimate = statistics.median(done) if done else None
-        short = estimate is not None and estimate > allowed
+        # a device whose last scans ran out of time is short of it, whatever its earlier scans took
+        timed_out = any(r.verdict == "ERROR" and "timed out" in (r.error or "") for r in mine[-3:])
+        short = timed_out or (estimate is not None and estimate > allowed)
         failed_probes = {c.split(".")[0] for r in recent_bad for c in r.checks}
         probes = sorted(cfg.probes, key=lambda p: p not in failed_probes)
         plans.append(DevicePlan(ident["id"], ident["uuid"], cases[:16] if cfg.prioritize and short else [], probes,
@@ -261,7 +263,7 @@ def run_workers(cfg: SweepConfig, plans: list[DevicePlan], identities: dict[str,
                 with open(w.errlog, "wb") as errfh:
                     w.proc = subprocess.Popen([sys.executable, "-m", "aegis_cli.fleet.worker", spec_path], stdin=subprocess.DEVNULL,
                                               stdout=subprocess.DEVNULL, stderr=errfh, start_new_session=True,
-                                              env={**os.environ, **(env or {})})
+                                              env={**os.environ, **(env or {}), "AEGIS_SWEEP_PID": str(os.getpid())})
                 w.started = now
                 w.deadline = min(now + cfg.device_timeout_seconds, deadline)
                 running.append(w)
@@ -334,19 +336,32 @@ def apply_policy(cfg: SweepConfig, hist: History, doc: dict, log: Log, *, rank: 
     """Record ``doc`` (one transaction), evaluate the policy, run the actions of devices
     whose state changed, and (``export``) write the exports."""
     uuids = [d["device"]["uuid"] for d in doc["devices"]]
+    # what was last announced (the actions table), not the old results re-read under today's
+    # config: a changed policy that moves a device must still run its action
+    announced = hist.last_events(uuids)
     before = evaluate_all(hist.results(uuids), cfg.policy)
+    was_q = {u: announced[u] == "quarantine" if u in announced else (u in before and before[u].quarantined) for u in uuids}
     sweep_id = hist.record_sweep(doc, rank=rank, world_size=world_size)
     log("history_recorded", sweep_id=sweep_id, devices=len(doc["devices"]), path=cfg.history.path)
     states = evaluate_all(hist.results(uuids), cfg.policy)
     by_uuid = {d["device"]["uuid"]: d["device"] for d in doc["devices"]}
-    events = transitions(before, states)
+    events = transitions(was_q, states)
     for uuid, ev in events.items():
         log(f"device_{ev}", level="warning", uuid=uuid, device=by_uuid[uuid].get("id"), state=states[uuid].state,
             reason=states[uuid].reason)
-    acts = run_actions(cfg.actions, [(by_uuid[u], states[u], ev) for u, ev in events.items()])
+
+    def host_quarantined(u: str) -> int:  # other devices of u's node not (yet) back in service
+        host = by_uuid[u].get("host")
+        return sum(1 for v, d in by_uuid.items() if v != u and d.get("host") == host and v in states and states[v].quarantined)
+
+    acts = run_actions(cfg.actions, [({**by_uuid[u], "host_quarantined": host_quarantined(u)}, states[u], ev)
+                                     for u, ev in events.items()])
     for a in acts:
         hist.record_action(a.uuid, a.event, states[a.uuid].state, states[a.uuid].reason, a.argv, a.executed, a.returncode, a.output)
-        log("action", action=a.event, uuid=a.uuid, executed=a.executed, returncode=a.returncode, argv=json.dumps(a.argv, ensure_ascii=False))
+        failed = a.executed and a.returncode != 0  # the node stays undrained (or drained): say so loudly
+        log("action", level="error" if failed else "info", action=a.event, uuid=a.uuid, executed=a.executed,
+            returncode=a.returncode, argv=json.dumps(a.argv, ensure_ascii=False),
+            **({"output": " ".join(a.output.split())[-300:]} if failed else {}))
     doc["policy"] = {u: s.to_dict(cfg.policy.probation_sweeps) for u, s in states.items()}
     doc["actions"] = [a.to_dict() for a in acts]
     if export:
@@ -379,8 +394,11 @@ def run_sweep(cfg: SweepConfig, log: Log | None = None, *, environ: dict[str, st
     from aegis_cli.fleet import distributed
 
     # an export path that cannot be written fails the sweep now, not after every device ran
+    own = {os.path.realpath(cfg.history.path): "history.path", os.path.realpath(cfg.lock_file): "lock_file"}
     for path in (cfg.exports.report, cfg.exports.quarantine_list, cfg.exports.prometheus_textfile):
         if path:
+            if os.path.realpath(path) in own:  # an export written over the history would destroy it
+                raise ConfigError(f"exports: {path} is also the sweep's {own[os.path.realpath(path)]}")
             report_mod.check_writable(path)
 
     if cfg.distributed.mode == "auto" and distributed.launched(environ):
@@ -388,7 +406,7 @@ def run_sweep(cfg: SweepConfig, log: Log | None = None, *, environ: dict[str, st
     started = time.time()
     deadline = started + cfg.budget_seconds
     with SweepLock(cfg.lock_file):
-        log("sweep_start", host=socket.gethostname(), config=cfg.source, budget=cfg.budget_seconds)
+        log("sweep_start", host=node_name(), config=cfg.source, budget=cfg.budget_seconds)
         with History(cfg.history.path, busy_timeout=cfg.history.busy_timeout_seconds) as hist:
             from aegis_cli.backends import resolve_devices
 

@@ -34,11 +34,14 @@ def log(event: str, **kv) -> None:
 
 
 def _die_with_parent() -> None:
-    """Linux: SIGKILL this worker when the sweep that started it dies (even by SIGKILL)."""
+    """Linux: SIGKILL this worker when the sweep that started it dies (even by SIGKILL). If it
+    died before the signal was armed, the parent is no longer the sweep (whose pid the sweep
+    passes: "parent is pid 1" would be wrong when the sweep itself is pid 1 in a container)."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() == 1:
+    sweep = os.environ.get("AEGIS_SWEEP_PID", "")
+    if sweep.isdecimal() and os.getppid() != int(sweep):
         os._exit(3)
 
 

@@ -1,9 +1,15 @@
 #!/bin/sh
 # aegis on_readmit action for Kubernetes: lift aegis's taint; uncordon only a node that
 # carries aegis's annotation (never one cordoned by someone else).
-# usage: k8s-readmit.sh NODE
+# Not while other GPUs of the node are still quarantined (aegis passes how many as the 2nd arg).
+# usage: k8s-readmit.sh NODE [OTHERS_STILL_QUARANTINED]
 set -eu
 node=$1
+others=${2:-0}
+if [ "$others" != 0 ]; then
+  echo "aegis: not uncordoning $node: $others other GPU(s) on it still quarantined" >&2
+  exit 0
+fi
 mark=$(kubectl get node "$node" -o jsonpath='{.metadata.annotations.aegis\.dev/quarantined}')
 if [ -z "$mark" ]; then
   echo "aegis: not uncordoning $node: aegis did not cordon it" >&2
