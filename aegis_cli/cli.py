@@ -353,7 +353,9 @@ def sweep(config_path, log_format, fmt):
 @click.option("--device", "ident", default=None, help="One device: UUID, serial, UUID prefix, or an id like cuda:0.")
 @click.option("--since", default=None, help="Only results since: 30d, 12h, 90m or an ISO date.")
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table", show_default=True)
-def history(config_path, db, ident, since, fmt):
+@click.option("--retire", default=None, metavar="REASON",
+              help="Mark the --device gone (replaced, RMA'd): it leaves the quarantine list until it reports results again.")
+def history(config_path, db, ident, since, fmt, retire):
     """A device's record: verdicts over time, failure rate with counts and a 95% bound, quarantine state."""
     import csv as _csv
     import io as _io
@@ -371,6 +373,13 @@ def history(config_path, db, ident, since, fmt):
     if not db:
         _fail("give --db PATH or --config SWEEP.YAML")
     with History(db, create=False) as hist:
+        if retire is not None:
+            uuids = hist.resolve(ident) if ident else []
+            if len(uuids) != 1:
+                _fail(f"--retire needs --device naming exactly one device (it names {len(uuids)})")
+            hist.retire(uuids[0], retire or "retired by hand")
+            err_console.print(f"retired {uuids[0]}: off the quarantine list from the next export, until it reports again",
+                              highlight=False)
         doc = history_summary(hist, policy, ident, parse_since(since, _time.time()))
     if fmt == "json":
         click.echo(report_mod.render(doc, "json"), nl=False)

@@ -410,3 +410,37 @@ def test_worker_exits_when_its_sweep_is_gone():
     other = subprocess.run([sys.executable, "-c", code], env={**os.environ, "AEGIS_SWEEP_PID": "1"},
                            capture_output=True, text=True, timeout=60)
     assert other.returncode == 3 and other.stdout == ""  # its sweep died before the death signal was armed
+
+
+def test_fingerprint_class_separates_aegis_versions():
+    from aegis_cli.fleet.compare import fingerprint_class
+
+    ident = {"backend": "cuda", "name": "NVIDIA H200"}
+    old = fingerprint_class(ident, {"aegis": "0.1.0", "torch": "2.11"}, {"k": "h"}, "w", 0)
+    assert old != fingerprint_class(ident, {"aegis": "0.2.0", "torch": "2.11"}, {"k": "h"}, "w", 0)  # rolling upgrade
+    assert old == fingerprint_class(ident, {"aegis": "0.1.0", "torch": "2.11", "python": "3.13"}, {"k": "h"}, "w", 0)
+
+
+def test_retired_gpu_leaves_the_quarantine_list_until_it_reports_again(tmp_path):
+    from aegis_cli.fleet.sweep import write_exports
+
+    cfg_path = write_config(tmp_path)
+    _apply(tmp_path, cfg_path, {"GPU-a": "FAULTY", "GPU-b": "HEALTHY"})
+    cfg = load_config(cfg_path)
+
+    def listed() -> list[str]:
+        with History(cfg.history.path) as h:
+            write_exports(cfg, h, {"devices": []}, lambda *a, **k: None)
+        return [ln.split("\t")[0] for ln in (tmp_path / "quarantine.tsv").read_text().splitlines() if not ln.startswith("#")]
+
+    assert listed() == ["GPU-a"]
+    p = subprocess.run(aegis("history", "--config", str(cfg_path), "--device", "GPU-a", "--retire", "RMA 1234", "--format", "json"),
+                       env=env(1), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["devices"][0]["state"] == "RETIRED" and "retired GPU-a" in p.stderr
+    assert listed() == []
+    time.sleep(0.01)
+    _apply(tmp_path, cfg_path, {"GPU-a": "HEALTHY"})  # the same board is back: its history counts again
+    assert listed() == ["GPU-a"]
+    p = subprocess.run(aegis("history", "--config", str(cfg_path), "--retire", "x"), env=env(1), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 3 and "--retire needs --device" in p.stderr

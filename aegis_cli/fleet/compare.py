@@ -29,8 +29,10 @@ PROBE_KEY = "fleet_fingerprint"  # where a device report keeps its fingerprints:
 
 
 def fingerprint_class(identity: dict, versions: dict, kernel_hashes: dict, workload: str, seed: int) -> str:
-    """Devices with equal classes must produce equal bits for the same seeded workload."""
-    keep = {k: v for k, v in versions.items() if k not in ("aegis", "python")}
+    """Devices with equal classes must produce equal bits for the same seeded workload. The aegis
+    version is part of it (input generation is aegis code): during a rolling upgrade the old and
+    new halves of a fleet are compared within themselves, never against each other."""
+    keep = {k: v for k, v in versions.items() if k != "python"}
     blob = json.dumps([identity.get("backend"), identity.get("name"), keep, kernel_hashes, workload, seed], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

@@ -282,6 +282,16 @@ class History:
                                  cases=json.loads(r[10] or "[]"), sweep_id=r[11]))
         return out
 
+    def retire(self, uuid: str, reason: str) -> None:
+        """Mark a device gone (replaced, RMA'd): it leaves the quarantine list until it reports
+        results again. Its rows stay."""
+        self.record_action(uuid, "retire", "RETIRED", reason, None, False, None, None)
+
+    def retired(self) -> dict[str, float]:
+        """uuid → when it was retired, for devices whose last recorded event is a retirement."""
+        sql = "SELECT uuid, ts, event FROM actions WHERE id IN (SELECT MAX(id) FROM actions GROUP BY uuid)"
+        return {u: ts for u, ts, ev in self._query(sql, []) if ev == "retire"}
+
     def last_events(self, uuids: list[str]) -> dict[str, str]:
         """uuid → the last quarantine/readmit event recorded for it (what was last announced)."""
         if not uuids:

@@ -142,6 +142,11 @@ def evaluate_all(rows: list[ResultRow], cfg: PolicyConfig) -> dict[str, DeviceSt
     return {u: evaluate(u, rs, cfg) for u, rs in by.items()}
 
 
+def drop_retired(states: dict[str, DeviceState], retired: dict[str, float]) -> dict[str, DeviceState]:
+    """States without the devices retired after their last result (History.retire)."""
+    return {u: s for u, s in states.items() if not (u in retired and (s.last is None or s.last.ts <= retired[u]))}
+
+
 def parse_since(text: str | None, now: float) -> float | None:
     """'30d', '12h', '90m', '45s' or an ISO date/time → a Unix time (None: no bound)."""
     if not text:
@@ -173,13 +178,15 @@ def history_summary(hist, cfg: PolicyConfig, ident: str | None = None, since: fl
             raise HistoryError(f"no device matching {ident!r} in {hist.path} (give a UUID, a serial, a UUID prefix or an id like cuda:0)")
     all_rows = hist.results(uuids)
     states = evaluate_all(all_rows, cfg)
+    live = drop_retired(states, hist.retired())
     out = []
     for u in uuids:
         rows = [r for r in all_rows if r.uuid == u and (since is None or r.ts >= since)]
         k = sum(r.verdict in ("SUSPECT", "FAULTY") for r in rows)
         lo, hi = wilson(k, len(rows))
         st = states.get(u, DeviceState(u))
-        entry = {**devices.get(u, {"uuid": u}), "state": st.state, "reason": st.reason, "clean_streak": st.clean_streak,
+        state = st.state if u in live or u not in states else "RETIRED"
+        entry = {**devices.get(u, {"uuid": u}), "state": state, "reason": st.reason, "clean_streak": st.clean_streak,
                  "sweeps": len(rows), "failures": k, "counts": {v: sum(r.verdict == v for r in rows) for v in st.counts},
                  "failure_rate_95": [lo, hi], "summary": rate_text(k, len(rows)),
                  "last_verdict": rows[-1].verdict if rows else None, "last_ts": rows[-1].ts if rows else None}

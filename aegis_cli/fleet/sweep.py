@@ -33,7 +33,7 @@ from aegis_cli.errors import AegisError, ConfigError
 from aegis_cli.fleet.actions import ActionRecord, ActionsConfig, prometheus_text, run_actions, transitions, write_quarantine_list
 from aegis_cli.fleet.history import History, ResultRow
 from aegis_cli.fleet.lock import SweepLock
-from aegis_cli.fleet.policy import DAY, DeviceState, PolicyConfig, evaluate_all
+from aegis_cli.fleet.policy import DAY, DeviceState, PolicyConfig, drop_retired, evaluate_all
 from aegis_cli.verdict import Verdict, overall_exit
 
 Log = Callable[..., None]  # log(event, level="info", **fields)
@@ -373,7 +373,7 @@ def write_exports(cfg: SweepConfig, hist: History, doc: dict, log: Log) -> None:
     """Quarantine list (every quarantined device in the history), Prometheus textfile
     (``doc``'s devices) and the JSON report, each written atomically."""
     if cfg.exports.quarantine_list or cfg.exports.prometheus_textfile:  # the whole history, so only when needed
-        states = evaluate_all(hist.results(), cfg.policy)
+        states = drop_retired(evaluate_all(hist.results(), cfg.policy), hist.retired())
     if cfg.exports.quarantine_list:
         n = write_quarantine_list(cfg.exports.quarantine_list, states, {d["uuid"]: d for d in hist.devices()})
         log("quarantine_list", path=cfg.exports.quarantine_list, quarantined=n)
