@@ -301,3 +301,20 @@ def test_report_merge_refuses_malformed_device_entries(tmp_path, capsys, change,
     code, out, err = run_cli(capsys, "report", str(path))
     line = _one_error_line(code, out, err)
     assert needle in line and "internal error" not in line
+
+
+def test_mig_slices_are_keyed_by_their_own_uuid(monkeypatch):
+    """NVML's handle by PCI bus id is the whole GPU: under MIG every slice would get the parent's
+    UUID and share one history. The slice's own UUID keys it; the parent's is kept beside."""
+    import types
+
+    from aegis_cli.backends import cuda
+
+    props = types.SimpleNamespace(pci_domain_id=0, pci_bus_id=6, pci_device_id=0, uuid="1a2b3c4d-0000-1111-2222-333344445555",
+                                  name="NVIDIA H200 MIG 1g.18gb", major=9, minor=0, multi_processor_count=16, total_memory=18 << 30)
+    monkeypatch.setattr(cuda.torch.cuda, "get_device_properties", lambda i: props)
+    monkeypatch.setattr(cuda, "_nvml_identity", lambda i, pci: {"uuid": "GPU-parent", "name": "NVIDIA H200", "mig": True})
+    ident = cuda._identity(0)
+    assert ident.uuid == "MIG-1a2b3c4d-0000-1111-2222-333344445555" and ident.extra["parent_uuid"] == "GPU-parent"
+    monkeypatch.setattr(cuda, "_nvml_identity", lambda i, pci: {"uuid": "GPU-whole", "name": "NVIDIA H200"})
+    assert cuda._identity(0).uuid == "GPU-whole" and "parent_uuid" not in cuda._identity(0).extra

@@ -444,3 +444,11 @@ def test_retired_gpu_leaves_the_quarantine_list_until_it_reports_again(tmp_path)
     assert listed() == ["GPU-a"]
     p = subprocess.run(aegis("history", "--config", str(cfg_path), "--retire", "x"), env=env(1), capture_output=True, text=True, timeout=60)
     assert p.returncode == 3 and "--retire needs --device" in p.stderr
+
+
+def test_rank_gpu_with_one_gpu_per_task():
+    from aegis_cli.fleet.distributed import gpu_index
+
+    assert gpu_index(3, 8) == 3 and gpu_index(3, 1) == 0  # srun --gpus-per-task=1: every task sees cuda:0
+    with pytest.raises(ConfigError, match="local rank 3 has no GPU"):
+        gpu_index(3, 2)

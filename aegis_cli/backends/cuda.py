@@ -362,6 +362,8 @@ def _nvml_identity(index: int, pci: str) -> dict:
 
         out = {"name": get(pynvml.nvmlDeviceGetName, h), "uuid": get(pynvml.nvmlDeviceGetUUID, h),
                "serial": get(pynvml.nvmlDeviceGetSerial, h), "driver": get(pynvml.nvmlSystemGetDriverVersion)}
+        mig = get(pynvml.nvmlDeviceGetMigMode, h)  # (current, pending); the bus id names the whole GPU
+        out["mig"] = bool(mig and mig[0] == 1)
         info = get(pynvml.nvmlDeviceGetPciInfo, h)
         if info is not None:
             bus = info.busId
@@ -376,12 +378,18 @@ def _identity(index: int) -> DeviceIdentity:
     props = torch.cuda.get_device_properties(index)
     pci = f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
     nv = _nvml_identity(index, pci)
-    uuid = nv.get("uuid") or f"GPU-{props.uuid}"
+    extra = {"cc": f"{props.major}.{props.minor}", "sms": str(props.multi_processor_count),
+             "memory_gib": f"{props.total_memory / 2**30:.1f}", "identity_source": "nvml" if nv else "torch"}
+    if nv.get("mig"):
+        # a MIG slice: NVML's handle by bus id is the parent GPU, whose UUID every slice would share
+        # (one history for all of them); the slice's own UUID keys it, the parent's is kept beside
+        uuid = f"MIG-{props.uuid}"
+        extra["parent_uuid"] = nv.get("uuid") or ""
+    else:
+        uuid = nv.get("uuid") or f"GPU-{props.uuid}"
     return DeviceIdentity(
         backend="cuda", index=index, name=nv.get("name") or props.name, uuid=uuid, host=node_name(),
-        serial=nv.get("serial"), pci_bus_id=nv.get("pci_bus_id") or pci, driver=nv.get("driver"),
-        extra={"cc": f"{props.major}.{props.minor}", "sms": str(props.multi_processor_count),
-               "memory_gib": f"{props.total_memory / 2**30:.1f}", "identity_source": "nvml" if nv else "torch"},
+        serial=nv.get("serial"), pci_bus_id=nv.get("pci_bus_id") or pci, driver=nv.get("driver"), extra=extra,
     )
 
 

@@ -2,7 +2,8 @@
 
 When ``aegis sweep`` is launched by torchrun (RANK, WORLD_SIZE, MASTER_ADDR set; under
 srun, export MASTER_ADDR/MASTER_PORT and SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID stand in),
-every rank sweeps one device (``cuda:LOCAL_RANK``, or ``cpu:LOCAL_RANK`` without GPUs) with
+every rank sweeps one device (``cuda:LOCAL_RANK``, ``cuda:0`` when each task sees one GPU, or
+``cpu:LOCAL_RANK`` without GPUs) with
 the same seeded workload in a worker process, exactly as a node sweep does. Then the
 ranks all-gather their device reports — fingerprints and checksum noise included — as
 byte tensors (NCCL with GPU tensors, gloo on CPU), every rank applies the same comparison
@@ -74,12 +75,24 @@ def _all_gather_json(obj, device) -> list:
     return [json.loads(bytes(b[: int(s.item())].cpu().tolist()).decode("utf-8")) for b, s in zip(bufs, sizes, strict=True)]
 
 
+def gpu_index(local_rank: int, visible: int) -> int:
+    """The CUDA device of this rank: its local rank, or 0 when the launcher bound one GPU to each
+    task (srun --gpus-per-task=1: every task sees only cuda:0)."""
+    from aegis_cli.errors import ConfigError
+
+    if visible == 1 or local_rank < visible:
+        return 0 if visible == 1 else local_rank
+    raise ConfigError(f"local rank {local_rank} has no GPU: this task sees {visible} (one per local rank, or one per task)")
+
+
 def _local_device(local_rank: int, local_world: int, env: Mapping[str, str]) -> tuple[str, dict, dict[str, str]]:
     """This rank's device id, identity, and environment for its worker."""
     from aegis_cli.backends import cuda_available, resolve_devices
 
     if cuda_available():
-        (dev,) = resolve_devices(f"cuda:{local_rank}")
+        import torch
+
+        (dev,) = resolve_devices(f"cuda:{gpu_index(local_rank, torch.cuda.device_count())}")
         return dev.identity.id, dev.identity.to_dict(), {}
     from aegis_cli.backends.cpu import CpuBackend
 
@@ -104,8 +117,9 @@ def run_distributed(cfg, log, env: Mapping[str, str], stop=None):
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        torch.cuda.set_device(local_rank)
-        coll = torch.device("cuda", local_rank)
+        gpu = gpu_index(local_rank, torch.cuda.device_count())
+        torch.cuda.set_device(gpu)
+        coll = torch.device("cuda", gpu)
     else:
         coll = torch.device("cpu")
     timeout = datetime.timedelta(seconds=cfg.device_timeout_seconds + cfg.distributed.timeout_seconds)
