@@ -197,3 +197,25 @@ def test_results_keep_recording_order_when_the_clock_steps_back(tmp_path, monkey
         h.record_sweep(doc({"GPU-a": "SUSPECT"}))
         st = evaluate("GPU-a", h.results(["GPU-a"]), cfg)
         assert st.state == QUARANTINED and st.clean_streak == 0 and st.last.verdict == "SUSPECT"
+
+
+def test_ranks_opening_a_new_database_at_once_all_get_it(tmp_path):
+    # torchrun's ranks on a fresh node all create the history together: switching it to WAL made
+    # SQLite answer "locked" at once to all but one, and that rank's sweep died (its peers then
+    # waited in all_gather until the timeout)
+    code = textwrap.dedent("""
+        import sys, time
+        from aegis_cli.fleet.history import History
+        while time.time() < float(sys.argv[2]):
+            pass
+        with History(sys.argv[1]) as h:
+            print(h.version)
+    """)
+    for trial in range(3):
+        db = tmp_path / f"h{trial}.sqlite"
+        start = time.time() + 2.0
+        procs = [subprocess.Popen([sys.executable, "-c", code, str(db), str(start)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for _ in range(4)]
+        outs = [p.communicate(timeout=120) for p in procs]
+        assert all(p.returncode == 0 for p in procs), [e for _, e in outs]
+        assert [o.strip() for o, _ in outs] == [str(hist_mod.SCHEMA_VERSION)] * 4

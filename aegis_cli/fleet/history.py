@@ -118,7 +118,7 @@ class History:
             raise HistoryError(f"history database {self.path}: cannot open ({exc})") from None
         try:
             self._verify()
-            self._migrate()
+            self._migrate(busy_timeout)
         except BaseException:
             self.conn.close()
             raise
@@ -152,22 +152,35 @@ class History:
                                f"understands ({SCHEMA_VERSION}); upgrade aegis")
         self.version = version
 
-    def _migrate(self) -> None:
-        try:
-            if self.conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
-                self.conn.execute("PRAGMA journal_mode=WAL")
-            self.conn.execute("PRAGMA foreign_keys=ON")
-            self.conn.execute("PRAGMA synchronous=NORMAL")
-            while self.version < SCHEMA_VERSION:
-                with self._transaction():
-                    current = self.conn.execute("PRAGMA user_version").fetchone()[0]
-                    if current == self.version:  # nobody migrated it meanwhile
-                        for stmt in filter(str.strip, MIGRATIONS[self.version].split(";")):
-                            self.conn.execute(stmt)
-                        self.conn.execute(f"PRAGMA user_version = {self.version + 1}")
+    def _migrate(self, busy_timeout: float) -> None:
+        # Several processes may open a new database at once (the ranks of a node under torchrun):
+        # switching to WAL needs the database to itself and SQLite answers "locked" at once
+        # instead of waiting, so that step, and the migration with it, is retried until the
+        # busy timeout.
+        deadline = time.monotonic() + busy_timeout
+        while True:
+            try:
+                if self.conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                    self.conn.execute("PRAGMA journal_mode=WAL")
+                self.conn.execute("PRAGMA foreign_keys=ON")
+                self.conn.execute("PRAGMA synchronous=NORMAL")
                 self.version = self.conn.execute("PRAGMA user_version").fetchone()[0]
-        except sqlite3.Error as exc:
-            raise self._fail(f"migrating it to schema {SCHEMA_VERSION}", exc) from None
+                while self.version < SCHEMA_VERSION:
+                    with self._transaction():
+                        current = self.conn.execute("PRAGMA user_version").fetchone()[0]
+                        if current == self.version:  # nobody migrated it meanwhile
+                            for stmt in filter(str.strip, MIGRATIONS[self.version].split(";")):
+                                self.conn.execute(stmt)
+                            self.conn.execute(f"PRAGMA user_version = {self.version + 1}")
+                    self.version = self.conn.execute("PRAGMA user_version").fetchone()[0]
+                return
+            except sqlite3.OperationalError as exc:
+                if ("locked" in str(exc) or "busy" in str(exc)) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                raise self._fail(f"migrating it to schema {SCHEMA_VERSION}", exc) from None
+            except sqlite3.Error as exc:
+                raise self._fail(f"migrating it to schema {SCHEMA_VERSION}", exc) from None
 
     def close(self) -> None:
         self.conn.close()
