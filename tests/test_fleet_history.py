@@ -219,3 +219,13 @@ def test_ranks_opening_a_new_database_at_once_all_get_it(tmp_path):
         outs = [p.communicate(timeout=120) for p in procs]
         assert all(p.returncode == 0 for p in procs), [e for _, e in outs]
         assert [o.strip() for o, _ in outs] == [str(hist_mod.SCHEMA_VERSION)] * 4
+
+
+def test_quarantine_reason_says_what_it_is():
+    cfg = PolicyConfig(suspect_count=3, error_counts_as_suspect=True)
+    t = time.time()
+    rows = [ResultRow("G", t + i, v) for i, v in enumerate(["SUSPECT", "ERROR", "ERROR"])]
+    st = evaluate("G", rows, cfg)
+    assert st.state == QUARANTINED and st.reason.startswith("SUSPECT 1×, ERROR 2×")
+    st = evaluate("G", [*rows, ResultRow("G", t + 9, "FAULTY", checks=["gemm.row_checksum"])], cfg)
+    assert st.permanent and st.reason == "FAULTY while quarantined (gemm.row_checksum)" and st.since == t + 9

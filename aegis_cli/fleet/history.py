@@ -60,6 +60,18 @@ MIGRATIONS: list[str] = [
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
+def _is_locked(exc: sqlite3.Error) -> bool:
+    return "locked" in str(exc) or "busy" in str(exc)
+
+
+class _Locked(Exception):
+    """Opening met a lock held by another process (retried by History._open)."""
+
+    def __init__(self, what: str, error: sqlite3.Error):
+        super().__init__(what)
+        self.what, self.error = what, error
+
+
 @dataclass
 class ResultRow:
     uuid: str
@@ -117,13 +129,28 @@ class History:
         except sqlite3.Error as exc:
             raise HistoryError(f"history database {self.path}: cannot open ({exc})") from None
         try:
-            self._verify()
-            self._migrate(busy_timeout)
+            self._open(busy_timeout)
         except BaseException:
             self.conn.close()
             raise
 
     # -- opening -----------------------------------------------------------------------
+    def _open(self, busy_timeout: float) -> None:
+        """Check, then migrate. Several processes may open a new database at once (the ranks of a
+        node under torchrun): switching it to WAL needs it to itself, and SQLite then answers
+        "locked" at once instead of waiting; so a locked check or migration is retried until the
+        busy timeout."""
+        deadline = time.monotonic() + busy_timeout
+        while True:
+            try:
+                self._verify()
+                self._migrate()
+                return
+            except _Locked as exc:
+                if time.monotonic() >= deadline:
+                    raise self._fail(exc.what, exc.error) from None
+                time.sleep(0.05)
+
     def _fail(self, what: str, exc: sqlite3.Error) -> HistoryError:
         msg = str(exc)
         if "locked" in msg or "busy" in msg:
@@ -138,7 +165,7 @@ class History:
             version = self.conn.execute("PRAGMA user_version").fetchone()[0]
             names = [r[0] for r in self.conn.execute("SELECT name FROM sqlite_master WHERE name NOT LIKE 'sqlite_%' ORDER BY name")]
         except sqlite3.Error as exc:
-            raise self._fail("checking it", exc) from None
+            raise _Locked("checking it", exc) if _is_locked(exc) else self._fail("checking it", exc) from None
         if version == 0 and names:  # not ours: never add our tables to another program's database
             shown = ", ".join(names[:5]) + (" …" if len(names) > 5 else "")
             raise HistoryError(f"history database {self.path} is an SQLite database of something else (it holds {shown}); "
@@ -152,35 +179,23 @@ class History:
                                f"understands ({SCHEMA_VERSION}); upgrade aegis")
         self.version = version
 
-    def _migrate(self, busy_timeout: float) -> None:
-        # Several processes may open a new database at once (the ranks of a node under torchrun):
-        # switching to WAL needs the database to itself and SQLite answers "locked" at once
-        # instead of waiting, so that step, and the migration with it, is retried until the
-        # busy timeout.
-        deadline = time.monotonic() + busy_timeout
-        while True:
-            try:
-                if self.conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
-                    self.conn.execute("PRAGMA journal_mode=WAL")
-                self.conn.execute("PRAGMA foreign_keys=ON")
-                self.conn.execute("PRAGMA synchronous=NORMAL")
+    def _migrate(self) -> None:
+        what = f"migrating it to schema {SCHEMA_VERSION}"
+        try:
+            if self.conn.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                self.conn.execute("PRAGMA journal_mode=WAL")
+            self.conn.execute("PRAGMA foreign_keys=ON")
+            self.conn.execute("PRAGMA synchronous=NORMAL")
+            while self.version < SCHEMA_VERSION:
+                with self._transaction():
+                    current = self.conn.execute("PRAGMA user_version").fetchone()[0]
+                    if current == self.version:  # nobody migrated it meanwhile
+                        for stmt in filter(str.strip, MIGRATIONS[self.version].split(";")):
+                            self.conn.execute(stmt)
+                        self.conn.execute(f"PRAGMA user_version = {self.version + 1}")
                 self.version = self.conn.execute("PRAGMA user_version").fetchone()[0]
-                while self.version < SCHEMA_VERSION:
-                    with self._transaction():
-                        current = self.conn.execute("PRAGMA user_version").fetchone()[0]
-                        if current == self.version:  # nobody migrated it meanwhile
-                            for stmt in filter(str.strip, MIGRATIONS[self.version].split(";")):
-                                self.conn.execute(stmt)
-                            self.conn.execute(f"PRAGMA user_version = {self.version + 1}")
-                    self.version = self.conn.execute("PRAGMA user_version").fetchone()[0]
-                return
-            except sqlite3.OperationalError as exc:
-                if ("locked" in str(exc) or "busy" in str(exc)) and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                    continue
-                raise self._fail(f"migrating it to schema {SCHEMA_VERSION}", exc) from None
-            except sqlite3.Error as exc:
-                raise self._fail(f"migrating it to schema {SCHEMA_VERSION}", exc) from None
+        except sqlite3.Error as exc:
+            raise _Locked(what, exc) if _is_locked(exc) else self._fail(what, exc) from None
 
     def close(self) -> None:
         self.conn.close()

@@ -112,18 +112,23 @@ def evaluate(uuid: str, rows: list[ResultRow], cfg: PolicyConfig) -> DeviceState
             recent = [b for b in bad if r.ts - b.ts <= window]
             faulty = sum(b.verdict == "FAULTY" for b in recent)
             suspect = len(recent) - faulty
+            errors = sum(b.verdict == "ERROR" for b in recent)  # counted as SUSPECT (error_counts_as_suspect)
             when = f"within {cfg.window_days:g} days" if len(recent) > 1 else ""
+            checks = f" ({', '.join(r.checks[:3])})" if r.checks else ""
             if faulty >= cfg.faulty_count:
                 st.state, st.since, st.permanent = QUARANTINED, r.ts, not cfg.readmit_faulty
-                st.reason = f"FAULTY {faulty}× {when}".strip() + (f" ({', '.join(r.checks[:3])})" if r.checks else "")
+                st.reason = f"FAULTY {faulty}× {when}".strip() + checks
             elif suspect >= cfg.suspect_count:
                 st.state, st.since = QUARANTINED, r.ts
-                st.reason = f"SUSPECT {suspect}× {when}".strip() + (f" ({', '.join(r.checks[:3])})" if r.checks else "")
+                what = f"SUSPECT {suspect - errors}×, ERROR {errors}×" if errors else f"SUSPECT {suspect}×"
+                st.reason = f"{what} {when}".strip() + checks
             st.clean_streak = 0
             continue
         # quarantined or on probation
-        if r.verdict == "FAULTY" and not cfg.readmit_faulty:
-            st.permanent = True
+        if r.verdict == "FAULTY" and not cfg.readmit_faulty and not st.permanent:
+            # now for good: say so (the reason said SUSPECT, which reads as "will be readmitted")
+            st.permanent, st.since = True, r.ts
+            st.reason = "FAULTY while quarantined" + (f" ({', '.join(r.checks[:3])})" if r.checks else "")
         if is_bad:
             st.state, st.clean_streak = QUARANTINED, 0
         elif r.verdict == "HEALTHY":
