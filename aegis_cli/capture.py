@@ -65,8 +65,11 @@ def capture_gemm_vtasks(device, case, evidence: list, fault, tau: float, confirm
     s = case.shape
     out = []
     for ev in evidence:
-        rows_flag = frows or _sample_rows(ev, "row")
-        cols_flag = fcols or _sample_rows(ev, "col")
+        own_rows, own_cols = _sample_rows(ev, "row"), _sample_rows(ev, "col")
+        if ev.check in ("gemm.row_checksum", "gemm.col_checksum"):
+            rows_flag, cols_flag = frows or own_rows, fcols or own_cols
+        else:  # the output checks flag rows of their own, not necessarily the checksums' rows
+            rows_flag, cols_flag = own_rows or frows, own_cols or fcols
         spec = GemmSpec(layout=s.layout, m=m, n=n, k=k, tile=tuple(res.tile), flagged_rows=rows_flag[:MAX_SUBSET],
                         flagged_cols=cols_flag[:MAX_SUBSET])
         truncated = False
@@ -137,7 +140,9 @@ def save_scan_vtasks(report: Report, opts: ScanOptions, path: str | os.PathLike)
                 "job": f"aegis scan (workload {wl.name}, seed {opts.seed})", "captured": report.started,
                 "command_line": [str(x)[:MAX_STRING] for x in report.command_line][:256],
                 "versions": {k: v for k, v in {**vers, "driver": ident.driver, "cuda": vers.get("torch_cuda")}.items() if v},
-                "kernel_hashes": kernel_hashes(), "injected": plan is not None}
+                "kernel_hashes": kernel_hashes(),
+                # this device's flagged cases had faults put in on purpose (not: some device had)
+                "injected": any(e.injected for e in ev_gemm)}
         prov = {k: v for k, v in prov.items() if v is not None}
         by_case: dict[str, list] = {}
         for e in ev_gemm:

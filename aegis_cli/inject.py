@@ -21,6 +21,7 @@ A fault is permanent by default (fires on every launch, at positions fixed by it
 from __future__ import annotations
 
 import dataclasses
+import re
 import zlib
 from dataclasses import dataclass, field
 
@@ -40,6 +41,8 @@ MODELS = {
     "memflip": ({"bit", "count", "index"}, {"mem"}),
     "swap": ({"count", "index"}, {"mem"}),
 }
+# a GEMM case's input scale, e.g. ".../s+16+16" (not "/silu" or "/sdpa_fwd")
+_SCALE_SUFFIX = re.compile(r"/s[+-]\d+[+-]\d+(?=:|$)")
 DEFAULT_TARGET = {"memflip": "mem", "swap": "mem"}  # every other model defaults to acc
 COMMON_KEYS = {"target", "prob", "seed", "device", "op"}
 # Test hooks for fleet sweeps, applied by the per-device sweep worker (aegis_cli/fleet/worker.py)
@@ -255,7 +258,7 @@ class FaultPlan:
                     continue
             # positions depend on the case's shape group, not on its input scale: a permanent
             # fault sits at the same place whatever magnitudes flow through it
-            site = ctx.op.rsplit("/s", 1)[0]
+            site = _SCALE_SUFFIX.sub("", ctx.op)
             pos_rng = np.random.default_rng([f.seed, i, zlib.crc32(site.encode())])
             fired.append((f, pos_rng))
         return fired

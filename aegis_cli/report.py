@@ -10,6 +10,7 @@ import contextlib
 import csv
 import io
 import json
+import math
 import os
 import platform
 import sys
@@ -179,7 +180,9 @@ def to_csv(doc: dict) -> str:
     w.writeheader()
     for d in doc["devices"]:
         ev = d["evidence"]
-        margins = [e["margin"] for e in ev if isinstance(e.get("margin"), (int, float))]
+        # render() has already turned inf into "inf" (JSON has no infinity): the worst margin of all
+        margins = [math.inf if e.get("margin") == "inf" else e["margin"] for e in ev
+                   if isinstance(e.get("margin"), (int, float)) or e.get("margin") == "inf"]
         w.writerow({"host": d["device"]["host"], "device": d["device"]["id"], "uuid": d["device"]["uuid"],
                     "name": d["device"]["name"], "verdict": d["verdict"], "workload": d["workload"],
                     "gemms": (d["stats"] or {}).get("gemms", 0), "evidence": len(ev),

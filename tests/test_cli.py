@@ -318,3 +318,10 @@ def test_mig_slices_are_keyed_by_their_own_uuid(monkeypatch):
     assert ident.uuid == "MIG-1a2b3c4d-0000-1111-2222-333344445555" and ident.extra["parent_uuid"] == "GPU-parent"
     monkeypatch.setattr(cuda, "_nvml_identity", lambda i, pci: {"uuid": "GPU-whole", "name": "NVIDIA H200"})
     assert cuda._identity(0).uuid == "GPU-whole" and "parent_uuid" not in cuda._identity(0).extra
+
+
+def test_csv_keeps_an_infinite_margin(capsys):
+    code, out, _ = run_cli(capsys, "scan", "-q", "--workload", TINY, "--probes", "gemm", "--reruns", "1", "--format", "csv",
+                           "--inject", "tile:mode=stuck,value=3e38")
+    (row,) = list(csv.DictReader(io.StringIO(out)))
+    assert code == ExitCode.FAULTY and row["max_margin"] == "inf"

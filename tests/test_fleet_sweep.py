@@ -129,6 +129,7 @@ def test_history_and_report_commands(node_sweep):
     assert p.returncode == 2
     fleet = json.loads(p.stdout)
     assert fleet["kind"] == "fleet" and len(fleet["devices"]) == 3
+    assert fleet["seed"] == 0 and fleet["command_line"][:2] == ["aegis", "report"]  # the sources' common seed
     # two fingerprinted devices that differ and no third: a software cause cannot be ruled out
     assert fleet["outcome"] == "INCONCLUSIVE"
 

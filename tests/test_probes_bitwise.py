@@ -98,6 +98,17 @@ def test_memory_clean_then_flip_and_swap_with_address_and_mask():
     assert ev.elements >= 1 and all(int(x["xor"], 16) for x in ev.samples if "xor" in x)
 
 
+def test_memory_summary_counts_every_changed_block():
+    from aegis_cli.probes.memory import BLOCK, memory_probe
+
+    # 1000 flips in one 4 MiB chunk land in (almost surely) all 64 of its 64 KiB blocks: the summary
+    # counted at most 16 per chunk
+    c = ctx("memflip:count=1000", memory__mb=8)
+    (ev,) = memory_probe(CpuDevice(0), c)
+    n = int(ev.summary.split("memory.bitflip: ")[1].split(" block(s)")[0])
+    assert 16 < n <= (4 << 20) // BLOCK and len(ev.tiles) == 16
+
+
 def test_crossdevice_three_cpus_majority_flags_the_odd_one(monkeypatch):
     monkeypatch.setenv("AEGIS_CPU_DEVICES", "3")
     rep = run_scan(ScanOptions(devices="cpu", probes=("crossdevice",), inject="memflip:device=cpu:1,op=crossdevice/matmul"))
@@ -191,3 +202,31 @@ def test_crossdevice_two_gpus_fp64_reference_decides_on_checksums():
         if {"row_sums", "col_sums"} <= set(seen):
             break
     assert {"row_sums", "col_sums"} <= set(seen), seen
+
+
+def test_determinism_majority_found_after_four_corrupted_runs():
+    # the first four runs are corrupted differently and the clean result comes later: only
+    # MAX_HELD results are kept, and the majority's must be one of them (was a KeyError → ERROR)
+    spec = ";".join(f"memflip:op=gelu/run{r}" for r in range(4))
+    rep = run_scan(ScanOptions(devices="cpu:0", probes=("determinism",), inject=spec,
+                               probe_options={"determinism.only": "gelu", "determinism.runs": "9"}))
+    d = rep.devices[0]
+    assert d.verdict.value == "FAULTY" and not d.error
+    (ev,) = d.evidence
+    assert "4 of 9 runs differ from the majority" in ev.summary and ev.samples[0]["reference_run"] >= 4  # a clean run
+
+
+def test_determinism_without_majority_says_so():
+    rep = run_scan(ScanOptions(devices="cpu:0", probes=("determinism",), inject="memflip:op=gelu/run0",
+                               probe_options={"determinism.only": "gelu", "determinism.runs": "2"}))
+    (ev,) = rep.devices[0].evidence
+    assert ev.severity.value == "FAULTY" and "no majority" in ev.summary and ev.samples[0]["no_majority"] is True
+
+
+@pytest.mark.parametrize("name", ["silu", "sdpa_fwd"])
+def test_stored_fault_positions_differ_per_run_for_every_computation(name):
+    # a fault's position is derived from its op without the GEMM scale suffix "/s±a±b"; cutting at
+    # the first "/s" made every run of silu or sdpa_* identical (all flipped alike, nothing seen)
+    rep = run_scan(ScanOptions(devices="cpu:0", probes=("determinism",), inject=f"memflip:op={name}",
+                               probe_options={"determinism.only": name}))
+    assert rep.devices[0].verdict.value == "FAULTY"

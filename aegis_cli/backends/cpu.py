@@ -57,6 +57,8 @@ def _machine_id() -> str:
 
 
 class CpuDevice(Device):
+    shape_independent_sums = False  # BLAS picks its summation order by the GEMM's shape
+
     def __init__(self, index: int = 0):
         self.tile = CPU_TILE
         self.identity = DeviceIdentity(

@@ -102,6 +102,9 @@ def merge(paths: list[str]) -> dict:
     devices.sort(key=lambda d: (d["device"].get("host", ""), d["device"]["id"]))
     comparison = compare.compare(devices)
     out = fleet_doc(None, compare.apply(devices, comparison), comparison, 0.0, sources=[p for p, _ in docs])
+    seeds = {doc.get("seed") for _, doc in docs}
+    out["seed"] = seeds.pop() if len(seeds) == 1 else None  # null only when the sources' seeds differ
+    out["command_line"] = ["aegis", "report", *paths]
     out["fault_injected"] = any(doc.get("fault_injected") for _, doc in docs)
     out["injected"] = sorted({i for _, doc in docs for i in doc.get("injected") or []})
     return out

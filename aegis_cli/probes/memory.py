@@ -149,7 +149,7 @@ def _compare(region: _Region, before: list[torch.Tensor], ctx_device: str) -> tu
         bad = (after != before[i]).nonzero().flatten().tolist()
         if not bad:
             continue
-        where[i] = bad[:16]
+        where[i] = bad  # all of them: the summary counts them; evidence lists the first 16
         for blk in bad:
             if examined >= MAX_BLOCKS_EXAMINED:
                 break
@@ -228,7 +228,7 @@ def memory_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
                              f"({words_bad} differing 64-bit word(s) in the blocks examined) after {held['seconds']:.1f} s "
                              f"held; chunks {sorted(where)[:8]}"),
                     op="memory", shape={"bytes": covered}, dist=",".join(PATTERNS), seed=ctx.opts.seed, max_value=1.0,
-                    elements=words_bad, samples=samples, tiles=[[i, b] for i, bl in where.items() for b in bl][:16],
+                    elements=words_bad, samples=samples, tiles=[[i, b] for i, bl in where.items() for b in bl[:16]][:16],
                     localised=[[s["chunk"], s["offset"]] for s in samples if "offset" in s], reruns=1,
                     reproduced=again, kernel="fingerprint.cu" if dev.type == "cuda" else "cpu",
                     injected=recent_injections(ctx.fault))
