@@ -161,9 +161,15 @@ class History:
 
     def _verify(self) -> None:
         try:
-            rows = self.conn.execute("PRAGMA quick_check").fetchall()
-            version = self.conn.execute("PRAGMA user_version").fetchone()[0]
-            names = [r[0] for r in self.conn.execute("SELECT name FROM sqlite_master WHERE name NOT LIKE 'sqlite_%' ORDER BY name")]
+            # one read transaction: a version read before another process's migration commits and
+            # its tables read after would look like some other program's database
+            self.conn.execute("BEGIN")
+            try:
+                rows = self.conn.execute("PRAGMA quick_check").fetchall()
+                version = self.conn.execute("PRAGMA user_version").fetchone()[0]
+                names = [r[0] for r in self.conn.execute("SELECT name FROM sqlite_master WHERE name NOT LIKE 'sqlite_%' ORDER BY name")]
+            finally:
+                self.conn.execute("COMMIT")
         except sqlite3.Error as exc:
             raise _Locked("checking it", exc) if _is_locked(exc) else self._fail("checking it", exc) from None
         if version == 0 and names:  # not ours: never add our tables to another program's database
