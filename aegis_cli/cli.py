@@ -7,6 +7,7 @@ rich and maps errors to exit codes (errors.ExitCode). The library never prints o
 from __future__ import annotations
 
 import io
+import shlex
 import sys
 import traceback
 
@@ -95,7 +96,23 @@ def _verdict_table(console: Console, doc: dict) -> None:
         if len(d["evidence"]) > 10:
             console.print(f"    … {len(d['evidence']) - 10} more evidence records (use --format json)")
     if any(d["evidence"] for d in doc["devices"]):
-        console.print(f"Re-run one case: aegis scan --seed {doc['seed']} --case CASE_ID", highlight=False)
+        console.print(f"Re-run one case: {_rerun_command(doc)} --case CASE_ID", highlight=False)
+
+
+def _rerun_command(doc: dict) -> str:
+    """The scan command that re-runs a case of ``doc`` as it was judged: same seed, workload
+    and thresholds (the defaults left out)."""
+    from aegis_cli.numerics import Thresholds
+
+    o, th = doc.get("options") or {}, Thresholds()
+    parts = ["aegis scan", f"--seed {doc['seed']}"]
+    if o.get("workload"):
+        parts.append(f"--workload {shlex.quote(str(o['workload']))}")
+    if o.get("threshold") not in (None, th.tau):
+        parts.append(f"--threshold {o['threshold']:g}")
+    if o.get("confirm_margin") not in (None, th.confirm_margin):
+        parts.append(f"--confirm-margin {o['confirm_margin']:g}")
+    return " ".join(parts)
 
 
 def _thresholds(tau: float | None, margin: float | None):

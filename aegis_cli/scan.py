@@ -50,8 +50,13 @@ class ScanOptions:
 def workload_for(opts: ScanOptions, device: Device) -> workloads.Workload:
     """The catalog a scan runs on ``device``: --workload, else the CPU or GPU default."""
     if opts.workload:
-        return workloads.load(opts.workload)
-    return workloads.load(DEFAULT_CPU_WORKLOAD if device.identity.backend == "cpu" else DEFAULT_GPU_WORKLOAD)
+        wl = workloads.load(opts.workload)
+    else:
+        wl = workloads.load(DEFAULT_CPU_WORKLOAD if device.identity.backend == "cpu" else DEFAULT_GPU_WORKLOAD)
+    load_all()
+    if wl.name in PROBES or wl.name in NODE_PROBES:  # case ids start with the workload's name
+        raise ConfigError(f"workload name {wl.name!r} is also a probe's: its case ids could not be re-run with --case")
+    return wl
 
 
 def plan_cases(wl: workloads.Workload, seed: int, case: str | None = None) -> list[GemmCase]:
@@ -160,7 +165,8 @@ def count_cases(opts: ScanOptions, devices: list[Device]) -> int:
     for d in devices:
         wl = workload_for(opts, d)
         if "gemm" in opts.probes:
-            n_scales = 1 if opts.case else len(wl.scan.scales)
+            # a --case at a scale also runs the base scale it is checked against
+            n_scales = (1 if opts.case.endswith("/s+0+0") else 2) if opts.case else len(wl.scan.scales)
             total += len(plan_cases(wl, opts.seed, opts.case)) * n_scales
     return total
 
@@ -175,7 +181,9 @@ def run_scan(opts: ScanOptions, progress: Progress | None = None) -> Report:
     if unknown:
         raise ConfigError(f"unknown probe(s) {', '.join(unknown)} (known: {', '.join(sorted([*PROBES, *NODE_PROBES]))})")
     parse_probe_options(opts.probe_options)
-    probes = opts.probes
+    probes = tuple(dict.fromkeys(opts.probes))  # each once: a repeat ran twice and doubled the evidence
+    if not probes:
+        raise ConfigError("no probes to run (--probes is empty): HEALTHY would mean nothing was checked")
     if opts.golden and "golden" not in probes:
         probes = (*probes, "golden")
     if opts.case is not None:  # re-run one case: only the probe that owns it (ids start with its name)
@@ -183,6 +191,8 @@ def run_scan(opts: ScanOptions, progress: Progress | None = None) -> Report:
         probes = (head,) if head in PROBES or head in NODE_PROBES else ("gemm",)
     opts = dataclasses.replace(opts, probes=probes)  # the caller's options stay as given
     devices = resolve_devices(opts.devices)
+    if set(probes) <= set(NODE_PROBES) and len(devices) < 2:
+        raise ConfigError(f"{', '.join(probes)} compares devices with each other; with one device it checks nothing")
     check_memory(opts, devices)
     if opts.golden:
         from aegis_cli import golden

@@ -75,6 +75,11 @@ class ScanPlan:
                 raise ConfigError(f"scan.distributions: unknown distribution {dist!r} (known: {', '.join(DISTRIBUTIONS)})")
         if not self.ops or not self.layouts or not self.distributions:
             raise ConfigError("scan: ops, layouts and distributions must not be empty")
+        for key in ("ops", "layouts", "distributions", "scales"):  # a repeat would run (and report) twice
+            items = [tuple(x) if isinstance(x, list) else x for x in getattr(self, key)]
+            dup = next((x for i, x in enumerate(items) if x in items[:i]), None)
+            if dup is not None:
+                raise ConfigError(f"scan.{key}: {list(dup) if isinstance(dup, tuple) else dup!r} is listed twice")
         for s in self.scales:
             if len(s) != 2 or not all(-40 <= e <= 40 for e in s):
                 raise ConfigError(f"scan.scales: each entry is [ea, eb] with exponents in -40…40, got {s}")
@@ -147,12 +152,14 @@ def available() -> list[str]:
 
 
 def load(name_or_path: str) -> Workload:
-    """Load a catalog by shipped name (``cpu-quick``) or by path to a YAML file."""
+    """Load a catalog by shipped name (``cpu-quick``) or by path to a YAML file. A shipped name
+    wins over a file or folder of that name in the current directory (a checkpoint folder called
+    llama3-70b must not replace the catalog); give ./NAME for such a file."""
     path = Path(name_or_path)
-    if not (path.suffix in (".yaml", ".yml") or path.exists()):
+    if name_or_path in available():
         path = catalog_dir() / f"{name_or_path}.yaml"
-        if not path.exists():
-            raise ConfigError(f"unknown workload {name_or_path!r} (shipped: {', '.join(available())}; or give a path to a .yaml file)")
+    elif not (path.suffix in (".yaml", ".yml") or path.exists()):
+        raise ConfigError(f"unknown workload {name_or_path!r} (shipped: {', '.join(available())}; or give a path to a .yaml file)")
     data = config.load_yaml(path)
     wl = config.from_dict(Workload, data, str(path))
     return dataclasses.replace(wl, source=str(path))

@@ -94,6 +94,8 @@ def test_device_error_is_error_verdict_exit_3(capsys, monkeypatch):
         (["scan", "--case", "cpu-quick/qkv/fwd/normal/192x384x256/sXYZ"], "has no such scale"),
         (["scan", "--case", "pow2/nosuchimpl/64x96x128"], "pow2 has no implementation 'nosuchimpl'"),
         (["scan", "--case", "memory/bogus"], "the memory probe has no such case"),
+        (["scan", "--probes", ""], "no probes to run"),  # was HEALTHY with nothing checked
+        (["scan", "--probes", ","], "no probes to run"),
         (["scan", "--case", "golden/checked_gemm"], "give it with --golden FILE"),
         # a seed a vTask bundle cannot record, or one that aliases another seed's inputs
         (["scan", "--seed", "-1"], "seed must be an integer in 0…2147483647, got -1"),
@@ -325,3 +327,53 @@ def test_csv_keeps_an_infinite_margin(capsys):
                            "--inject", "tile:mode=stuck,value=3e38")
     (row,) = list(csv.DictReader(io.StringIO(out)))
     assert code == ExitCode.FAULTY and row["max_margin"] == "inf"
+
+
+def test_repeated_probe_runs_once(capsys):
+    code, out, _ = run_cli(capsys, "scan", "-q", "--workload", TINY, "--probes", "gemm,gemm", "--reruns", "1",
+                           "--inject", "bitflip:bit=exp", "--format", "json")
+    doc = json.loads(out)
+    ev = doc["devices"][0]["evidence"]
+    assert code == ExitCode.FAULTY and doc["options"]["probes"] == ["gemm"]
+    assert len({(e["case_id"], e["check"]) for e in ev}) == len(ev)  # no finding reported twice
+
+
+def test_perturb_fault_on_one_device_leaves_the_others_alone(capsys, monkeypatch):
+    # the crossdevice and determinism probes run the checked GEMM too: a perturb fault needs a
+    # clean median there as well (it raised, and the node probe's failure made every device ERROR)
+    monkeypatch.setenv("AEGIS_CPU_DEVICES", "2")
+    _, out, _ = run_cli(capsys, "scan", "-q", "--device", "cpu", "--workload", TINY, "--probes", "determinism,crossdevice",
+                           "--probe-option", "determinism.only=checked_gemm", "--probe-option", "crossdevice.only=checked_gemm",
+                           "--inject", "perturb:r=1e4,rate=1e-3,device=cpu:1", "--format", "json")
+    v = {d["device"]["id"]: (d["verdict"], d["error"]) for d in json.loads(out)["devices"]}
+    assert v["cpu:0"] == ("HEALTHY", None) and v["cpu:1"][1] is None, v
+
+
+def test_shipped_catalog_wins_over_a_folder_of_that_name(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cpu-quick").mkdir()  # a checkpoint folder, say
+    code, _, err = run_cli(capsys, "scan", "-q", "--probes", "gemm", "--format", "csv")
+    assert code == ExitCode.HEALTHY, err
+
+
+def test_catalog_lists_without_repeats_and_names_unlike_probes(tmp_path):
+    from aegis_cli import workloads
+    from aegis_cli.errors import ConfigError
+
+    text = (DATA / "tiny.yaml").read_text()
+    dup = tmp_path / "dup.yaml"
+    dup.write_text(text.replace("distributions: [normal]", "distributions: [normal, normal]"))
+    assert "distributions: [normal, normal]" in dup.read_text()
+    with pytest.raises(ConfigError, match=r"scan\.distributions: 'normal' is listed twice"):
+        workloads.load(str(dup))
+    probe = tmp_path / "memory.yaml"
+    probe.write_text(text.replace("name: tiny", "name: memory"))
+    with pytest.raises(ConfigError, match="also a probe's"):
+        scan_mod.run_scan(scan_mod.ScanOptions(devices="cpu:0", workload=str(probe), probes=("gemm",)))
+
+
+def test_rerun_hint_names_the_workload_and_thresholds(capsys):
+    code, out, _ = run_cli(capsys, "scan", "--workload", TINY, "--seed", "5", "--threshold", "2e-6", "--probes", "gemm",
+                           "--reruns", "1", "--inject", "bitflip:bit=exp")
+    assert code == ExitCode.FAULTY
+    assert f"aegis scan --seed 5 --workload {TINY} --threshold 2e-06 --case CASE_ID" in " ".join(out.split())

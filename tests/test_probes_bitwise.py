@@ -129,9 +129,13 @@ def test_crossdevice_two_cpus_fp64_reference_decides(monkeypatch):
 
 
 def test_crossdevice_clean_and_single_device():
-    rep = run_scan(ScanOptions(devices="cpu:0", probes=("crossdevice",)))
+    rep = run_scan(ScanOptions(devices="cpu:0", probes=("determinism", "crossdevice"),
+                               probe_options={"determinism.only": "gelu"}))
     assert rep.devices[0].verdict.value == "HEALTHY"
     assert rep.devices[0].probe_stats["crossdevice"]["groups"][0]["compared"] is False
+    # alone, on one device, it would check nothing and still say HEALTHY
+    with pytest.raises(ConfigError, match="with one device it checks nothing"):
+        run_scan(ScanOptions(devices="cpu:0", probes=("crossdevice",)))
 
 
 def test_inject_grammar_for_stored_faults():

@@ -93,7 +93,13 @@ def _gemm_inputs(dev: Device, s: Sizes, seed: int) -> dict[str, torch.Tensor]:
 
 
 def _checked_gemm(dev: Device, x: dict, fault: FaultPlan | None, op: str) -> dict[str, torch.Tensor]:
-    res = dev.checked_gemm(GemmOperands(x["a"], x["b"], Layout.FWD), fault, op=op)
+    ops = GemmOperands(x["a"], x["b"], Layout.FWD)
+    med = None  # a perturb fault is sized by a clean run's checksum noise, as in the GEMM probe
+    if fault is not None and fault.needs_clean_median():
+        from aegis_cli.probes.gemm import clean_median
+
+        med = clean_median(dev, ops, dev.reference_checksums(ops, dev.tile))
+    res = dev.checked_gemm(ops, fault, op=op, clean_median=med)
     return {"c": res.c, "row_sums": res.row_sums, "col_sums": res.col_sums}
 
 

@@ -169,6 +169,7 @@ class GemmProbe:
                     raise ConfigError(f"case {cid!r} cannot run with seed {case.seed}: scale {ea:+d}{eb:+d} would take "
                                       "these inputs out of the range where power-of-two scaling is exact")
                 self.stats.skipped_scales += 1
+                self.on_case(cid)  # counted in the progress total all the same
                 continue
             ops = scaled(base_ops, ea, eb) if (ea, eb) != (0, 0) else base_ops
             ref = scaled_reference(base_ref, ea + eb)
