@@ -9,7 +9,7 @@ import torch
 
 from aegis_cli.backends.base import GemmResult, Layout
 from aegis_cli.bundle import BundleWriter
-from aegis_cli.vtask import GEMM_CHECKS, MAX_SAMPLES, MAX_STRING, GemmSpec, VTask
+from aegis_cli.vtask import CHECKSUM_CHECKS, GEMM_CHECKS, MAX_SAMPLES, MAX_STRING, GemmSpec, VTask
 
 if TYPE_CHECKING:
     from aegis_cli.report import Report
@@ -66,7 +66,7 @@ def capture_gemm_vtasks(device, case, evidence: list, fault, tau: float, confirm
     out = []
     for ev in evidence:
         own_rows, own_cols = _sample_rows(ev, "row"), _sample_rows(ev, "col")
-        if ev.check in ("gemm.row_checksum", "gemm.col_checksum"):
+        if ev.check in CHECKSUM_CHECKS:
             rows_flag, cols_flag = frows or own_rows, fcols or own_cols
         else:  # the output checks flag rows of their own, not necessarily the checksums' rows
             rows_flag, cols_flag = own_rows or frows, own_cols or fcols

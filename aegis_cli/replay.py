@@ -126,7 +126,7 @@ class _VTaskReplay:
         self.notes: list[str] = []
         # the capture's τ, raised to this device's accumulation bound at this K where its matrix
         # unit truncates: a vTask captured on a CPU, replayed on a GPU, is judged by the GPU's noise
-        self.tau = max(vt.tau, device.accumulation_bound(vt.gemm.k))
+        self.tau = numerics.Thresholds(tau=vt.tau).tau_for(device, vt.gemm.k)
         if self.tau > vt.tau:
             self.notes.append(f"τ raised from the captured {vt.tau:.3g} to {self.tau:.3g}, "
                               f"this device's accumulation bound at K = {vt.gemm.k}")
@@ -296,8 +296,8 @@ class _VTaskReplay:
         vt, dev = self.vt, self.dev
         fired = sorted(self.fired)
         margin = None
-        own = vt.check if vt.check in ("gemm.row_checksum", "gemm.col_checksum") and vt.check in self.fired else None
-        cs = [self.fired[c].max_value for c in ((own,) if own else ("gemm.row_checksum", "gemm.col_checksum")) if c in self.fired]
+        own = vt.check in vtask.CHECKSUM_CHECKS and vt.check in self.fired  # the margin of the check it was saved for
+        cs = [self.fired[c].max_value for c in ((vt.check,) if own else vtask.CHECKSUM_CHECKS) if c in self.fired]
         if cs:
             margin = max(cs) / self.tau if all(math.isfinite(x) for x in cs) else math.inf
         runs_total = self.opts.repeat * len(scales_run)
@@ -360,7 +360,7 @@ def _evidence(vt: vtask.VTask, out: dict, fired: dict[str, _Fired], bundle: str,
                   localised=[[r, c] for r in sorted(f.rows)[:4] for c in sorted(f.cols)[:4]][:16],
                   reruns=max(out["runs"] - 1, 0), reproduced=max(min(f.runs, out['runs']) - 1, 0), distinct_outputs=out["distinct_outputs"],
                   injected=recent_injections(fault))
-    if check in ("gemm.row_checksum", "gemm.col_checksum"):
+    if check in vtask.CHECKSUM_CHECKS:
         ev.threshold, ev.max_value, ev.margin = out["tau"], f.max_value, out["margin"]
     else:
         ev.max_value = f.max_value

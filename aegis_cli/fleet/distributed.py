@@ -80,8 +80,10 @@ def gpu_index(local_rank: int, visible: int) -> int:
     task (srun --gpus-per-task=1: every task sees only cuda:0)."""
     from aegis_cli.errors import ConfigError
 
-    if visible == 1 or local_rank < visible:
-        return 0 if visible == 1 else local_rank
+    if visible == 1:
+        return 0
+    if local_rank < visible:
+        return local_rank
     raise ConfigError(f"local rank {local_rank} has no GPU: this task sees {visible} (one per local rank, or one per task)")
 
 

@@ -323,16 +323,18 @@ class History:
 
     def retired(self) -> dict[str, float]:
         """uuid → when it was retired, for devices whose last recorded event is a retirement."""
-        sql = "SELECT uuid, ts, event FROM actions WHERE id IN (SELECT MAX(id) FROM actions GROUP BY uuid)"
-        return {u: ts for u, ts, ev in self._query(sql, []) if ev == "retire"}
+        return {u: ts for u, (ev, ts) in self.last_events().items() if ev == "retire"}
 
-    def last_events(self, uuids: list[str]) -> dict[str, str]:
-        """uuid → the last quarantine/readmit event recorded for it (what was last announced)."""
-        if not uuids:
-            return {}
-        sql = (f"SELECT uuid, event FROM actions WHERE id IN (SELECT MAX(id) FROM actions WHERE uuid IN "
-               f"({', '.join('?' * len(uuids))}) GROUP BY uuid)")
-        return dict(self._query(sql, list(uuids)))
+    def last_events(self, uuids: list[str] | None = None) -> dict[str, tuple[str, float]]:
+        """uuid → (event, ts) of the last event recorded for it (quarantine, readmit or retire:
+        what was last announced), for ``uuids`` or every device."""
+        where, args = "", []
+        if uuids is not None:
+            if not uuids:
+                return {}
+            where, args = f" WHERE uuid IN ({', '.join('?' * len(uuids))})", list(uuids)
+        sql = f"SELECT uuid, event, ts FROM actions WHERE id IN (SELECT MAX(id) FROM actions{where} GROUP BY uuid)"
+        return {u: (ev, ts) for u, ev, ts in self._query(sql, args)}
 
     def actions(self, uuid: str | None = None) -> list[dict]:
         cols = ("ts", "uuid", "event", "state", "reason", "argv", "executed", "returncode", "output")

@@ -104,6 +104,7 @@ def evaluate(uuid: str, rows: list[ResultRow], cfg: PolicyConfig) -> DeviceState
         st.sweeps += 1
         st.counts[r.verdict] = st.counts.get(r.verdict, 0) + 1
         st.last = r
+        checks = f" ({', '.join(r.checks[:3])})" if r.checks else ""
         is_bad = r.verdict in ("SUSPECT", "FAULTY") or (r.verdict == "ERROR" and cfg.error_counts_as_suspect)
         if st.state == ACTIVE:
             if not is_bad:
@@ -114,7 +115,6 @@ def evaluate(uuid: str, rows: list[ResultRow], cfg: PolicyConfig) -> DeviceState
             suspect = len(recent) - faulty
             errors = sum(b.verdict == "ERROR" for b in recent)  # counted as SUSPECT (error_counts_as_suspect)
             when = f"within {cfg.window_days:g} days" if len(recent) > 1 else ""
-            checks = f" ({', '.join(r.checks[:3])})" if r.checks else ""
             if faulty >= cfg.faulty_count:
                 st.state, st.since, st.permanent = QUARANTINED, r.ts, not cfg.readmit_faulty
                 st.reason = f"FAULTY {faulty}× {when}".strip() + checks
@@ -128,7 +128,7 @@ def evaluate(uuid: str, rows: list[ResultRow], cfg: PolicyConfig) -> DeviceState
         if r.verdict == "FAULTY" and not cfg.readmit_faulty and not st.permanent:
             # now for good: say so (the reason said SUSPECT, which reads as "will be readmitted")
             st.permanent, st.since = True, r.ts
-            st.reason = "FAULTY while quarantined" + (f" ({', '.join(r.checks[:3])})" if r.checks else "")
+            st.reason = "FAULTY while quarantined" + checks
         if is_bad:
             st.state, st.clean_streak = QUARANTINED, 0
         elif r.verdict == "HEALTHY":

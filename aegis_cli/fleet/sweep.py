@@ -340,7 +340,7 @@ def apply_policy(cfg: SweepConfig, hist: History, doc: dict, log: Log, *, rank: 
     # config: a changed policy that moves a device must still run its action
     announced = hist.last_events(uuids)
     before = evaluate_all(hist.results(uuids), cfg.policy)
-    was_q = {u: announced[u] == "quarantine" if u in announced else (u in before and before[u].quarantined) for u in uuids}
+    was_q = {u: announced[u][0] == "quarantine" if u in announced else (u in before and before[u].quarantined) for u in uuids}
     sweep_id = hist.record_sweep(doc, rank=rank, world_size=world_size)
     log("history_recorded", sweep_id=sweep_id, devices=len(doc["devices"]), path=cfg.history.path)
     states = evaluate_all(hist.results(uuids), cfg.policy)

@@ -28,6 +28,7 @@ from aegis_cli.backends.base import Device, GemmOperands, GemmResult, ReferenceC
 from aegis_cli.errors import ConfigError
 from aegis_cli.inject import FaultPlan, recent_injections
 from aegis_cli.verdict import Evidence, Verdict
+from aegis_cli.vtask import CHECKSUM_CHECKS
 from aegis_cli.workloads import GemmShape
 
 MAX_SAMPLES = 8
@@ -303,7 +304,7 @@ class GemmProbe:
                           sms=sig.sms, localised=sig.localised, reruns=self.reruns, reproduced=seen[sig.check],
                           distinct_outputs=len(prints), kernel=res.kernel,
                           injected=recent_injections(self.fault))
-            if sig.check in ("gemm.row_checksum", "gemm.col_checksum"):
+            if sig.check in CHECKSUM_CHECKS:
                 ev.threshold, ev.max_value = tau, sig.max_value
                 ev.margin = sig.max_value / tau if math.isfinite(sig.max_value) else math.inf
             else:

@@ -28,8 +28,9 @@ from aegis_cli.verdict import Evidence, Verdict
 @register("golden")
 def golden_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     """Fingerprints of the canonical workloads against a golden file."""
+    only = ctx.case_part("golden")  # --case golden/NAME
     if not ctx.opts.golden:
-        if ctx.case_part("golden") is not None:
+        if only is not None:
             raise ConfigError(f"case {ctx.opts.case!r} compares against a golden file: give it with --golden FILE")
         ctx.stats["golden"] = {"compared": False, "reason": "no --golden FILE given"}
         return []
@@ -38,7 +39,6 @@ def golden_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     seed, block = int(doc["seed"]), int(doc["block"])
     evidence: list[Evidence] = []
     checked = 0
-    only = ctx.case_part("golden")
     if only is not None and only not in rec["computations"]:
         raise ConfigError(f"case {ctx.opts.case!r}: the golden record {rec['key']!r} has no computation {only!r} "
                           f"(it has: {', '.join(rec['computations'])})")
