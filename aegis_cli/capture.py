@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import TYPE_CHECKING
 
@@ -22,6 +23,8 @@ MAX_SUBSET = 1024  # writer policy: at most this many flagged rows/columns in a 
 def _flag_sets(res, ref, tau: float) -> tuple[list[int], list[int]]:
     from aegis_cli import numerics
 
+    if res.row_sums.device != ref.row.device:  # a flagged run the scan kept in host memory
+        res = dataclasses.replace(res, row_sums=res.row_sums.to(ref.row.device), col_sums=res.col_sums.to(ref.row.device))
     d_row, d_col = numerics.checksum_diffs(res, ref)  # (M, nt_n), (nt_m, N)
     return ((d_row > tau).any(1).nonzero().flatten().cpu().tolist(), (d_col > tau).any(0).nonzero().flatten().cpu().tolist())
 

@@ -227,14 +227,20 @@ class FaultPlan:
     faults: list[FaultSpec]
     launches: int = 0
     injected: list[dict] = field(default_factory=list)
+    # each fault's place in the spec as written (None: as listed). Positions and coins are seeded
+    # by it, so a shared fault lands in the same place on every device whichever other devices'
+    # faults were dropped from this one's plan
+    slots: list[int] | None = None
 
     @classmethod
     def parse(cls, text: str) -> FaultPlan:
         return cls(parse_spec(text))
 
     def for_device(self, device_id: str) -> FaultPlan | None:
-        mine = [f for f in self.faults if f.params.get("device") in (None, device_id)]
-        return dataclasses.replace(self, faults=mine, injected=[], launches=0) if mine else None
+        slots = self.slots or list(range(len(self.faults)))
+        mine = [(f, s) for f, s in zip(self.faults, slots, strict=True) if f.params.get("device") in (None, device_id)]
+        return dataclasses.replace(self, faults=[f for f, _ in mine], slots=[s for _, s in mine], injected=[],
+                                   launches=0) if mine else None
 
     def needs_clean_median(self) -> bool:
         return any(f.model == "perturb" for f in self.faults)
@@ -248,7 +254,7 @@ class FaultPlan:
         from a generator seeded by (fault seed, op) so a permanent fault sits still;
         firing of an intermittent fault is drawn per launch."""
         fired = []
-        for i, f in enumerate(self.faults):
+        for i, f in zip(self.slots or range(len(self.faults)), self.faults, strict=True):
             st = {"a": "operands", "b": "operands", "acc": "acc", "out": "out", "mem": "mem"}[f.target]
             if st != stage or not f.applies_to(ctx.device_id, ctx.op):
                 continue

@@ -143,21 +143,28 @@ def run_node_probes(devices: list[Device], reports: list[DeviceReport], opts: Sc
 
 
 def check_memory(opts: ScanOptions, devices: list[Device]) -> None:
-    """Refuse, before any work, a GEMM case that could never fit in a device's memory: the OOM
-    killer would end the scan with no report and no exit code of ours."""
+    """Refuse, before any work, a GEMM case that could not fit in a device's memory: the OOM
+    killer would end the scan with no report and no exit code of ours, and a CUDA out-of-memory
+    error half-way would mark a sound GPU ERROR. Two cases, two remedies: the device is too
+    small for the workload (lower its sizes), or other processes hold the memory now (retry
+    when the device is idle)."""
     if "gemm" not in opts.probes:
         return
     for d in devices:
-        have = d.memory_bytes()
-        if not have:
+        have, free = d.memory_bytes(), d.memory_free()
+        if not have and free is None:
             continue
         wl = workload_for(opts, d)
         big = max({c.shape for c in plan_cases(wl, opts.seed, opts.case)}, key=lambda s: case_bytes(s.m, s.n, s.k))
         need = case_bytes(big.m, big.n, big.k)
-        if need > have:
-            raise ConfigError(f"workload {wl.name!r}: its largest GEMM ({big.op} {big.layout.value} {big.m}x{big.n}x{big.k}) "
-                              f"needs about {need / 2**30:.1f} GiB on {d.identity.id}, which has {have / 2**30:.1f} GiB; "
-                              "lower scan.max_tokens or the model's sizes")
+        what = (f"workload {wl.name!r}: its largest GEMM ({big.op} {big.layout.value} {big.m}x{big.n}x{big.k}) "
+                f"needs about {need / 2**30:.1f} GiB on {d.identity.id}")
+        if have and need > have:
+            raise ConfigError(f"{what}, which has {have / 2**30:.1f} GiB; lower scan.max_tokens or the model's sizes")
+        if free is not None and need > free:
+            total = f" of its {have / 2**30:.1f} GiB" if have else ""
+            raise ConfigError(f"{what}, which has only {free / 2**30:.1f} GiB{total} free now (other processes hold the "
+                              "rest); run the scan when the device is idle")
 
 
 def count_cases(opts: ScanOptions, devices: list[Device]) -> int:

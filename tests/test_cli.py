@@ -236,6 +236,38 @@ def test_memory_preflight_names_the_largest_gemm(monkeypatch, capsys):
     assert code == ExitCode.HEALTHY
 
 
+def test_memory_preflight_tells_busy_from_too_small(monkeypatch, capsys):
+    """Memory other processes hold is not the device's fault: a scan that would not fit in what
+    is free now says so (and what to do) instead of running out half-way and calling it ERROR."""
+    from aegis_cli.probes.gemm import case_bytes
+    from aegis_cli.workloads import load
+
+    big = max(load(TINY).gemms(), key=lambda s: case_bytes(s.m, s.n, s.k))
+    need = case_bytes(big.m, big.n, big.k)
+    monkeypatch.setattr(CpuDevice, "memory_bytes", lambda self: 64 * need)
+    monkeypatch.setattr(CpuDevice, "memory_free", lambda self: need - 1)
+    code, out, err = run_cli(capsys, "scan", "-q", "--workload", TINY, "--probes", "gemm")
+    assert code == ExitCode.UNKNOWN and out == ""
+    assert "free now (other processes hold the rest); run the scan when the device is idle" in err
+    assert "lower scan.max_tokens" not in err and len(err.strip().splitlines()) == 1
+    monkeypatch.setattr(CpuDevice, "memory_free", lambda self: need)
+    code, _, _ = run_cli(capsys, "scan", "-q", "--workload", TINY, "--probes", "gemm")
+    assert code == ExitCode.HEALTHY
+
+
+def test_meminfo_available(tmp_path):
+    from aegis_cli.backends.cpu import meminfo_available
+
+    f = tmp_path / "meminfo"
+    f.write_text("MemTotal:       16384000 kB\nMemFree:         1000 kB\nMemAvailable:    8192000 kB\n")
+    assert meminfo_available(str(f)) == 8192000 * 1024
+    f.write_text("MemTotal:       16384000 kB\n")  # a kernel before MemAvailable
+    assert meminfo_available(str(f)) is None
+    f.write_text("MemAvailable: lots kB\n")
+    assert meminfo_available(str(f)) is None
+    assert meminfo_available(str(tmp_path / "absent")) is None
+
+
 @pytest.mark.parametrize(("kind", "needle"), [
     ("yaml", "malformed YAML: nested too deeply"),  # was "internal error: RecursionError"
     ("json", "not a JSON report (nested too deeply)"),
@@ -377,3 +409,20 @@ def test_rerun_hint_names_the_workload_and_thresholds(capsys):
                            "--reruns", "1", "--inject", "bitflip:bit=exp")
     assert code == ExitCode.FAULTY
     assert f"aegis scan --seed 5 --workload {TINY} --threshold 2e-06 --case CASE_ID" in " ".join(out.split())
+
+
+def test_cpu_uuid_tells_cloned_hosts_apart(tmp_path, monkeypatch):
+    """Two hosts cloned from one VM image share /etc/machine-id; their CPU devices must not
+    share a UUID (the fleet history is keyed by it). Same host, same id, every time."""
+    from aegis_cli.backends import cpu
+
+    mid = tmp_path / "machine-id"
+    mid.write_text("0123456789abcdef0123456789abcdef\n")
+    ids = {}
+    for host in ("node-a", "node-b"):
+        monkeypatch.setattr(cpu.socket, "gethostname", lambda host=host: host)
+        ids[host] = cpu._machine_id.__wrapped__((str(mid),))
+        assert cpu._machine_id.__wrapped__((str(mid),)) == ids[host]
+    assert ids["node-a"] != ids["node-b"] and all(len(v) == 32 for v in ids.values())
+    # no machine-id file: the hostname alone still gives a stable id
+    assert cpu._machine_id.__wrapped__((str(tmp_path / "absent"),)) == cpu._machine_id.__wrapped__((str(tmp_path / "absent"),))

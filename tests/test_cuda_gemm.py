@@ -253,3 +253,28 @@ def test_bottom_of_the_range_is_not_a_fault(dev, case):
     d_row, d_col = numerics.checksum_diffs(res, ref)
     assert float(d_row.max()) <= TAU and float(d_col.max()) <= TAU, (float(d_row.max()), float(d_col.max()))
     assert not bool(numerics.output_rowsum_excess(res, dev.tile[1])[0].any())
+
+
+def test_memory_free_and_flagged_runs_kept_on_the_host(tmp_path):
+    """The preflight's free memory is at most the total; flagged runs kept for --save-vtasks
+    leave the GPU (a permanent fault would otherwise hold every case's C there), and saving
+    them still finds their flagged rows against the on-device fp64 reference."""
+    from aegis_cli import capture
+    from aegis_cli.backends.cuda import CudaDevice
+    from aegis_cli.bundle import read_bundle
+    from aegis_cli.scan import ScanOptions, run_scan
+    from tests.helpers import TINY
+
+    d = CudaDevice(0)
+    assert 0 < d.memory_free() <= d.memory_bytes()
+    opts = ScanOptions(devices="cuda:0", workload=TINY, reruns=2, probes=("gemm",), inject="bitflip:bit=exp,seed=3",
+                       keep_flagged=True)
+    rep = run_scan(opts)
+    dr = rep.devices[0]
+    assert dr.verdict.value == "FAULTY" and dr.captured
+    assert all(t.device.type == "cpu" for r in dr.captured.values() for t in (r.c, r.row_sums, r.col_sums))
+    path = tmp_path / "gpu.aegis"
+    assert capture.save_scan_vtasks(rep, opts, path) == len(dr.evidence)
+    vts = read_bundle(path).vtasks
+    assert all(vt.observed["source"] == "the flagged scan run, as observed" for vt in vts)
+    assert all(vt.gemm.flagged_rows or vt.gemm.flagged_cols for vt in vts)

@@ -95,17 +95,25 @@ def test_slurm_prolog_and_healthcheck_read_the_quarantine_list(fakes, tmp_path):
     assert fakes() == [f"scontrol update NodeName={host} State=DRAIN Reason=AEGIS: quarantined cuda:3"]
 
 
-def test_slurm_epilog_starts_a_sweep_in_background(tmp_path):
-    fake = tmp_path / "aegis"
-    out = tmp_path / "args"
-    fake.write_text(f"#!/bin/sh\necho \"$@\" > {out}\n")
-    fake.chmod(0o755)
-    p = run("slurm/epilog.sh", AEGIS_BIN=str(fake), AEGIS_CONFIG="/etc/aegis/x.yaml")
-    assert p.returncode == 0
-    from tests.fleet_helpers import wait_for
+def test_slurm_epilog_sweeps_before_the_node_is_released(tmp_path):
+    """The epilog returns only when its sweep has finished (Slurm starts no job on the node
+    until then), exits 0 whatever the sweep found (a failing epilog drains the node), and a
+    sweep over its time limit is stopped and logged."""
+    import time
 
-    assert wait_for(lambda: out.exists() and out.read_text().strip() != "", 10)
+    fake = tmp_path / "aegis"
+    out, log = tmp_path / "args", tmp_path / "epilog.log"
+    fake.write_text(f"#!/bin/sh\nsleep ${{FAKE_SLEEP:-1}}\necho \"$@\" > {out}\nexit 2\n")
+    fake.chmod(0o755)
+    p = run("slurm/epilog.sh", AEGIS_BIN=str(fake), AEGIS_CONFIG="/etc/aegis/x.yaml", AEGIS_EPILOG_LOG=str(log))
+    assert p.returncode == 0 and out.exists()  # done before the epilog returned
     assert out.read_text().split() == ["sweep", "--config", "/etc/aegis/x.yaml", "--log-format", "logfmt"]
+    out.unlink()
+    t0 = time.monotonic()
+    p = run("slurm/epilog.sh", AEGIS_BIN=str(fake), AEGIS_CONFIG="/x.yaml", AEGIS_EPILOG_LOG=str(log), FAKE_SLEEP="60",
+            AEGIS_EPILOG_TIMEOUT="1")
+    assert p.returncode == 0 and time.monotonic() - t0 < 20 and not out.exists()
+    assert "aegis epilog: sweep stopped after 1 s" in log.read_text()
 
 
 def test_sbatch_script_syntax_and_launch_line():

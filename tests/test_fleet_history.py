@@ -229,3 +229,29 @@ def test_quarantine_reason_says_what_it_is():
     assert st.state == QUARANTINED and st.reason.startswith("SUSPECT 1×, ERROR 2×")
     st = evaluate("G", [*rows, ResultRow("G", t + 9, "FAULTY", checks=["gemm.row_checksum"])], cfg)
     assert st.permanent and st.reason == "FAULTY while quarantined (gemm.row_checksum)" and st.since == t + 9
+
+
+def test_fleet_wide_queries_take_thousands_of_devices(tmp_path):
+    """A fleet's history names more devices than SQLite binds parameters in one statement
+    (999 before 3.32): results and last events for long uuid lists are filtered in Python, in
+    recording order, and ``aegis history``'s summary covers every device with its own rows."""
+    from aegis_cli.fleet.policy import history_summary
+
+    n = 2 * hist_mod.MAX_BOUND_UUIDS + 7
+    uuids = [f"GPU-{i:05d}" for i in range(n)]
+    with History(tmp_path / "h.sqlite") as h:
+        for chunk in range(0, n, 8):  # one sweep per 8-GPU node, twice
+            part = uuids[chunk:chunk + 8]
+            h.record_sweep(doc(dict.fromkeys(part, "HEALTHY")))
+            h.record_sweep(doc({u: ("FAULTY" if u == "GPU-00003" else "HEALTHY") for u in part}))
+        h.retire("GPU-00005", "RMA")
+        wanted = uuids[:: 3]
+        rows = h.results(wanted)
+        assert len(rows) == 2 * len(wanted) and {r.uuid for r in rows} == set(wanted)
+        assert [r.verdict for r in rows if r.uuid == "GPU-00003"] == ["HEALTHY", "FAULTY"]
+        assert h.last_events(uuids) == {"GPU-00005": ("retire", h.last_events(["GPU-00005"])["GPU-00005"][1])}
+        summary = history_summary(h, PolicyConfig())
+    by = {d["uuid"]: d for d in summary["devices"]}
+    assert len(by) == n and all(d["sweeps"] == 2 for d in by.values())
+    assert by["GPU-00003"]["state"] == QUARANTINED and by["GPU-00005"]["state"] == "RETIRED"
+    assert sum(d["failures"] for d in by.values()) == 1

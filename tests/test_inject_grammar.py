@@ -73,6 +73,31 @@ def test_plan_for_device_keeps_only_its_faults():
     assert FaultPlan.parse("bitflip:device=cpu:1").for_device("cpu:0") is None
 
 
+def test_shared_fault_lands_in_the_same_place_on_every_device():
+    """A fault without device= is one fault of the node: its positions and its coin must not
+    depend on which device-specific faults came before it in the spec (for_device drops those)."""
+    import torch
+
+    from aegis_cli import corrupt
+    from aegis_cli.inject import LaunchContext
+
+    shared = "bitflip:count=4,bit=exp,prob=0.5"
+    plan = FaultPlan.parse(f"bitflip:device=cpu:1,bit=sign,seed=9; {shared}")
+    acc0 = torch.randn(96, 160, dtype=torch.float32, generator=torch.Generator().manual_seed(0))
+    a, b = torch.randn(96, 64).to(torch.bfloat16), torch.randn(64, 160).to(torch.bfloat16)
+    seen = {}
+    for dev in ("cpu:0", "cpu:1"):
+        p = plan.for_device(dev)
+        for launch in range(12):
+            p.launches = launch
+            corrupt.apply_acc(p, LaunchContext(dev, "w/op/fwd/normal/96x160x64/s+0+0", (64, 128), np.zeros((2, 2), dtype=np.int32)),
+                              acc0.clone(), a, b)
+        seen[dev] = [(r["launch"], r["positions"], r["masks"]) for r in p.injected if r["fault"] == shared]
+    assert 0 < len(seen["cpu:0"]) < 12  # the coin fired on some launches, not all
+    assert seen["cpu:0"] == seen["cpu:1"]
+    assert plan.for_device("cpu:1").slots == [0, 1] and plan.for_device("cpu:0").slots == [1]
+
+
 @pytest.mark.parametrize("spec", ["stuck-lane:mask=0x400000,stride=0x20,offset=0x3", "tile:mode=zero,every=0x3",
                                   "tile:mode=skipk,kstep=0x1,tile=0.0", "row:row=0x11", "bitflip:count=0x2,seed=1"])
 def test_integer_parameters_read_as_checked(spec):

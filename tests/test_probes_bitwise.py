@@ -98,6 +98,20 @@ def test_memory_clean_then_flip_and_swap_with_address_and_mask():
     assert ev.elements >= 1 and all(int(x["xor"], 16) for x in ev.samples if "xor" in x)
 
 
+@pytest.mark.parametrize("bit", [12, 63])
+def test_memflip_bit_beyond_the_element_counts_on_in_memory(bit):
+    """bit=N on a byte buffer is bit N of the memory from the chosen byte on (bit 12 is bit 4 of
+    the next byte), as in the 64-bit word the probe reports; it was taken mod 8 (bit 4 of the same
+    byte), so the flip landed somewhere other than asked."""
+    from aegis_cli.probes.memory import memory_probe
+
+    c = ctx(f"memflip:bit={bit},index=777776", memory__mb=8)  # 777776: the first byte of a 64-bit word
+    (ev,) = memory_probe(CpuDevice(0), c)
+    s = ev.samples[0]
+    assert c.fault.injected[0]["positions"] == [777776 + bit // 8]
+    assert s["offset"] == 777776 and int(s["xor"], 16) == 1 << bit and s["flipped_bits"] == 1
+
+
 def test_memory_summary_counts_every_changed_block():
     from aegis_cli.probes.memory import BLOCK, memory_probe
 

@@ -181,6 +181,29 @@ def test_intermittent_fault_saves_the_flagged_run_as_observed(tmp_path):
     assert all(o["matches_capture"] is False and "differ from the capture" in o["capture_comparison"] for o in outs)
 
 
+def test_flagged_runs_kept_in_host_memory_up_to_a_budget(tmp_path, monkeypatch):
+    """A permanent fault flags every case; the scan keeps flagged runs (in host memory) only up to
+    KEEP_FLAGGED_BYTES, and saving re-runs the rest, saying so in each vTask."""
+    from aegis_cli.probes import gemm as gemm_probe
+
+    opts = ScanOptions(devices="cpu", workload=TINY, reruns=2, probes=("gemm",), inject="bitflip:bit=exp,seed=3", keep_flagged=True)
+    full = run_scan(opts).devices[0]
+    flagged = {e.case_id for e in full.evidence}
+    assert len(flagged) >= 2 and set(full.captured) == flagged
+    assert all(r.c.device.type == "cpu" and r.row_sums.device.type == "cpu" for r in full.captured.values())
+    one = next(iter(full.captured.values()))
+    size = sum(t.numel() * t.element_size() for t in (one.c, one.row_sums, one.col_sums))
+    monkeypatch.setattr(gemm_probe, "KEEP_FLAGGED_BYTES", size)
+    rep = run_scan(opts)
+    dr = rep.devices[0]
+    assert dr.verdict.value == "FAULTY" and len(dr.captured) == 1 and set(dr.captured) < flagged
+    path = tmp_path / "budget.aegis"
+    assert capture.save_scan_vtasks(rep, opts, path) == len(dr.evidence)
+    sources = {vt.case_id: vt.observed["source"] for vt in read_bundle(path).vtasks}
+    assert {c for c, s in sources.items() if s == "the flagged scan run, as observed"} == set(dr.captured)
+    assert {s for c, s in sources.items() if c not in dr.captured} == {"re-run at save time on the capturing device"}
+
+
 def test_subset_vtask_matching_its_capture(tmp_path):
     path = tmp_path / "b.aegis"
     with BundleWriter(path) as w:

@@ -193,6 +193,11 @@ class Device(abc.ABC):
         refuses work that could never fit instead of dying to the OOM killer half-way."""
         return None
 
+    def memory_free(self) -> int | None:
+        """Memory this process could allocate on the device now (None: unknown): total less what
+        other processes hold. Preflight only, like ``memory_bytes``."""
+        return None
+
 
 class Backend(abc.ABC):
     """A family of devices (all CPUs, all CUDA GPUs)."""

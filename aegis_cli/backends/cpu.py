@@ -44,16 +44,35 @@ def _cpu_name() -> str:
 
 
 @cache
-def _machine_id() -> str:
-    for path in ("/etc/machine-id", "/var/lib/dbus/machine-id"):
+def _machine_id(paths: tuple[str, ...] = ("/etc/machine-id", "/var/lib/dbus/machine-id")) -> str:
+    """This host's part of a CPU device UUID: the OS machine-id with the hostname mixed in.
+    Cloned VM images often share one machine-id, and two hosts with one UUID would share one
+    fleet history; the hostname alone stands in where there is no machine-id."""
+    mid = ""
+    for path in paths:
         try:
             with open(path, encoding="utf-8") as fh:
                 mid = fh.read().strip()
-                if mid:
-                    return mid
         except OSError:
             continue
-    return hashlib.sha256(socket.gethostname().encode()).hexdigest()[:32]
+        if mid:
+            break
+    return hashlib.sha256(f"{mid}\0{socket.gethostname()}".encode()).hexdigest()[:32]
+
+
+def meminfo_available(path: str = "/proc/meminfo") -> int | None:
+    """The kernel's estimate of memory available without swapping (MemAvailable), in bytes;
+    None where there is no such file or line (not Linux, or a kernel before 3.14)."""
+    try:
+        with open(path, encoding="ascii", errors="replace") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key == "MemAvailable":
+                    value, *unit = rest.split()
+                    return int(value) * (1024 if unit == ["kB"] else 1)
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 class CpuDevice(Device):
@@ -78,6 +97,9 @@ class CpuDevice(Device):
             return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (ValueError, OSError, AttributeError):  # not a POSIX system that reports it
             return None
+
+    def memory_free(self) -> int | None:
+        return meminfo_available()
 
     def checked_gemm(self, ops: GemmOperands, fault: FaultPlan | None = None, op: str = "",
                      clean_median: float | None = None) -> GemmResult:

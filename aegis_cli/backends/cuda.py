@@ -421,6 +421,11 @@ class CudaDevice(Device):
     def memory_bytes(self) -> int | None:
         return int(torch.cuda.get_device_properties(self.index).total_memory)
 
+    def memory_free(self) -> int | None:
+        free, _ = torch.cuda.mem_get_info(self.index)
+        # what torch's caching allocator holds for this process is ours to reuse
+        return int(free + torch.cuda.memory_reserved(self.index) - torch.cuda.memory_allocated(self.index))
+
     def reference_checksums(self, ops: GemmOperands, tile: tuple[int, int]) -> ReferenceChecksums:
         return numerics.reference_checksums(ops, tile)
 

@@ -29,6 +29,9 @@ from pathlib import Path
 from aegis_cli.errors import HistoryError
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
+# uuids bound as statement parameters at most; longer lists are filtered in Python (SQLite caps a
+# statement's variables: 999 before 3.32, and a fleet-wide list is thousands of devices long)
+MAX_BOUND_UUIDS = 500
 
 MIGRATIONS: list[str] = [
     # v1: devices, sweeps, results
@@ -299,7 +302,10 @@ class History:
     def results(self, uuids: list[str] | None = None, since: float | None = None) -> list[ResultRow]:
         sql = "SELECT uuid, ts, verdict, host, device_id, workload, error, seconds, evidence, checks, cases, sweep_id FROM results"
         where, args = [], []
-        if uuids is not None:
+        wanted = None
+        if uuids is not None and len(uuids) > MAX_BOUND_UUIDS:
+            wanted = set(uuids)  # filtered below, in the same pass
+        elif uuids is not None:
             where.append(f"uuid IN ({', '.join('?' * len(uuids))})")
             args += uuids
         if since is not None:
@@ -311,6 +317,8 @@ class History:
         # in the order they were recorded, not by timestamp: a clock stepped back must not file a
         # new result under old ones (the policy walks results in this order)
         for r in self._query(sql + " ORDER BY id", args):
+            if wanted is not None and r[0] not in wanted:
+                continue
             out.append(ResultRow(uuid=r[0], ts=r[1], verdict=r[2], host=r[3] or "", device_id=r[4] or "", workload=r[5] or "",
                                  error=r[6], seconds=r[7] or 0.0, evidence=r[8] or 0, checks=json.loads(r[9] or "[]"),
                                  cases=json.loads(r[10] or "[]"), sweep_id=r[11]))
@@ -332,9 +340,11 @@ class History:
         if uuids is not None:
             if not uuids:
                 return {}
-            where, args = f" WHERE uuid IN ({', '.join('?' * len(uuids))})", list(uuids)
+            if len(uuids) <= MAX_BOUND_UUIDS:
+                where, args = f" WHERE uuid IN ({', '.join('?' * len(uuids))})", list(uuids)
         sql = f"SELECT uuid, event, ts FROM actions WHERE id IN (SELECT MAX(id) FROM actions{where} GROUP BY uuid)"
-        return {u: (ev, ts) for u, ev, ts in self._query(sql, args)}
+        keep = set(uuids) if uuids is not None else None
+        return {u: (ev, ts) for u, ev, ts in self._query(sql, args) if keep is None or u in keep}
 
     def actions(self, uuid: str | None = None) -> list[dict]:
         cols = ("ts", "uuid", "event", "state", "reason", "argv", "executed", "returncode", "output")

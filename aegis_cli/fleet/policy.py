@@ -140,11 +140,16 @@ def evaluate(uuid: str, rows: list[ResultRow], cfg: PolicyConfig) -> DeviceState
     return st
 
 
-def evaluate_all(rows: list[ResultRow], cfg: PolicyConfig) -> dict[str, DeviceState]:
+def by_device(rows: list[ResultRow]) -> dict[str, list[ResultRow]]:
+    """Results grouped per device, each group in the order given."""
     by: dict[str, list[ResultRow]] = {}
     for r in rows:
         by.setdefault(r.uuid, []).append(r)
-    return {u: evaluate(u, rs, cfg) for u, rs in by.items()}
+    return by
+
+
+def evaluate_all(rows: list[ResultRow], cfg: PolicyConfig) -> dict[str, DeviceState]:
+    return {u: evaluate(u, rs, cfg) for u, rs in by_device(rows).items()}
 
 
 def drop_retired(states: dict[str, DeviceState], retired: dict[str, float]) -> dict[str, DeviceState]:
@@ -181,12 +186,12 @@ def history_summary(hist, cfg: PolicyConfig, ident: str | None = None, since: fl
         uuids = hist.resolve(ident)
         if not uuids:
             raise HistoryError(f"no device matching {ident!r} in {hist.path} (give a UUID, a serial, a UUID prefix or an id like cuda:0)")
-    all_rows = hist.results(uuids)
-    states = evaluate_all(all_rows, cfg)
+    by = by_device(hist.results(uuids if ident else None))  # one pass: fleets have thousands of devices
+    states = {u: evaluate(u, rs, cfg) for u, rs in by.items()}
     live = drop_retired(states, hist.retired())
     out = []
     for u in uuids:
-        rows = [r for r in all_rows if r.uuid == u and (since is None or r.ts >= since)]
+        rows = [r for r in by.get(u, ()) if since is None or r.ts >= since]
         k = sum(r.verdict in ("SUSPECT", "FAULTY") for r in rows)
         lo, hi = wilson(k, len(rows))
         st = states.get(u, DeviceState(u))

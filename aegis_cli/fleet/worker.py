@@ -64,12 +64,16 @@ def run(spec: dict) -> dict:
     from aegis_cli.scan import ScanOptions, check_memory, scan_device, workload_for
 
     device_id = spec["device"]
-    hooks, faults = [], []
+    hooks, faults, slots = [], [], []
     if spec.get("inject"):
-        for f in parse_spec(spec["inject"], worker=True):
+        for slot, f in enumerate(parse_spec(spec["inject"], worker=True)):
             if f.params.get("device") not in (None, device_id):
                 continue
-            (hooks if f.model in WORKER_MODELS else faults).append(f)
+            if f.model in WORKER_MODELS:
+                hooks.append(f)
+            else:  # seeded by its place in the whole spec, as in a scan (FaultPlan.slots)
+                faults.append(f)
+                slots.append(slot)
     for f in hooks:
         log("test_hook", device=device_id, hook=str(f))
         if f.model == "hang":
@@ -82,7 +86,7 @@ def run(spec: dict) -> dict:
     opts = ScanOptions(devices=device_id, workload=spec.get("workload"), seed=spec.get("seed", 0), reruns=spec.get("reruns", 3),
                        inject=inject, probes=tuple(spec.get("probes") or ("gemm",)), command_line=spec.get("command_line", []))
     check_memory(opts, [device])  # a workload that cannot fit: one line, exit 3, before any work
-    plan = FaultPlan(faults) if faults else None
+    plan = FaultPlan(faults, slots=slots) if faults else None
     quiet = lambda *a, **k: None
     priority = {"cases": list(spec.get("priority_cases") or []), "verdicts": {}}
     t0 = time.time()

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from aegis_cli import fingerprint
 from aegis_cli.backends.base import Device, GemmOperands, Layout
 from aegis_cli.corrupt import pick_bit, signed
-from aegis_cli.inject import FaultPlan, FaultSpec, LaunchContext
+from aegis_cli.inject import BIT_CLASSES, FaultPlan, FaultSpec, LaunchContext
 from aegis_cli.probes.gemm import case_seed
 
 LOCAL_BLOCK = 4096  # elements per localisation block (a whole number of words for every dtype)
@@ -177,7 +177,13 @@ def _apply_memflip(plan: FaultPlan, f: FaultSpec, rng: np.random.Generator, ctx:
         idx = (f.as_int("index") + np.arange(count)) % n
     else:
         idx = rng.choice(n, size=count, replace=False) if n > count else np.arange(n)
-    masks = [1 << pick_bit(f.get("bit", "exp" if t.is_floating_point() else "0"), bits, rng) for _ in idx]
+    spec = f.get("bit", "exp" if t.is_floating_point() else "0")
+    if spec not in BIT_CLASSES and int(spec, 0) >= bits:
+        # bit=N counts memory bits from the chosen element's lowest one on (little-endian): on
+        # elements narrower than N bits it lands in a following element, not at N mod width
+        idx = (np.asarray(idx) + int(spec, 0) // bits) % n
+        spec = str(int(spec, 0) % bits)
+    masks = [1 << pick_bit(spec, bits, rng) for _ in idx]
     ii = torch.from_numpy(np.asarray(idx, dtype=np.int64)).to(t.device)
     vals = masks if flat.dtype == torch.uint8 else [signed(m, bits) for m in masks]
     mv = torch.tensor(vals, dtype=flat.dtype, device=t.device)

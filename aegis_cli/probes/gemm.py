@@ -15,6 +15,7 @@ A flagged case is re-run; the re-runs decide FAULTY vs SUSPECT (verdict.py).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 import zlib
@@ -110,6 +111,9 @@ def _bits32(x: float) -> str:
     return f"0x{torch.tensor([x], dtype=torch.float32).view(torch.int32).item() & 0xFFFFFFFF:08x}"
 
 
+KEEP_FLAGGED_BYTES = 2 << 30  # host memory for flagged runs kept as observed (--save-vtasks)
+
+
 def case_bytes(m: int, n: int, k: int) -> int:
     """Upper estimate of the memory one GEMM case holds at its peak, on either backend: bf16
     A and B and their scaled copies (4 B per operand element); the fp64 reference's A, B, |A|
@@ -145,9 +149,12 @@ class GemmProbe:
         self.on_case = on_case or (lambda _cid: None)
         self.stats = ProbeStats()
         # case id → the flagged run itself (C and fused sums as observed), for vTask capture;
-        # kept only on request since a 70B-shape C is 128 MiB of device memory
+        # kept only on request, in host memory (a 70B-shape C is 128 MiB, and a device with a
+        # permanent fault flags every case), up to KEEP_FLAGGED_BYTES: later ones are re-run
+        # when the vTasks are saved
         self.keep_flagged = keep_flagged
         self.flagged_runs: dict[str, GemmResult] = {}
+        self.kept_bytes = 0
 
     # -- one group of scale variants -----------------------------------------------
     def run(self, case: GemmCase, scales: list[list[int]], only: str | None = None) -> list[Evidence]:
@@ -187,10 +194,20 @@ class GemmProbe:
             if signals and (only is None or cid == only):
                 evidence += self._confirm(case, ea, eb, res, signals, once, tau)
                 if self.keep_flagged:
-                    self.flagged_runs[cid] = res
+                    self._keep(cid, res)
             self.on_case(cid)
         self.stats.seconds += time.perf_counter() - t0
         return evidence
+
+    def _keep(self, cid: str, res: GemmResult) -> None:
+        size = sum(t.numel() * t.element_size() for t in (res.c, res.row_sums, res.col_sums))
+        if self.kept_bytes + size > KEEP_FLAGGED_BYTES:
+            return
+        host = self.device.to_host
+        self.flagged_runs[cid] = dataclasses.replace(
+            res, c=host(res.c), row_sums=host(res.row_sums), col_sums=host(res.col_sums),
+            tile_sm=None if res.tile_sm is None else host(res.tile_sm))
+        self.kept_bytes += size
 
     def _count(self, shape: GemmShape, res: GemmResult) -> None:
         self.stats.gemms += 1
