@@ -27,6 +27,34 @@ def test_determinism_clean_cpu_is_deterministic_everywhere():
     assert all(s["deterministic"] and s["distinct"] == 1 for s in comps.values())
 
 
+def test_determinism_keeps_the_reference_through_many_corrupted_results():
+    """Run 0 clean, runs 1–8 corrupted in pairs four different ways, run 9 clean: five results
+    twice each. The clean one (the majority by majority()'s tie rule) was dropped from the held
+    results and never taken back, and the probe died with a KeyError (device ERROR, the
+    corruption's evidence lost)."""
+    from aegis_cli.probes.determinism import determinism_probe
+
+    spec = ";".join(f"memflip:op=gelu/run{r},index={idx},bit=3" for r, idx in ((1, 10), (2, 10), (3, 20), (4, 20), (5, 30),
+                                                                              (6, 30), (7, 40), (8, 40)))
+    c = ctx(spec, determinism__only="gelu", determinism__runs=10)
+    (ev,) = determinism_probe(CpuDevice(0), c)
+    assert ev.severity.value == "FAULTY" and ev.distinct_outputs == 5
+    assert {s["run"] for s in ev.samples} <= set(range(1, 9)) and {s["reference_run"] for s in ev.samples} <= {0, 9}
+
+
+@pytest.mark.parametrize("step", [57, 112])
+def test_pow2_step_that_checks_nothing_is_refused(step):
+    """step=112 left the grid {−112, 0, 112}, where no pair is inside the exact range: the probe
+    tested nothing, even with a fault injected, and said HEALTHY."""
+    from aegis_cli.probes.pow2 import pow2_probe
+
+    with pytest.raises(ConfigError, match=f"pow2.step must lie in 1…56, got {step}"):
+        pow2_probe(CpuDevice(0), ctx("memflip:op=pow2/matmul", pow2__step=step))
+    c = ctx("memflip:op=pow2/matmul", pow2__step=56)
+    (ev,) = pow2_probe(CpuDevice(0), c)
+    assert ev.check == "pow2.inexact" and c.stats["pow2"]["implementations"]["matmul"]["tested"] > 0
+
+
 def test_determinism_localises_a_flip_in_one_of_n_gemm_outputs():
     from aegis_cli.probes.determinism import determinism_probe
 

@@ -57,7 +57,10 @@ def run_computation(device: Device, name: str, runs: int, seed: int, ctx: ProbeC
     prints: list[tuple[int, ...]] = []
     held: dict[tuple[int, ...], tuple[int, dict[str, torch.Tensor]]] = {}
     seen: dict[tuple[int, ...], int] = {}
+    first: dict[tuple[int, ...], int] = {}
     keys: list[str] = []
+    # majority()'s order: more runs first, then the earlier first appearance
+    rank = lambda p: (seen[p], -first[p])
     for r in range(runs):
         op = f"determinism/{name}/run{r}"
         out = comp.held(device, x, ctx.fault, op)
@@ -65,11 +68,13 @@ def run_computation(device: Device, name: str, runs: int, seed: int, ctx: ProbeC
         fp = tuple(device_fingerprint(out[k]) for k in keys)
         prints.append(fp)
         seen[fp] = seen.get(fp, 0) + 1
+        first.setdefault(fp, r)
         if fp not in held:
-            # keep at most MAX_HELD results, the most frequent so far: the majority (the reference)
-            # may first appear after MAX_HELD different corrupted runs
-            rare = min(held, key=lambda p: seen[p]) if len(held) >= MAX_HELD else None
-            if rare is None or seen[rare] < seen[fp]:
+            # keep at most MAX_HELD results, the highest-ranked so far in majority()'s order: the
+            # majority (the reference) may first appear after MAX_HELD different corrupted runs,
+            # or be dropped and come back; ranking ties as majority() does keeps it held at the end
+            rare = min(held, key=rank) if len(held) >= MAX_HELD else None
+            if rare is None or rank(rare) < rank(fp):
                 held.pop(rare, None)
                 held[fp] = (r, out)
         ctx.progress("step", device=device.identity.id, case=op)

@@ -34,6 +34,7 @@ EXP_RANGE = (-112, 112)  # inputs ~2^-14…2^2 reach the bf16 normal range −12
 CPU_SHAPE = (64, 96, 128)
 GPU_SHAPE = (1024, 1024, 1024)
 IMPLS = ("checked_gemm", "matmul")
+MAX_STEP = 56  # the coarsest grid with pairs inside the exact range (−56 … 56 besides the ends)
 
 OPTIONS = {
     "mode": (quick_or_full, "quick", "quick: exponent step 16 (GPU) / 56 (CPU); full: step 4"),
@@ -83,6 +84,11 @@ def sweep(device: Device, impl: str, step: int, ctx: ProbeContext) -> tuple[dict
                     deviating.append({"a": ea, "b": eb, "output": key, "expected": want, "actual": got})
         ctx.progress("step", device=device.identity.id, case=f"{case}/a{ea:+d}")
     device.synchronize()
+    if not tested:
+        from aegis_cli.errors import ConfigError
+
+        raise ConfigError(f"pow2: no pair of the exponent grid {exps[0]}…{exps[-1]} step {step} lies inside the exact range "
+                          f"for {impl}: HEALTHY would mean nothing was checked")
     stats = {"shape": {"m": m, "n": n, "k": k}, "step": step, "tested": tested, "skipped_unsafe": skipped,
              "exact_regime_tested": {"a_plus_b": [min(safe_sums), max(safe_sums)]} if safe_sums else None,
              "deviating_pairs": len({(d["a"], d["b"]) for d in deviating}), "seconds": round(time.perf_counter() - t0, 4)}
@@ -126,10 +132,11 @@ def pow2_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     """Sweep power-of-two input scales; outputs must scale exactly."""
     mode = ctx.option("pow2", "mode")
     step = ctx.option("pow2", "step") or (4 if mode == "full" else (56 if device.identity.backend == "cpu" else 16))
-    if not 1 <= step <= 128:
+    if not 1 <= step <= MAX_STEP:
         from aegis_cli.errors import ConfigError
 
-        raise ConfigError(f"pow2.step must lie in 1…128, got {step}")
+        raise ConfigError(f"pow2.step must lie in 1…{MAX_STEP}, got {step} (a coarser grid leaves no pair of scales "
+                          "inside the exact range: HEALTHY would mean nothing was checked)")
     evidence, stats = [], {}
     impls = IMPLS
     part = ctx.case_part("pow2")
