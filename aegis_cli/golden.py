@@ -6,8 +6,10 @@ node, the cross-device probe; only a comparison with a result recorded elsewhere
 backend) at a fixed seed and stores each input's and output's fingerprint with its block
 fingerprints, keyed by what the bits depend on::
 
-    backend, model (GPU name), driver, cuda (torch's CUDA), torch, kernels (hash of kernels/*.cu)
-    (+ threads on the CPU backend, whose float kernels block by thread count)
+    backend, model (GPU name), driver, cuda (torch's CUDA), torch, kernels (hash of kernels/*.cu),
+    gemm_kernel (which CUDA GEMM kernel runs: wgmma and mma sum in different orders)
+    (+ threads and cpu_capability on the CPU backend: its float kernels block by thread count
+    and take the widest vector instructions the CPU has, AVX-512 or not)
 
 ``aegis scan --golden FILE`` refuses (GoldenError) when no record matches a device's key,
 naming the fields that differ, then compares (probes/golden.py).
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -43,7 +46,8 @@ FORMAT = "aegis-golden"
 FORMAT_VERSION = 1
 BLOCK = 1 << 16
 GOLDEN_SEED = 20240229
-KEY_FIELDS = ("backend", "model", "driver", "cuda", "torch", "kernels", "threads")
+KEY_FIELDS = ("backend", "model", "driver", "cuda", "torch", "kernels", "gemm_kernel", "threads", "cpu_capability")
+_HEX64 = re.compile(r"[0-9a-f]{16}")  # fingerprint.hex64's form, compared as text
 
 
 def device_key(device: Device) -> dict:
@@ -54,6 +58,9 @@ def device_key(device: Device) -> dict:
            "torch": torch.__version__, "kernels": kh}
     if ident.backend == "cpu":
         key["threads"] = torch.get_num_threads()
+        key["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    elif getattr(device, "kernel", None):
+        key["gemm_kernel"] = device.kernel
     return key
 
 
@@ -125,17 +132,42 @@ def load(path: str | Path) -> dict:
         raise GoldenError(f"golden file {path} has format_version {doc.get('format_version')!r}; this aegis reads {FORMAT_VERSION}")
     try:
         check_seed(doc["seed"])
-        int(doc["block"])
-        for r in doc["records"]:
-            for c in r["computations"].values():
-                for o in c["outputs"].values():
-                    int(o["fingerprint"], 16)
-                    [int(b, 16) for b in o["blocks"]]
-            dict(r["key"])
+        _check_records(doc)
     except (KeyError, TypeError, ValueError, AttributeError, ConfigError) as exc:
         raise GoldenError(f"golden file {path} is malformed ({type(exc).__name__}: {exc})") from None
     doc["_path"] = str(path)
     return doc
+
+
+def _check_records(doc: dict) -> None:
+    """Every field a comparison reads, in the form ``record`` writes it: a looser form (upper-case
+    or 0x-prefixed hex, a block size that splits 8-byte words) would read as a mismatch later,
+    and a mismatch is a FAULTY verdict."""
+    block = doc["block"]
+    if type(block) is not int or not 8 <= block <= 1 << 30 or block % 8:
+        raise ValueError(f"block must be a whole multiple of 8 elements, got {block!r}")
+    if not isinstance(doc["records"], list):
+        raise TypeError("records must be a list")
+    for i, r in enumerate(doc["records"]):
+        key, comps = r["key"], r["computations"]
+        if not isinstance(key, dict) or not all(isinstance(v, (str, int, type(None))) for v in key.values()):
+            raise TypeError(f"records[{i}].key must map names to strings or integers")
+        if not isinstance(comps, dict) or not comps:
+            raise ValueError(f"records[{i}] holds no computations")
+        for name, c in comps.items():
+            outs = c["outputs"]
+            if not isinstance(outs, dict) or not outs:
+                raise ValueError(f"records[{i}].computations.{name} holds no outputs")
+            for o, v in outs.items():
+                where = f"records[{i}].computations.{name}.outputs.{o}"
+                if not (isinstance(v["fingerprint"], str) and _HEX64.fullmatch(v["fingerprint"])):
+                    raise ValueError(f"{where}.fingerprint must be 16 lower-case hex digits")
+                if not (isinstance(v["blocks"], list) and v["blocks"]
+                        and all(isinstance(b, str) and _HEX64.fullmatch(b) for b in v["blocks"])):
+                    raise ValueError(f"{where}.blocks must be a list of 16-digit lower-case hex fingerprints")
+                if not (isinstance(v["shape"], list) and all(type(d) is int and d >= 0 for d in v["shape"])
+                        and isinstance(v["dtype"], str)):
+                    raise ValueError(f"{where} needs a shape (list of sizes) and a dtype")
 
 
 def match(doc: dict, device: Device) -> dict:
@@ -156,4 +188,17 @@ def match(doc: dict, device: Device) -> dict:
 
 def check_keys(doc: dict, devices: list[Device]) -> None:
     for d in devices:
-        match(doc, d)
+        check_record(doc, match(doc, d), d)
+
+
+def check_record(doc: dict, rec: dict, device: Device) -> None:
+    """Refuse a record that does not cover what this aegis computes on ``device``: a computation
+    missing from it would go unchecked under a HEALTHY verdict, and one it has that this aegis
+    does not run cannot be compared."""
+    want, have = computations_for(device), list(rec["computations"])
+    missing, extra = [n for n in want if n not in have], [n for n in have if n not in want]
+    if missing or extra:
+        raise GoldenError(f"golden file {doc.get('_path', '')}: the record for {device.identity.id} "
+                          + (f"lacks {', '.join(missing)}" if missing else "")
+                          + ("; " if missing and extra else "") + (f"has unknown {', '.join(extra)}" if extra else "")
+                          + " — record it again with this aegis")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from aegis_cli import numerics, workloads
 from aegis_cli.backends import resolve_devices
 from aegis_cli.backends.base import Device
-from aegis_cli.errors import AegisError, ConfigError
+from aegis_cli.errors import AegisError, ConfigError, GoldenError
 from aegis_cli.inject import FaultPlan
 from aegis_cli.probes import DEFAULT_PROBES, NODE_PROBES, PROBES, ProbeContext, load_all, parse_probe_options, register
 from aegis_cli.probes.gemm import GemmCase, GemmProbe, case_bytes, check_seed
@@ -102,7 +102,7 @@ def scan_device(device: Device, opts: ScanOptions, fault: FaultPlan | None, prog
                 continue  # node probes run once over all devices (run_node_probes)
             dr.evidence += PROBES[name](device, ctx)
     except AegisError as exc:
-        if isinstance(exc, ConfigError):
+        if isinstance(exc, (ConfigError, GoldenError)):  # bad input, not the device: stop, exit 3
             raise
         dr.error, ran = str(exc), Verdict.ERROR
     except Exception as exc:  # a driver or runtime failure during checks: the device is not trusted
@@ -193,6 +193,8 @@ def run_scan(opts: ScanOptions, progress: Progress | None = None) -> Report:
         raise ConfigError("no probes to run (--probes is empty): HEALTHY would mean nothing was checked")
     if opts.golden and "golden" not in probes:
         probes = (*probes, "golden")
+    if "golden" in probes and not opts.golden:  # it would check nothing and add to a HEALTHY
+        raise ConfigError("the golden probe compares against a golden file: give it with --golden FILE")
     if opts.case is not None:  # re-run one case: only the probe that owns it (ids start with its name)
         head = opts.case.split("/", 1)[0]
         probes = (head,) if head in PROBES or head in NODE_PROBES else ("gemm",)

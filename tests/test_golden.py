@@ -116,3 +116,77 @@ def test_devices_that_disagree_cannot_record(monkeypatch):
 
     with pytest.raises(GoldenError, match="disagree"):
         golden.record([CpuDevice(0), Odd(1)], seed=1)
+
+
+def _edited(golden_file, tmp_path, edit) -> str:
+    doc = json.loads(golden_file.read_text())
+    edit(doc)
+    p = tmp_path / "edited.json"
+    p.write_text(json.dumps(doc))
+    return str(p)
+
+
+def _out(doc, comp="checked_gemm", out="c"):
+    return doc["records"][0]["computations"][comp]["outputs"][out]
+
+
+@pytest.mark.parametrize(("edit", "needle"), [
+    # int(x, 16) took these, then the text comparison called a healthy device FAULTY
+    (lambda d: _out(d).update(fingerprint=_out(d)["fingerprint"].upper()), "fingerprint must be 16 lower-case hex digits"),
+    (lambda d: _out(d).update(fingerprint="0x" + _out(d)["fingerprint"][2:]), "fingerprint must be 16 lower-case hex digits"),
+    (lambda d: _out(d).update(fingerprint="-1"), "fingerprint must be 16 lower-case hex digits"),
+    (lambda d: _out(d).update(blocks=[]), "blocks must be a list"),
+    (lambda d: _out(d).update(shape="64x64"), "needs a shape"),
+    # nothing to compare: HEALTHY with outputs_checked 0
+    (lambda d: d["records"][0].update(computations={}), "holds no computations"),
+    (lambda d: d["records"][0]["computations"]["gelu"].update(outputs={}), "gelu holds no outputs"),
+    # a later ValueError in the probe made the device ERROR, losing a FAULTY
+    (lambda d: d.update(block=3), "block must be a whole multiple of 8"),
+    (lambda d: d.update(block=0.5), "block must be a whole multiple of 8"),
+    (lambda d: d.update(block=True), "block must be a whole multiple of 8"),
+    # dict() of a list of pairs passed, then .get() was an internal error
+    (lambda d: d["records"][0].update(key=list(d["records"][0]["key"].items())), "key must map names"),
+])
+def test_malformed_records_are_refused_at_load(golden_file, tmp_path, edit, needle):
+    with pytest.raises(GoldenError, match=needle):
+        golden.load(_edited(golden_file, tmp_path, edit))
+
+
+@pytest.mark.parametrize(("edit", "needle"), [
+    (lambda d: d["records"][0]["computations"].pop("gelu"), "lacks gelu"),  # gelu went unchecked under HEALTHY
+    (lambda d: d["records"][0]["computations"].update(zz=d["records"][0]["computations"]["gelu"]), "has unknown zz"),
+    (lambda d: d["records"][0]["computations"]["gelu"]["outputs"].update(zz=_out(d, "gelu", "y")), r"gelu.zz was recorded as"),
+    (lambda d: _out(d, "gelu", "y").update(dtype="int8"), r"gelu.y was recorded as int8"),
+])
+def test_records_that_do_not_describe_this_aegis_are_refused(golden_file, tmp_path, capsys, edit, needle):
+    """A record missing a computation, or with outputs, shapes or dtypes this aegis does not
+    compute, is a problem of the file (exit 3), not evidence against the device (it was ERROR)."""
+    path = _edited(golden_file, tmp_path, edit)
+    with pytest.raises(SystemExit) as e:
+        main(["scan", "--device", "cpu:0", "--probes", "golden", "--golden", path, "-q"])
+    err = capsys.readouterr().err
+    assert e.value.code == 3 and needle in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_key_names_what_the_bits_depend_on(golden_file, tmp_path):
+    """The CPU's vector width (AVX-512 or not) changes its float kernels' bits: a record from a
+    host of another capability is refused by name, not compared (it read as FAULTY everywhere)."""
+    key = golden.device_key(CpuDevice(0))
+    assert key["cpu_capability"] and "gemm_kernel" not in key
+    path = _edited(golden_file, tmp_path, lambda d: d["records"][0]["key"].update(cpu_capability="other"))
+    with pytest.raises(GoldenError, match=r"cpu_capability: recorded 'other'"):
+        run_scan(ScanOptions(devices="cpu:0", probes=("golden",), golden=path))
+
+
+def test_golden_probe_without_a_file_is_refused(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["scan", "--device", "cpu:0", "--probes", "golden", "-q"])
+    assert e.value.code == 3 and "give it with --golden FILE" in capsys.readouterr().err
+
+
+def test_mismatch_summary_counts_blocks(golden_file):
+    rep = run_scan(ScanOptions(devices="cpu:0", probes=("golden",), golden=str(golden_file), reruns=1,
+                               inject="memflip:op=golden/gelu,index=5,bit=3"))
+    (ev,) = rep.devices[0].evidence
+    assert "in 1 block(s) of 65536 elements" in ev.summary and "an upper bound" in ev.summary

@@ -18,11 +18,23 @@ from __future__ import annotations
 
 from aegis_cli import golden
 from aegis_cli.backends.base import Device
-from aegis_cli.errors import ConfigError
+from aegis_cli.errors import ConfigError, GoldenError
 from aegis_cli.fingerprint import device_block_fingerprints, hex64
 from aegis_cli.inject import recent_injections
 from aegis_cli.probes import ProbeContext, register
 from aegis_cli.verdict import Evidence, Verdict
+
+
+def _same_layout(doc: dict, name: str, want: dict, got: dict) -> None:
+    """The record must describe the tensors this aegis computes: the same outputs, shapes and
+    dtypes. Otherwise the file is for other work (GoldenError), not evidence against the device."""
+    for o in sorted(set(want) | set(got)):
+        w, g = want.get(o), got.get(o)
+        if w is None or g is None or list(w["shape"]) != g["shape"] or w["dtype"] != g["dtype"]:
+            have = "none" if w is None else f"{w['dtype']} {w['shape']}"
+            made = "none" if g is None else f"{g['dtype']} {g['shape']}"
+            raise GoldenError(f"golden file {doc.get('_path', '')}: {name}.{o} was recorded as {have}, this aegis computes "
+                              f"{made} — record it again with this aegis")
 
 
 @register("golden")
@@ -36,6 +48,7 @@ def golden_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
         return []
     doc = golden.load(ctx.opts.golden)
     rec = golden.match(doc, device)
+    golden.check_record(doc, rec, device)
     seed, block = int(doc["seed"]), int(doc["block"])
     evidence: list[Evidence] = []
     checked = 0
@@ -47,7 +60,8 @@ def golden_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
             continue
         tensors, got = golden.fingerprint_outputs(device, name, seed, ctx.fault)
         ctx.progress("step", device=device.identity.id, case=f"golden/{name}")
-        bad = [o for o, v in want["outputs"].items() if got.get(o, {}).get("fingerprint") != v["fingerprint"]]
+        _same_layout(doc, name, want["outputs"], got)
+        bad = [o for o, v in want["outputs"].items() if got[o]["fingerprint"] != v["fingerprint"]]
         checked += len(want["outputs"])
         if not bad:
             continue
@@ -58,12 +72,14 @@ def golden_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
             seen.append(tuple(again.get(o, {}).get("fingerprint") for o in bad))
         golden_bits = tuple(want["outputs"][o]["fingerprint"] for o in bad)
         wrong_runs = sum(s != golden_bits for s in seen)
-        samples, tiles, elements = [], [], 0
+        samples, tiles, elements, n_blocks = [], [], 0, 0
         for o in bad:
             t = tensors[o]
             blocks = got[o]["blocks"] if block == golden.BLOCK else [hex64(b) for b in device_block_fingerprints(t.contiguous(), block)]
             differing = [i for i, (a, b) in enumerate(zip(want["outputs"][o]["blocks"], blocks, strict=False)) if a != b]
+            # the file keeps block fingerprints, not values: count the differing blocks' elements
             elements += sum(min(t.numel(), (i + 1) * block) - i * block for i in differing)
+            n_blocks += len(differing)
             tiles += [[i] for i in differing[:8]]
             for i in differing[:4]:
                 samples.append({"output": o, "block": i, "elements": [i * block, min(t.numel(), (i + 1) * block)],
@@ -75,7 +91,8 @@ def golden_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
                                         "from a computation that is bitwise deterministic on a healthy device")
         evidence.append(Evidence(
             check="golden.mismatch", severity=sev, case_id=f"golden/{name}",
-            summary=f"golden.mismatch: {name}: {', '.join(bad)} differ from the golden fingerprint; {why}",
+            summary=(f"golden.mismatch: {name}: {', '.join(bad)} differ from the golden fingerprint in {n_blocks} block(s) "
+                     f"of {block} elements ({elements} elements in all, an upper bound); {why}"),
             op=name, shape=want["shape"], dist="normal", seed=seed, max_value=1.0, elements=elements, samples=samples[:8],
             tiles=tiles[:16], reruns=reruns, reproduced=wrong_runs - 1, distinct_outputs=len(set(seen)),
             injected=recent_injections(ctx.fault)))
