@@ -141,9 +141,8 @@ def catalog_dir() -> Path:
     """Where the shipped catalogs live: ``workloads/`` beside the package in a checkout,
     ``aegis_cli/_data/workloads`` in a wheel (copied there at build time)."""
     here = Path(__file__).resolve().parent
-    for cand in (here.parent / "workloads", here / "_data" / "workloads"):
-        if cand.is_dir():
-            return cand
+    if (here.parent / "pyproject.toml").is_file() and (here.parent / "workloads").is_dir():  # a checkout (loader.kernel_dir)
+        return here.parent / "workloads"
     return Path(str(resources.files("aegis_cli"))) / "_data" / "workloads"
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import subprocess
 import sys
 
@@ -14,6 +15,8 @@ from aegis_cli import scan as scan_mod
 from aegis_cli.backends.cpu import CpuDevice
 from aegis_cli.errors import ExitCode
 from tests.helpers import DATA, TINY, run_cli
+
+REPO = DATA.parent.parent
 
 
 def _one_error_line(code: int, out: str, err: str) -> str:
@@ -210,13 +213,42 @@ def test_info_lists_backends_and_paths(capsys):
 
 
 def test_import_touches_no_cuda():
-    code = ("import sys, aegis_cli, aegis_cli.cli, aegis_cli.scan, aegis_cli.backends, aegis_cli.backends.loader; "
+    # counted beyond what `import torch` loads itself: a CUDA build of torch imports cuda.bindings
+    code = ("import sys, torch; before = set(sys.modules); "
+            "import aegis_cli, aegis_cli.cli, aegis_cli.scan, aegis_cli.backends, aegis_cli.backends.loader; "
             "import aegis_cli.probes; aegis_cli.probes.load_all(); "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('cupy', 'cuda', 'pynvml')]; "
-            "import torch; assert not torch.cuda.is_initialized(); print(bad)")
+            "bad = [m for m in set(sys.modules) - before if m.split('.')[0] in ('cupy', 'cuda', 'pynvml')]; "
+            "assert not torch.cuda.is_initialized(); print(bad)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+def test_installed_package_reads_its_own_kernels_and_workloads(tmp_path):
+    """Installed, the package's parent is site-packages, where another distribution may own a
+    top-level ``kernels/`` (Hugging Face's ``kernels``) or ``workloads/``: aegis must read its
+    own ``_data`` copies, and a checkout (recognised by pyproject.toml) its own folders."""
+    import shutil
+
+    site = tmp_path / "site-packages"
+    shutil.copytree(REPO / "aegis_cli", site / "aegis_cli", ignore=shutil.ignore_patterns("__pycache__", "_data"))
+    shutil.copytree(REPO / "kernels", site / "aegis_cli" / "_data" / "kernels")
+    shutil.copytree(REPO / "workloads", site / "aegis_cli" / "_data" / "workloads")
+    (site / "kernels").mkdir()
+    (site / "kernels" / "__init__.py").write_text("")
+    (site / "workloads").mkdir()
+    code = ("from aegis_cli.backends import loader; from aegis_cli import workloads; "
+            "print(loader.kernel_dir()); print(workloads.catalog_dir()); print(sorted(loader.kernel_hashes()))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                       env={**os.environ, "PYTHONPATH": str(site)})
+    assert r.returncode == 0, r.stderr
+    kdir, wdir, names = r.stdout.strip().splitlines()
+    assert kdir == str(site / "aegis_cli" / "_data" / "kernels") and wdir == str(site / "aegis_cli" / "_data" / "workloads")
+    assert "gemm_wgmma.cu" in names
+    from aegis_cli import workloads
+    from aegis_cli.backends import loader
+
+    assert loader.kernel_dir() == REPO / "kernels" and workloads.catalog_dir() == REPO / "workloads"
 
 
 def test_memory_preflight_names_the_largest_gemm(monkeypatch, capsys):

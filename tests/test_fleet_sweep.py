@@ -453,3 +453,23 @@ def test_rank_gpu_with_one_gpu_per_task():
     assert gpu_index(3, 8) == 3 and gpu_index(3, 1) == 0  # srun --gpus-per-task=1: every task sees cuda:0
     with pytest.raises(ConfigError, match="local rank 3 has no GPU"):
         gpu_index(3, 2)
+
+
+def test_workers_run_the_sweeps_aegis_and_leave_no_temp_folder(tmp_path):
+    """Workers started with ``python -m`` imported an ``aegis_cli/`` in the sweep's working
+    directory (an old checkout) before the one the sweep runs; and every sweep left its worker
+    folder in the temp directory."""
+    cfg = write_config(tmp_path)
+    shadow = tmp_path / "shadow"
+    (shadow / "aegis_cli").mkdir(parents=True)
+    (shadow / "aegis_cli" / "__init__.py").write_text("raise SystemExit('a stale aegis_cli was imported')\n")
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    # the parent runs the checkout's aegis as an installed console script would: without the
+    # working directory on sys.path
+    launcher = "import runpy, sys; del sys.path[0]; runpy.run_module('aegis_cli', run_name='__main__')"
+    p = subprocess.run([sys.executable, "-c", launcher, "sweep", "--config", str(cfg), "--format", "json"],
+                       env=env(2, TMPDIR=str(tmpdir)), cwd=shadow, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert [d["verdict"] for d in json.loads(p.stdout)["devices"]] == ["HEALTHY", "HEALTHY"]
+    assert list(tmpdir.iterdir()) == []

@@ -23,11 +23,14 @@ COMPILE_LOG: list[dict] = []  # one entry per compilation: name, seconds, option
 
 
 def kernel_dir() -> Path:
-    """``kernels/`` beside the package in a checkout, ``aegis_cli/_data/kernels`` in a wheel."""
+    """``kernels/`` beside the package in a checkout, ``aegis_cli/_data/kernels`` in a wheel.
+    A checkout is recognised by its pyproject.toml: installed, the package's parent is
+    site-packages, where another distribution may own a top-level ``kernels/``."""
     here = Path(__file__).resolve().parent.parent
-    for cand in (here.parent / "kernels", here / "_data" / "kernels"):
-        if cand.is_dir():
-            return cand
+    if (here.parent / "pyproject.toml").is_file() and (here.parent / "kernels" / "common.cuh").is_file():
+        return here.parent / "kernels"
+    if (here / "_data" / "kernels").is_dir():
+        return here / "_data" / "kernels"
     raise FileNotFoundError("aegis kernels directory not found (broken install?)")
 
 

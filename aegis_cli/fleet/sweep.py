@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -236,12 +237,32 @@ def run_workers(cfg: SweepConfig, plans: list[DevicePlan], identities: dict[str,
                 env: dict[str, str] | None = None, stop: Stop | None = None) -> list[dict]:
     """One worker process per device (at most ``max_parallel`` at once); device reports in
     ``plans`` order. Workers are killed on timeout, on the sweep's deadline and on exit."""
+    stop = stop or (lambda: None)
     tmp = tempfile.mkdtemp(prefix="aegis-sweep-")
+    try:
+        return _run_workers(cfg, plans, identities, deadline, log, env, stop, tmp)
+    finally:  # the reports are read by now; the workers' logs live on only in the sweep's log
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _worker_env(extra: dict[str, str] | None) -> dict[str, str]:
+    """The worker's environment: it must import the aegis this sweep runs. ``python -m`` puts
+    the working directory first on sys.path, so workers start in their temp folder (an old
+    checkout in the sweep's directory would otherwise shadow the installed package), with the
+    running package's root and absolute PYTHONPATH entries in front."""
+    env = {**os.environ, **(extra or {}), "AEGIS_SWEEP_PID": str(os.getpid())}
+    root = str(Path(__file__).resolve().parents[2])
+    paths = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([root, *paths]))
+    return env
+
+
+def _run_workers(cfg: SweepConfig, plans: list[DevicePlan], identities: dict[str, dict], deadline: float, log: Log,
+                 env: dict[str, str] | None, stop: Stop, tmp: str) -> list[dict]:
     workers = [_Worker(p, identities[p.device_id], os.path.join(tmp, f"{i}.json"), os.path.join(tmp, f"{i}.log"))
                for i, p in enumerate(plans)]
     pending, running, results = list(workers), [], {}
     limit = cfg.max_parallel or len(workers)
-    stop = stop or (lambda: None)
     try:
         while pending or running:
             why = stop()
@@ -262,8 +283,8 @@ def run_workers(cfg: SweepConfig, plans: list[DevicePlan], identities: dict[str,
                 Path(spec_path).write_text(json.dumps(spec), encoding="utf-8")
                 with open(w.errlog, "wb") as errfh:
                     w.proc = subprocess.Popen([sys.executable, "-m", "aegis_cli.fleet.worker", spec_path], stdin=subprocess.DEVNULL,
-                                              stdout=subprocess.DEVNULL, stderr=errfh, start_new_session=True,
-                                              env={**os.environ, **(env or {}), "AEGIS_SWEEP_PID": str(os.getpid())})
+                                              stdout=subprocess.DEVNULL, stderr=errfh, start_new_session=True, cwd=tmp,
+                                              env=_worker_env(env))
                 w.started = now
                 w.deadline = min(now + cfg.device_timeout_seconds, deadline)
                 running.append(w)
