@@ -5,12 +5,15 @@ A bundle is one safetensors file: the tensors, plus a JSON manifest in the heade
 trusts nothing: it parses the safetensors header itself (length against the file size
 and the limits, offsets against dtypes and shapes, every tensor against the manifest),
 checks a SHA-256 over every tensor and over the manifest, and only then hands the bytes
-to ``safetensors.torch.load`` (no pickle, no code, ever). Every problem is a BundleError
-naming the file. ``BundleWriter`` appends vTasks and finalises atomically.
+to ``safetensors.torch.load`` (no pickle, no code, ever); it checks each stored tensor's
+values once, however many vTasks share it. Every problem is a BundleError naming the file
+on one line. ``BundleWriter`` appends vTasks and finalises atomically, refusing what a
+reader would refuse (the reader's own limits included) before anything is written.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -41,6 +44,7 @@ from aegis_cli.vtask import (
     NORMALISATIONS,
     READABLE_VERSIONS,
     SEVERITIES,
+    TAU_RANGE,
     TORCH_DTYPE_NAME,
     Bundle,
     GemmSpec,
@@ -48,9 +52,11 @@ from aegis_cli.vtask import (
     VTask,
 )
 
-_ID_RE = re.compile(r"^[A-Za-z0-9._:/+=@-]{1,256}$")
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
-_HEX16 = re.compile(r"^[0-9a-f]{16}$")
+# matched with fullmatch: "$" would also accept a trailing newline
+ID_RE = re.compile(r"[A-Za-z0-9._:/+=@-]{1,256}")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_HEX16 = re.compile(r"[0-9a-f]{16}")
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 
 # -- strict JSON -----------------------------------------------------------------------------
@@ -71,12 +77,30 @@ def _loads(text: str):
     return json.loads(text, object_pairs_hook=_no_dupes, parse_constant=_no_constants)
 
 
-def _depth(doc, d: int = 0) -> int:
-    if isinstance(doc, dict):
-        return max([_depth(v, d + 1) for v in doc.values()] or [d + 1])
-    if isinstance(doc, list):
-        return max([_depth(v, d + 1) for v in doc] or [d + 1])
-    return d
+def _tree_problem(doc, max_depth: int) -> str | None:
+    """What is wrong with a parsed JSON document as a whole, or None: containers nested deeper
+    than ``max_depth``, or a string holding a lone surrogate (a "\\ud800" escape decodes to one;
+    it is no Unicode text, and fails wherever it is encoded later). Iterative: a recursive
+    walk hits Python's recursion limit on a few hundred levels that json.loads accepts."""
+    stack = [(doc, 0)]
+    while stack:
+        x, d = stack.pop()
+        if isinstance(x, (dict, list)):
+            if d + 1 > max_depth:
+                return f"is nested deeper than {max_depth} levels"
+            if isinstance(x, dict):
+                stack.extend((k, d) for k in x)
+                stack.extend((v, d + 1) for v in x.values())
+            else:
+                stack.extend((v, d + 1) for v in x)
+        elif isinstance(x, str) and not x.isascii() and _SURROGATE.search(x):
+            return "holds a string that is not valid Unicode (a lone surrogate)"
+    return None
+
+
+def error(label: str, msg: str) -> BundleError:
+    """A BundleError naming the bundle ``label`` on one line, whatever characters its name holds."""
+    return _Check(label).fail(msg)
 
 
 class _Check:
@@ -116,7 +140,7 @@ class _Check:
             raise self.fail(f"{where} must be a string of at most {MAX_STRING} characters")
         if choices is not None and v not in choices:
             raise self.fail(f"{where} is {_short(v)}, expected one of {', '.join(choices)}")
-        if pattern is not None and not pattern.match(v):
+        if pattern is not None and not pattern.fullmatch(v):
             raise self.fail(f"{where} {_short(v)} is not valid (pattern {pattern.pattern})")
         return v
 
@@ -158,7 +182,7 @@ def _check_vtask(ck: _Check, i: int, v) -> tuple[dict, dict]:
     w = f"vtasks[{i}]"
     v = ck.obj(v, w, {"id", "kind", "check", "op", "gemm", "tensors", "scale", "threshold"},
                {"case_id", "seed", "dist", "observed", "provenance", "extra"})
-    ck.str_(v["id"], f"{w}.id", _ID_RE)
+    ck.str_(v["id"], f"{w}.id", ID_RE)
     w = f"vTask {v['id']!r}"
     if v["kind"] not in KINDS:
         raise ck.fail(f"{w}: kind {_short(v['kind'])} is not supported by this aegis (supported: {', '.join(KINDS)})")
@@ -186,9 +210,12 @@ def _check_vtask(ck: _Check, i: int, v) -> tuple[dict, dict]:
     for j, e in enumerate(v["scale"]):
         ck.int_(e, f"{w}: scale[{j}]", -126, 127)
     th = ck.obj(v["threshold"], f"{w}: threshold", {"tau"}, {"confirm_margin", "normalisation"})
-    ck.num(th["tau"], f"{w}: threshold.tau", 1e-300, 0.999999)
-    ck.opt(th.get("confirm_margin"), ck.num, f"{w}: threshold.confirm_margin", 1.0, 1e12)
-    ck.opt(th.get("normalisation"), ck.str_, f"{w}: threshold.normalisation", None, NORMALISATIONS)
+    ck.num(th["tau"], f"{w}: threshold.tau", *TAU_RANGE)
+    # optional, but not nullable: absent means the default, null means nothing a reader can use
+    if "confirm_margin" in th:
+        ck.num(th["confirm_margin"], f"{w}: threshold.confirm_margin", 1.0, 1e12)
+    if "normalisation" in th:
+        ck.str_(th["normalisation"], f"{w}: threshold.normalisation", None, NORMALISATIONS)
     names = ck.obj(v["tensors"], f"{w}: tensors", {"a", "b"}, set(GEMM_ROLES) - {"a", "b"})
     for role, name in names.items():
         ck.str_(name, f"{w}: tensors.{role}")
@@ -196,8 +223,7 @@ def _check_vtask(ck: _Check, i: int, v) -> tuple[dict, dict]:
         raise ck.fail(f"{w}: tensors.row_sums is only allowed when gemm.cols is null")
     if "col_sums" in names and g.get("rows") is not None:
         raise ck.fail(f"{w}: tensors.col_sums is only allowed when gemm.rows is null")
-    obs = v.get("observed") or {}
-    ck.obj(obs, f"{w}: observed", set(), _OBSERVED)
+    obs = ck.obj(v.get("observed", {}), f"{w}: observed", set(), _OBSERVED)
     for key in ("max_normalised_diff", "margin"):
         ck.opt(obs.get(key), ck.num, f"{w}: observed.{key}", -math.inf, math.inf, True)
     for key in ("elements", "reruns", "reproduced", "distinct_outputs"):
@@ -218,8 +244,7 @@ def _check_vtask(ck: _Check, i: int, v) -> tuple[dict, dict]:
     fps = ck.str_map(obs.get("fingerprints", {}), f"{w}: observed.fingerprints")
     for key, x in fps.items():
         ck.str_(x, f"{w}: observed.fingerprints.{key}", _HEX16)
-    prov = v.get("provenance") or {}
-    ck.obj(prov, f"{w}: provenance", set(), set(_PROVENANCE))
+    prov = ck.obj(v.get("provenance", {}), f"{w}: provenance", set(), set(_PROVENANCE))
     for key, typ in _PROVENANCE.items():
         x = prov.get(key)
         if x is None:
@@ -238,21 +263,65 @@ def _check_vtask(ck: _Check, i: int, v) -> tuple[dict, dict]:
                 ck.str_(e, f"{w}: provenance.{key}[{j}]")
         else:
             ck.str_(x, f"{w}: provenance.{key}")
-    ck.str_map(v.get("extra") or {}, f"{w}: extra")
+    ck.str_map(v.get("extra", {}), f"{w}: extra")
     return v, names
 
 
-def _check_inputs(ck: _Check, vid: str, tensors: dict[str, torch.Tensor], layout: Layout) -> None:
-    """Finite operands whose products cannot overflow fp32 in any partial sum of C or of its
-    checksums: beyond that an inf in C or in a sum is arithmetic, not a fault, and a replay
-    would call every device FAULTY."""
-    for role in ("a", "b"):
-        if not bool(torch.isfinite(tensors[role]).all()):
-            raise ck.fail(f"vTask {vid!r}: input {role} contains NaN or Inf")
-    bound = numerics.overflow_bound(GemmOperands(tensors["a"], tensors["b"], layout))
-    if bound >= numerics.SUM_LIMIT:
-        raise ck.fail(f"vTask {vid!r}: its inputs can overflow fp32 (Σ|A|·|B| over a checksum tile up to {bound:.3g}, "
-                      f"limit {numerics.SUM_LIMIT:.3g}), so no check could tell a fault from overflow")
+class _InputCheck:
+    """The inputs' rules (spec §3.2): finite operands whose products cannot overflow fp32 in any
+    partial sum of C or of its checksums. Beyond that an inf in C or in a sum is arithmetic, not
+    a fault, and a replay would call every device FAULTY.
+
+    Work is done once per stored tensor (keys name them), not per vTask: many vTasks may share
+    one tensor, and redoing the checks for each let a small bundle keep a reader busy for hours.
+    A pair of operands is first bounded from per-tensor maxima along K (Σ_k max_i|A_ik|·max_j|B_kj|
+    bounds every output); only a pair that bound cannot clear gets numerics.overflow_bound,
+    the tighter one the spec names, so what is accepted does not change."""
+
+    def __init__(self, ck: _Check):
+        self.ck = ck
+        self._finite: set = set()
+        self._kmax: dict[tuple, tuple[torch.Tensor, float, float]] = {}  # key → (max along K, its max, its sum)
+        self._pairs: set = set()
+
+    def _maxima(self, key, t: torch.Tensor, dim: int) -> tuple[torch.Tensor, float, float]:
+        if (key, dim) not in self._kmax:
+            v = numerics.abs_max_along(t, dim)
+            self._kmax[(key, dim)] = (v, float(v.max()), float(v.sum()))
+        return self._kmax[(key, dim)]
+
+    def check(self, vid: str, tensors: dict[str, torch.Tensor], keys: dict[str, object], layout: Layout) -> None:
+        for role in ("a", "b"):
+            if keys[role] not in self._finite:
+                if not bool(torch.isfinite(tensors[role]).all()):
+                    raise self.ck.fail(f"vTask {vid!r}: input {role} contains NaN or Inf")
+                self._finite.add(keys[role])
+        pair = (keys["a"], keys["b"], layout)
+        if pair in self._pairs:
+            return
+        ops = GemmOperands(tensors["a"], tensors["b"], layout)
+        a_max, a_top, a_sum = self._maxima(keys["a"], ops.a_mk, 0)  # (K,): max_i |A_ik|
+        b_max, b_top, b_sum = self._maxima(keys["b"], ops.b_kn, 1)  # (K,): max_j |B_kj|
+        span = numerics.CHECKSUM_SPAN
+        bound = min(a_top * b_sum, a_sum * b_top) * span
+        if bound >= numerics.SUM_LIMIT:
+            bound = float(a_max @ b_max) * span
+        if bound >= numerics.SUM_LIMIT:
+            bound = numerics.overflow_bound(ops)
+        if bound >= numerics.SUM_LIMIT:
+            raise self.ck.fail(f"vTask {vid!r}: its inputs can overflow fp32 (Σ|A|·|B| over a checksum tile up to {bound:.3g}, "
+                               f"limit {numerics.SUM_LIMIT:.3g}), so no check could tell a fault from overflow")
+        self._pairs.add(pair)
+
+
+def entry_problem(vt: VTask) -> str | None:
+    """What a reader would object to in ``vt``'s manifest entry (its tensors aside), or None:
+    lets a producer refuse, before any work, what it could not save."""
+    try:
+        _check_vtask(_Check(""), 0, vt.manifest_entry({"a": "a", "b": "b"}))
+    except BundleError as exc:
+        return str(exc).removeprefix("bundle : ")
+    return None
 
 
 def _vtask_from_entry(v: dict, spec: GemmSpec, tensors: dict[str, torch.Tensor]) -> VTask:
@@ -283,6 +352,8 @@ def _parse(data: bytes, label: str, limits: Limits) -> Bundle:
     raw = data[8:8 + hlen]
     if raw[:1] != b"{":
         raise ck.fail("not a bundle: no safetensors JSON header at the start of the file")
+    if not raw.rstrip(b" ").endswith(b"}"):  # JSON would take any whitespace; the spec pads with spaces only
+        raise ck.fail("header must be one JSON object, padded at the end with spaces (0x20) only")
     try:
         header = _loads(raw.decode("utf-8"))
     except RecursionError:
@@ -300,7 +371,11 @@ def _parse(data: bytes, label: str, limits: Limits) -> Bundle:
     if meta["format_version"] not in [str(x) for x in READABLE_VERSIONS]:
         raise ck.fail(f"unknown format_version {_short(meta['format_version'])} (this aegis reads {', '.join(map(str, READABLE_VERSIONS))})")
     mtext = meta["manifest"]
-    if hashlib.sha256(mtext.encode("utf-8")).hexdigest() != meta["manifest_sha256"]:
+    try:  # a JSON escape like \ud800 decodes to a lone surrogate, which has no UTF-8 bytes to hash
+        mbytes = mtext.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ck.fail("__metadata__.manifest is not valid Unicode text (a lone surrogate)") from None
+    if hashlib.sha256(mbytes).hexdigest() != meta["manifest_sha256"]:
         raise ck.fail("manifest fails its SHA-256 check (corrupt bundle)")
     try:
         manifest = _loads(mtext)
@@ -308,9 +383,11 @@ def _parse(data: bytes, label: str, limits: Limits) -> Bundle:
         raise ck.fail("manifest JSON is nested too deeply") from None
     except ValueError as exc:
         raise ck.fail(f"manifest is not valid JSON ({str(exc)[:120]})") from None
-    if _depth(manifest) > MAX_DEPTH:
-        raise ck.fail(f"manifest is nested deeper than {MAX_DEPTH} levels")
+    problem = _tree_problem(manifest, MAX_DEPTH)
+    if problem:
+        raise ck.fail(f"manifest {problem}")
     ck.obj(manifest, "manifest", {"format", "format_version", "vtasks", "tensor_sha256"}, {"created", "producer"})
+    ck.int_(manifest["format_version"], "manifest.format_version", 1, 2**31 - 1)  # an integer: not true, not 1.0
     if manifest["format"] != FORMAT or manifest["format_version"] != int(meta["format_version"]):
         raise ck.fail("manifest format/format_version disagree with the header's __metadata__")
     created = ck.opt(manifest.get("created"), ck.str_, "manifest.created") or ""
@@ -322,9 +399,9 @@ def _parse(data: bytes, label: str, limits: Limits) -> Bundle:
     data_len = size - 8 - hlen
     spans = []
     for name, e in header.items():
-        ck.str_(name, "tensor name", _ID_RE)
+        ck.str_(name, "tensor name", ID_RE)
         ck.obj(e, f"tensor {name!r}", {"dtype", "shape", "data_offsets"}, set())
-        if e["dtype"] not in DTYPES:
+        if not isinstance(e["dtype"], str) or e["dtype"] not in DTYPES:  # a list or object is no dict key
             raise ck.fail(f"tensor {name!r} has dtype {_short(e['dtype'])}; bundles hold only {', '.join(DTYPES)}")
         if not isinstance(e["shape"], list) or len(e["shape"]) != 2:
             raise ck.fail(f"tensor {name!r} must be 2-D, shape is {_short(e['shape'])}")
@@ -380,7 +457,7 @@ def _parse(data: bytes, label: str, limits: Limits) -> Bundle:
     base = 8 + hlen
     for begin, end, name in spans:
         h = hashes[name]
-        if not isinstance(h, str) or not _HEX64.match(h):
+        if not isinstance(h, str) or not _HEX64.fullmatch(h):
             raise ck.fail(f"manifest.tensor_sha256[{name!r}] is not a lower-case hex SHA-256")
         if hashlib.sha256(data[base + begin:base + end]).hexdigest() != h:
             raise ck.fail(f"tensor {name!r} fails its SHA-256 check (corrupt bundle)")
@@ -393,9 +470,10 @@ def _parse(data: bytes, label: str, limits: Limits) -> Bundle:
     except Exception as exc:  # safetensors' own validation; should not trigger after ours
         raise ck.fail(f"safetensors rejected the file ({str(exc).splitlines()[0][:160]})") from None
     vtasks = []
+    inputs = _InputCheck(ck)
     for v, names, spec in entries:
         ts = {role: tensors[name] for role, name in names.items()}
-        _check_inputs(ck, v["id"], ts, spec.layout)
+        inputs.check(v["id"], ts, names, spec.layout)
         vtasks.append(_vtask_from_entry(v, spec, ts))
     return Bundle(label, int(meta["format_version"]), created, producer, vtasks)
 
@@ -417,13 +495,13 @@ def read_bundle(path: str | os.PathLike, limits: Limits | None = None) -> Bundle
         raise ck.fail("is not a regular file")
     if st.st_size > limits.max_bytes:
         raise ck.fail(f"file is {st.st_size} bytes, over the limit of {limits.max_bytes} (AEGIS_BUNDLE_MAX_BYTES)")
-    try:
+    try:  # the size it has, not the limit: a raised limit must not allocate that much
         with open(path, "rb") as fh:
-            data = fh.read(limits.max_bytes + 1)
+            data = fh.read(st.st_size + 1)
     except OSError as exc:
         raise ck.fail(f"cannot read ({exc.strerror})") from None
-    if len(data) > limits.max_bytes:
-        raise ck.fail(f"file grew past the limit of {limits.max_bytes} bytes while being read")
+    if len(data) > st.st_size:  # BundleWriter renames a finished file into place; it never grows
+        raise ck.fail(f"file grew past its {st.st_size} bytes while being read (still being written?)")
     return _parse(data, label, limits)
 
 
@@ -456,12 +534,14 @@ class BundleWriter:
         ck = _Check(str(self.path))
         if vt.id in self._ids:
             raise ck.fail(f"duplicate vTask id {vt.id!r}")
+        if len(self._vtasks) >= Limits().max_vtasks:
+            raise ck.fail(f"a bundle holds at most {Limits().max_vtasks} vTasks (what readers accept); save the rest in another")
         _check_vtask(ck, len(self._vtasks), vt.manifest_entry({r: "x" for r in vt.tensors}))
         for role, t in vt.tensors.items():
             dt, shape = vt.gemm.expected(role)
             if TORCH_DTYPE_NAME.get(t.dtype) != dt or tuple(t.shape) != shape:
                 raise ck.fail(f"vTask {vt.id!r}: tensor {role} is {t.dtype} {list(t.shape)}, expected {dt} {list(shape)}")
-        _check_inputs(ck, vt.id, vt.tensors, vt.gemm.layout)
+        _InputCheck(ck).check(vt.id, vt.tensors, {"a": "a", "b": "b"}, vt.gemm.layout)
         self._ids.add(vt.id)
         self._vtasks.append(vt)
 
@@ -494,12 +574,18 @@ class BundleWriter:
 
     def finalise(self) -> int:
         """Write the bundle; returns the number of vTasks. The bytes are validated by the
-        reader before they reach the disk."""
+        reader, with the reader's limits, before they reach the disk."""
         from aegis_cli.report import atomic_write
 
         data = self.to_bytes()
-        _parse(data, str(self.path), Limits(max_bytes=max(len(data), 16), max_header=max(len(data), 16),
-                                            max_vtasks=10**9, max_tensors=10**9))
+        # the header and count limits no reader can raise; the file-size limit it can (--max-bundle-size)
+        limits = dataclasses.replace(Limits(), max_bytes=max(len(data), 16))
+        (hlen,) = struct.unpack("<Q", data[:8])
+        if hlen > limits.max_header:
+            raise _Check(str(self.path)).fail(
+                f"its {len(self._vtasks)} vTasks need a {hlen}-byte header, over the {limits.max_header} bytes readers "
+                "accept; save fewer vTasks per bundle")
+        _parse(data, str(self.path), limits)
         if self.path.is_dir():
             raise BundleError(f"bundle {self.path}: is a directory")
         try:

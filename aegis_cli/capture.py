@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from aegis_cli.backends.base import GemmResult, Layout
+from aegis_cli.backends.base import GemmResult
 from aegis_cli.bundle import BundleWriter
 from aegis_cli.vtask import CHECKSUM_CHECKS, GEMM_CHECKS, MAX_SAMPLES, MAX_STRING, GemmSpec, VTask
 
@@ -83,14 +83,14 @@ def capture_gemm_vtasks(device, case, evidence: list, fault, tau: float, confirm
             spec.cols = cols_flag[:MAX_SUBSET]
             truncated = len(cols_flag) > MAX_SUBSET
             idx = torch.tensor(spec.cols)
-            b_sub = b[idx] if s.layout is Layout.FWD else b[:, idx]
-            tensors = {"a": a, "b": b_sub.contiguous(), "c": c[:, idx].contiguous(), "col_sums": cs[:, idx].contiguous()}
+            _, b_sub = spec.sub_operands(a, b)
+            tensors = {"a": a, "b": b_sub, "c": c[:, idx].contiguous(), "col_sums": cs[:, idx].contiguous()}
         else:
             spec.rows = rows_flag[:MAX_SUBSET]
             truncated = len(rows_flag) > MAX_SUBSET
             idx = torch.tensor(spec.rows)
-            a_sub = a[:, idx] if s.layout is Layout.WGRAD else a[idx]
-            tensors = {"a": a_sub.contiguous(), "b": b, "c": c[idx].contiguous(), "row_sums": rs[idx].contiguous()}
+            a_sub, _ = spec.sub_operands(a, b)
+            tensors = {"a": a_sub, "b": b, "c": c[idx].contiguous(), "row_sums": rs[idx].contiguous()}
         observed = {"severity": ev.severity.value, "summary": ev.summary[:MAX_STRING], "max_normalised_diff": ev.max_value,
                     "margin": ev.margin, "elements": ev.elements, "reruns": ev.reruns, "reproduced": ev.reproduced,
                     "distinct_outputs": ev.distinct_outputs, "samples": [_clean_sample(x) for x in ev.samples[:MAX_SAMPLES]],
@@ -110,6 +110,38 @@ def _clean_sample(s: dict) -> dict:
         elif isinstance(v, float):  # non-finite values are encoded with the whole manifest entry
             out[k] = v
     return out
+
+
+def check_savable(opts: ScanOptions, devices: list) -> None:
+    """Refuse, before a scan with --save-vtasks starts, what no bundle could hold: vTask ids
+    made from the workload's name and ops that are not valid ids, or a τ outside the range a
+    bundle records. Found only when saving, after the scan, they cost the whole run."""
+    from aegis_cli.bundle import ID_RE, entry_problem
+    from aegis_cli.errors import ConfigError
+    from aegis_cli.scan import plan_cases, workload_for
+    from aegis_cli.vtask import TAU_RANGE
+
+    for d in devices:
+        wl = workload_for(opts, d)
+        for case in plan_cases(wl, opts.seed, opts.case):
+            s = case.shape
+            tau = opts.thresholds.tau_for(d, s.k)
+            if not TAU_RANGE[0] <= tau <= TAU_RANGE[1]:
+                raise ConfigError(f"--save-vtasks: τ = {tau:g} for {d.identity.id} at K = {s.k} is outside what a bundle "
+                                  f"records ({TAU_RANGE[0]:g}…{TAU_RANGE[1]:g}); choose --threshold within it")
+            for ea, eb in wl.scan.scales:
+                cid = case.case_id(ea, eb)
+                for check in GEMM_CHECKS:
+                    vid = f"{d.identity.id}/{cid}/{check}"  # as capture_gemm_vtasks names them
+                    if not ID_RE.fullmatch(vid):
+                        raise ConfigError(f"--save-vtasks: workload {wl.name!r} gives vTask ids like {vid[:120]!r} that a bundle "
+                                          f"cannot hold (1–256 characters from A-Za-z0-9._:/+=@-); rename the workload or its ops")
+                spec = GemmSpec(layout=s.layout, m=s.m, n=s.n, k=s.k, tile=tuple(d.tile))
+                problem = entry_problem(VTask(id=vid, check=check, op=s.op, gemm=spec, tensors={}, tau=tau, scale=(ea, eb),
+                                              confirm_margin=opts.thresholds.confirm_margin, case_id=cid, seed=case.seed,
+                                              dist=case.dist))
+                if problem:
+                    raise ConfigError(f"--save-vtasks: this scan's cases could not be saved as vTasks ({problem})")
 
 
 def save_scan_vtasks(report: Report, opts: ScanOptions, path: str | os.PathLike) -> int:

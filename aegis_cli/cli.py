@@ -185,13 +185,18 @@ def scan(devices, workload, seed, case, reruns, inject, save_vtasks, probes, gol
             raise click.BadParameter(f"expected PROBE.KEY=VALUE, got {item!r}", param_hint="--probe-option")
         opts.probe_options[key.strip()] = value.strip()
     rep = _run_with_progress(run_scan, opts, inject, quiet)
-    doc = rep.to_dict()
+    # the report first: a bundle that cannot be saved must not cost the scan's verdict
+    _emit(rep.to_dict(), fmt, output, _verdict_table)
     if save_vtasks:
         from aegis_cli.capture import save_scan_vtasks
 
-        n = save_scan_vtasks(rep, opts, save_vtasks)
+        try:
+            n = save_scan_vtasks(rep, opts, save_vtasks)
+        except AegisError as exc:
+            if State.debug:
+                traceback.print_exc()
+            _fail(f"--save-vtasks: the report is out, but the vTasks were not saved: {exc}")
         err_console.print(f"saved {n} vTask(s) to {save_vtasks}", highlight=False)
-    _emit(doc, fmt, output, _verdict_table)
     sys.exit(rep.exit_code)
 
 

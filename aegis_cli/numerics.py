@@ -240,11 +240,19 @@ def overflow_bound(ops: GemmOperands, chunk: int = 1 << 22) -> float:
     if a.numel() == 0 or b.numel() == 0:
         return 0.0
     step = max(1, chunk // k)  # rows of A, or columns of B, per slice
-    b_max = torch.stack([b[:, j:j + step].abs().amax(1) for j in range(0, n, step)]).amax(0).double()  # max_j |B_kj|
-    a_max = torch.stack([a[i:i + step].abs().amax(0) for i in range(0, m, step)]).amax(0).double()  # max_i |A_ik|
+    b_max = abs_max_along(b, 1, chunk)  # max_j |B_kj|
+    a_max = abs_max_along(a, 0, chunk)  # max_i |A_ik|
     by_row = max(float((a[i:i + step].double().abs() @ b_max).max()) for i in range(0, m, step))
     by_col = max(float((a_max @ b[:, j:j + step].double().abs()).max()) for j in range(0, n, step))
     return min(by_row, by_col) * CHECKSUM_SPAN
+
+
+def abs_max_along(x: torch.Tensor, dim: int, chunk: int = 1 << 22) -> torch.Tensor:
+    """max |x| along ``dim`` of a 2-D tensor, in fp64, through slices of about ``chunk``
+    elements (no full-size copy): max_i |A_ik| of A (M, K) is abs_max_along(A, 0)."""
+    n, keep = x.shape[dim], x.shape[1 - dim]
+    step = max(1, chunk // max(keep, 1))
+    return torch.stack([x.narrow(dim, i, min(step, n - i)).abs().amax(dim) for i in range(0, n, step)]).amax(0).double()
 
 
 def accumulation_ceiling(k: int, span: int) -> float:

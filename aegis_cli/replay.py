@@ -4,8 +4,8 @@ Each vTask is replayed ``repeat`` times on each chosen device, at the captured i
 scale and at extra power-of-two scales (exact expectations, DESIGN §2.3), and compared
 with
   (a) the fp64 reference: row/column checksums of the replayed (sub-)GEMM with the
-      replaying device's own tile, |Δ|/s > τ (τ from the vTask); the bf16-output sum
-      against a rigorous rounding bound; every element against the fp64 product within a
+      replaying device's own tile, |Δ|/s > τ (the vTask's τ, never below the calibrated floor
+      or this device's accumulation bound); the bf16-output sum against a rigorous rounding bound; every element against the fp64 product within a
       rigorous error bound; NaN/Inf from finite inputs;
   (b) what was observed at capture: the output bits, and the captured checksums — bit for
       bit when the tiles match, else per-row (per-column) totals across tiles;
@@ -16,7 +16,9 @@ row), so they are compared directly; its column checksums check the sub-GEMM onl
 
 Outcome per vTask: ``reproduced`` (a check fired here, the same way every run),
 ``not_reproduced`` (every run clean and bit-identical), ``inconsistent`` (runs of the
-same inputs gave different bits: this device is faulty). See docs/bundle-format.md.
+same inputs gave different bits: this device is faulty). A checksum-only flag that fp32
+rounding of these inputs could reach is SUSPECT unless the inputs are verifiably a scan's
+own draw. See docs/bundle-format.md.
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ import torch
 from aegis_cli import numerics, vtask
 from aegis_cli.backends import resolve_devices
 from aegis_cli.backends.base import Device, GemmResult
+from aegis_cli.bundle import error as bundle_error
 from aegis_cli.bundle import read_bundle
 from aegis_cli.errors import AegisError, BundleError, ConfigError
 from aegis_cli.inject import FaultPlan, recent_injections
-from aegis_cli.probes.gemm import ProbeStats, scaled, scaled_reference
+from aegis_cli.probes.gemm import ProbeStats, case_bytes, case_seed, scaled, scaled_reference
 from aegis_cli.probes.gemm import clean_median as clean_median_of
 from aegis_cli.report import DeviceReport, Report
 from aegis_cli.verdict import Evidence, Verdict, worst
@@ -49,6 +52,7 @@ U_ACC = 2.0**-23  # fp32 accumulation unit roundoff, allowing truncating matrix 
 RIGOROUS = ("gemm.output_rowsum", "gemm.nonfinite", "gemm.pow2_exact", "gemm.element_reference")
 MAX_SAMPLES = 8
 SMALL_CPU_GEMM = 1 << 22  # multiply-adds below which a CPU replay uses one thread
+REGENERATE_BYTES = 2 << 30  # memory for regenerating a vTask's inputs where the device's free memory is unknown
 OUTCOMES = {"reproduced": "reproduced here", "not_reproduced": "not reproduced here",
             "inconsistent": "inconsistent between runs"}
 _SCALE_SUFFIX = re.compile(r"/s[+-]\d+[+-]\d+$")
@@ -124,12 +128,17 @@ class _VTaskReplay:
         self.fired: dict[str, _Fired] = {}
         self._this_run: set[str] = set()
         self.notes: list[str] = []
-        # the capture's τ, raised to this device's accumulation bound at this K where its matrix
-        # unit truncates: a vTask captured on a CPU, replayed on a GPU, is judged by the GPU's noise
-        self.tau = numerics.Thresholds(tau=vt.tau).tau_for(device, vt.gemm.k)
+        # the capture's τ, never below what this device's own noise allows: the calibrated floor,
+        # raised to its accumulation bound at this K where its matrix unit truncates (a vTask captured
+        # on a CPU, replayed on a GPU, is judged by the GPU's noise). A bundle's τ is the producer's
+        # word: a tiny one would make clean rounding on a healthy device read as FAULTY.
+        floor = numerics.Thresholds()
+        self.tau = max(vt.tau, floor.tau_for(device, vt.gemm.k))
         if self.tau > vt.tau:
-            self.notes.append(f"τ raised from the captured {vt.tau:.3g} to {self.tau:.3g}, "
-                              f"this device's accumulation bound at K = {vt.gemm.k}")
+            why = (f"this device's accumulation bound at K = {vt.gemm.k}" if device.accumulation_bound(vt.gemm.k) > floor.tau
+                   else "the calibrated floor (docs/calibration.md): below it clean rounding can cross τ")
+            self.notes.append(f"τ raised from the captured {vt.tau:.3g} to {self.tau:.3g}, {why}")
+        self._calibrated: tuple[bool, str] | None = None
 
     def _full_row(self, i: int) -> int:
         return self.row_map[i] if self.row_map is not None else i
@@ -291,6 +300,45 @@ class _VTaskReplay:
             return {"matches": None, "detail": "nothing observed at capture to compare with"}
         return {"matches": all(matches), "detail": "; ".join(parts)}
 
+    # -- were these the scan's own inputs? ---------------------------------------------------------
+    def calibrated(self) -> tuple[bool, str]:
+        """(whether τ's calibration holds for this vTask's inputs, why not). It holds for the scan's
+        draws from its input distributions. ``dist`` is only a label any producer can write, so it
+        counts when the inputs regenerate bit for bit from (dist, seed, case id) as the scan drew
+        them (GemmCase.operands), on this device's backend or the CPU's. Computed once, and only
+        when a verdict depends on it."""
+        if self._calibrated is None:
+            self._calibrated = self._regenerate()
+        return self._calibrated
+
+    def _regenerate(self) -> tuple[bool, str]:
+        vt, g = self.vt, self.vt.gemm
+        if vt.dist not in numerics.DISTRIBUTIONS:
+            return False, ""
+        claim = f"; dist {vt.dist!r} is claimed, but "
+        group = _SCALE_SUFFIX.sub("", vt.case_id or "")
+        if vt.seed is None or group == (vt.case_id or ""):
+            return False, claim + "without the scan's seed and case id its inputs cannot be checked against it"
+        shapes = (g.layout.a_stored_shape(g.m, g.k), g.layout.b_stored_shape(g.k, g.n))
+        # generating fills fp32 (plus three more for heavy tails), then rounds to bf16
+        need = 18 * (shapes[0][0] * shapes[0][1] + shapes[1][0] * shapes[1][1])
+        backends = [(self.dev.generate, self.dev.memory_free())]
+        if self.dev.identity.backend != "cpu":
+            backends.append((lambda shape, dist, seed: numerics.generate_bf16(shape, dist, seed, "cpu"), None))
+        stored = (vt.tensors["a"], vt.tensors["b"])
+        tried = False
+        for generate, free in backends:
+            if need > (free if free is not None else REGENERATE_BYTES):
+                continue
+            tried = True
+            a, b = (generate(shape, vt.dist, case_seed(vt.seed, group, role)) for shape, role in zip(shapes, "AB", strict=True))
+            a, b = g.sub_operands(numerics.pow2_scale(a, vt.scale[0]), numerics.pow2_scale(b, vt.scale[1]))
+            if all(_same_bits(x.to("cpu"), y) for x, y in zip((a, b), stored, strict=True)):
+                return True, ""
+        if not tried:
+            return False, claim + f"its {g.m}x{g.n}x{g.k} inputs are too large to regenerate here and check against it"
+        return False, claim + "its inputs are not the scan's draw from it (seed and case id)"
+
     # -- outcome and what it means ---------------------------------------------------------------
     def _outcome(self, distinct: int, scales_run, skipped, capture: dict, seconds: float) -> dict:
         vt, dev = self.vt, self.dev
@@ -309,12 +357,11 @@ class _VTaskReplay:
             # τ is calibrated for the scan's input distributions; a vTask of other data (another
             # producer's) may round past it: there a checksum flag that fp32 rounding of these
             # inputs could explain confirms nothing on its own
-            calibrated = vt.dist in numerics.DISTRIBUTIONS
             ceiling = numerics.accumulation_ceiling(vt.gemm.k, max(dev.tile)) + dev.accumulation_bound(vt.gemm.k)
-            within = not calibrated and bool(cs) and max(cs) <= ceiling
-            if within and not rigorous:
+            within = not rigorous and bool(cs) and max(cs) <= ceiling and not self.calibrated()[0]
+            if within:
                 self.notes.append(f"checksum differences (≤ {max(cs):.3g}·s) are within what fp32 rounding of these inputs "
-                                  f"can reach ({ceiling:.3g}·s): SUSPECT, not FAULTY")
+                                  f"can reach ({ceiling:.3g}·s){self.calibrated()[1]}: SUSPECT, not FAULTY")
             severity = Verdict.FAULTY if rigorous or ((margin or 0) >= vt.confirm_margin and not within) else Verdict.SUSPECT
         else:
             outcome, severity = "not_reproduced", Verdict.HEALTHY
@@ -423,8 +470,41 @@ def load_bundles(paths: list[str], max_bytes: int | None = None) -> list[vtask.B
     limits = vtask.Limits.from_env(max_bytes)
     bundles = [read_bundle(p, limits) for p in paths]
     if not any(b.vtasks for b in bundles):
-        raise BundleError(f"bundle {', '.join(paths)}: holds no vTasks, nothing to replay")
+        raise bundle_error(", ".join(paths), "holds no vTasks, nothing to replay")
     return bundles
+
+
+def replay_bytes(vt: vtask.VTask) -> int:
+    """Upper estimate of the memory replaying ``vt`` holds at its peak: a scan case of its
+    (sub-)GEMM (probes.gemm.case_bytes), plus, where every element is checked, the fp64 exact
+    product, magnitudes and bound and one scale's fp64 error terms (12 fp64 values per output)."""
+    m, n, k = vt.gemm.m_sub, vt.gemm.n_sub, vt.gemm.k
+    elements = 96 * m * n if m * n * k <= ELEMENT_BUDGET and k * U_ACC < 0.5 else 0
+    return case_bytes(m, n, k) + elements
+
+
+def check_memory(bundles: list[vtask.Bundle], devices: list[Device]) -> None:
+    """Refuse, before any work, a vTask that could not fit in a device's memory. A bundle is tiny
+    next to what it asks for (M'·N' outputs from M'+N' rows of inputs: 65536x65536 with K = 1 is
+    a 256 KiB file and tens of GiB to replay), and running out half-way would be blamed on the
+    device (ERROR) or end the process with no report at all."""
+    for d in devices:
+        have, free = d.memory_bytes(), d.memory_free()
+        if not have and free is None:
+            continue
+        for b in bundles:
+            big = max(b.vtasks, key=replay_bytes, default=None)
+            if big is None:
+                continue
+            need, g = replay_bytes(big), big.gemm
+            what = (f"vTask {big.id!r} replays a {g.m_sub}x{g.n_sub}x{g.k} GEMM that needs about {need / 2**30:.1f} GiB "
+                    f"on {d.identity.id}")
+            if have and need > have:
+                raise bundle_error(b.path, f"{what}, which has {have / 2**30:.1f} GiB")
+            if free is not None and need > free:
+                total = f" of its {have / 2**30:.1f} GiB" if have else ""
+                raise bundle_error(b.path, f"{what}, which has only {free / 2**30:.1f} GiB{total} free now (other processes "
+                                           "hold the rest); replay when the device is idle")
 
 
 def run_replay(opts: ReplayOptions, progress: Progress | None = None) -> Report:
@@ -434,10 +514,12 @@ def run_replay(opts: ReplayOptions, progress: Progress | None = None) -> Report:
     plan = FaultPlan.parse(opts.inject) if opts.inject else None
     bundles = load_bundles(opts.bundles, opts.max_bundle_bytes)
     devices = resolve_devices(opts.devices)
+    check_memory(bundles, devices)
     total = sum(len(b.vtasks) for b in bundles)
+    threshold = "per vTask: the τ in force at capture, never below the calibrated floor or the device's accumulation bound"
     report = Report(kind="replay", command_line=list(opts.command_line) or list(sys.argv), seed=0,
                     options={"devices": opts.devices, "bundles": list(opts.bundles), "vtasks": total, "repeat": opts.repeat,
-                             "scales": [list(s) for s in opts.scales], "threshold": "per vTask (threshold in force at capture)"},
+                             "scales": [list(s) for s in opts.scales], "threshold": threshold},
                     started=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                     injected=[opts.inject] if opts.inject else [], tau=numerics.Thresholds().tau)
     progress("start", total=total * len(devices), devices=[d.identity.id for d in devices])

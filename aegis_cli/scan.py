@@ -41,7 +41,9 @@ class ScanOptions:
     probe_options: dict[str, str] = field(default_factory=dict)  # "probe.key" → value (--probe-option)
     thresholds: numerics.Thresholds = field(default_factory=numerics.Thresholds)
     command_line: list[str] = field(default_factory=list)
-    keep_flagged: bool = False  # keep each flagged GEMM run as observed, for --save-vtasks (DeviceReport.captured)
+    # keep each flagged GEMM run as observed, for --save-vtasks (DeviceReport.captured); the scan
+    # then also refuses up front what could not be saved (capture.check_savable)
+    keep_flagged: bool = False
 
     def __post_init__(self) -> None:
         check_seed(self.seed)
@@ -203,6 +205,10 @@ def run_scan(opts: ScanOptions, progress: Progress | None = None) -> Report:
     if set(probes) <= set(NODE_PROBES) and len(devices) < 2:
         raise ConfigError(f"{', '.join(probes)} compares devices with each other; with one device it checks nothing")
     check_memory(opts, devices)
+    if opts.keep_flagged:  # the caller saves the flagged cases as vTasks: refuse what it could not save
+        from aegis_cli.capture import check_savable
+
+        check_savable(opts, devices)
     if opts.golden:
         from aegis_cli import golden
 

@@ -36,6 +36,8 @@ MAX_DIM = 1 << 20
 MAX_STRING = 4096
 MAX_SAMPLES = 64
 MAX_DEPTH = 8
+TAU_RANGE = (1e-300, 0.999999)  # what threshold.tau may be in a bundle
+MAX_BYTES_LIMIT = 1 << 40  # the highest file-size limit one may set: far above any host's memory
 
 
 @dataclass(frozen=True)
@@ -50,14 +52,18 @@ class Limits:
 
     @classmethod
     def from_env(cls, max_bytes: int | None = None) -> Limits:
+        """The limits with the file-size limit given (--max-bundle-size), else from
+        AEGIS_BUNDLE_MAX_BYTES, else the default."""
         env = os.environ.get("AEGIS_BUNDLE_MAX_BYTES")
+        given = f"--max-bundle-size {max_bytes}"
         if max_bytes is None and env:
+            given = f"AEGIS_BUNDLE_MAX_BYTES={env}"
             try:
                 max_bytes = int(env)
             except ValueError:
                 raise BundleError(f"AEGIS_BUNDLE_MAX_BYTES={env!r} is not an integer") from None
-        if max_bytes is not None and max_bytes < 16:
-            raise BundleError(f"bundle size limit {max_bytes} is too small (minimum 16 bytes)")
+        if max_bytes is not None and not 16 <= max_bytes <= MAX_BYTES_LIMIT:
+            raise BundleError(f"{given} is out of range: a bundle size limit lies in 16…{MAX_BYTES_LIMIT} bytes")
         return cls(max_bytes=max_bytes) if max_bytes is not None else cls()
 
 
@@ -100,6 +106,17 @@ class GemmSpec:
         tm, tn = self.tile
         return {"a": ("BF16", self.layout.a_stored_shape(m, k)), "b": ("BF16", self.layout.b_stored_shape(k, n)),
                 "c": ("BF16", (m, n)), "row_sums": ("F32", (m, -(-n // tn))), "col_sums": ("F32", (-(-m // tm), n))}[role]
+
+    def sub_operands(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored operands of the sub-GEMM, from the full ones (both in the layout's stored
+        orientation): A's rows ``rows`` and B's columns ``cols``."""
+        if self.rows is not None:
+            idx = torch.tensor(self.rows, device=a.device)
+            a = (a[:, idx] if self.layout is Layout.WGRAD else a[idx]).contiguous()  # wgrad stores A as (K, M)
+        if self.cols is not None:
+            idx = torch.tensor(self.cols, device=b.device)
+            b = (b[idx] if self.layout is Layout.FWD else b[:, idx]).contiguous()  # fwd stores B as W: (N, K)
+        return a, b
 
     @classmethod
     def from_json(cls, g: dict) -> GemmSpec:

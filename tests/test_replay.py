@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import random
 from pathlib import Path
 
 import pytest
@@ -374,3 +375,160 @@ def test_provenance_says_injected_only_for_the_device_that_was(tmp_path, monkeyp
     for v in read_bundle(path).vtasks:
         by_dev.setdefault(v.provenance["device_id"], set()).add(v.provenance["injected"])
     assert by_dev["cpu:1"] == {True} and by_dev.get("cpu:0", {False}) == {False}
+
+
+# -- review fixes ------------------------------------------------------------------------------------
+def _write(path: Path, *vts) -> Path:
+    with BundleWriter(path) as w:
+        for vt in vts:
+            w.add(vt)
+    return path
+
+
+def test_a_bundles_own_tiny_tau_cannot_make_a_healthy_device_faulty(tmp_path):
+    # τ is the producer's word: at 1e-12 a healthy CPU's clean rounding (≈1e-9·s) read as FAULTY
+    vt = make_vtask("tiny-tau", m=64, n=64, k=512, tile=(4, 4), seed=random.randrange(2**31), tau=1e-12)
+    rep = run_replay(ReplayOptions(bundles=[str(_write(tmp_path / "t.aegis", vt))], devices="cpu", repeat=1))
+    (o,) = rep.devices[0].probe_stats["replay"]["outcomes"]
+    assert rep.exit_code == 0 and o["outcome"] == "not_reproduced" and o["tau"] == 1e-6
+    assert "τ raised from the captured 1e-12 to 1e-06, the calibrated floor" in " ".join(o["notes"])
+
+
+def test_a_dist_label_alone_does_not_confirm_a_flag_within_rounding(tmp_path):
+    # inputs whose fp32 rounding on a healthy CPU crosses τ, labelled as a scan distribution: the
+    # label made the rounding guard step aside (FAULTY); they are no scan draw, so SUSPECT
+    m, n, k = 8, 8, 8192
+    vt = make_vtask("labelled", m=m, n=n, k=k, tile=(4, 4), seed=random.randrange(2**31), tau=1e-6, observed=False)
+    f = 2.0 ** random.randint(-4, 4)  # exact: the rounding pattern does not change
+    w = torch.full((n, k), 2.0**-20 * f)
+    w[:, ::64] = f
+    vt.tensors["a"], vt.tensors["b"] = torch.ones(m, k).bfloat16(), w.bfloat16()  # fwd: B stored as W (N, K)
+    vt.dist = random.choice(("normal", "uniform", "heavy"))
+    rep = run_replay(ReplayOptions(bundles=[str(_write(tmp_path / "l.aegis", vt))], devices="cpu", repeat=1))
+    (o,) = rep.devices[0].probe_stats["replay"]["outcomes"]
+    assert o["outcome"] == "reproduced" and o["severity"] == "SUSPECT" and rep.exit_code == 1
+    assert f"dist {vt.dist!r} is claimed, but its inputs are not the scan's draw from it" in " ".join(o["notes"])
+
+
+def test_the_scans_own_inputs_are_recognised_as_its_draw(tmp_path, monkeypatch):
+    """Full and subset vTasks of a scan case, at a scaled variant, regenerate bit for bit from
+    (dist, seed, case id); one flipped bit, or another distribution's label, does not."""
+    from aegis_cli.probes.gemm import ProbeStats, scaled
+    from aegis_cli.replay import _VTaskReplay
+    from aegis_cli.scan import plan_cases
+    from aegis_cli.verdict import Evidence, Verdict
+    from aegis_cli.workloads import load
+
+    dev = resolve_devices("cpu:0")[0]
+    case = random.choice(plan_cases(load("cpu-quick"), random.randrange(2**31)))
+    ea, eb = random.choice(((0, 0), (-8, 8), (16, 16)))
+    cid = case.case_id(ea, eb)
+    run = dev.checked_gemm(scaled(case.operands(dev), ea, eb))
+    evs = [Evidence(check=c, severity=Verdict.FAULTY, case_id=cid, summary="x", scale=[ea, eb],
+                    samples=[{"row": 1, "col_tile": 0, "col": 2}]) for c in ("gemm.row_checksum", "gemm.col_checksum")]
+    vts = capture.capture_gemm_vtasks(dev, case, evs, None, 1e-6, 1.0, {"device_id": "cpu:0"}, flagged_run=run)
+    monkeypatch.setattr(capture, "FULL_OPERANDS_LIMIT", 0)
+    subs = capture.capture_gemm_vtasks(dev, case, evs, None, 1e-6, 1.0, {"device_id": "cpu:0"}, flagged_run=run)
+    assert {v.gemm.subset for v in vts} == {"full"} and {v.gemm.subset for v in subs} == {"rows", "cols"}
+    back = read_bundle(_write(tmp_path / "s.aegis", *[dataclasses.replace(v, id=f"{v.id}/{i}") for i, v in enumerate(vts + subs)]))
+
+    def calibrated(vt):
+        return _VTaskReplay(dev, vt, ReplayOptions(bundles=[]), None, ProbeStats()).calibrated()
+
+    for vt in back.vtasks:
+        assert calibrated(vt) == (True, ""), vt.id
+        other = dataclasses.replace(vt, dist=next(d for d in ("normal", "uniform", "heavy") if d != vt.dist))
+        assert calibrated(other)[0] is False
+        a = vt.tensors["a"].clone()
+        a.view(torch.int16).view(-1)[random.randrange(a.numel())] ^= 1
+        ok, why = calibrated(dataclasses.replace(vt, tensors={**vt.tensors, "a": a}))
+        assert not ok and "its inputs are not the scan's draw from it" in why
+
+
+def _huge_output_bundle(path: Path) -> Path:
+    # 65536 rows of A and of W with K = 1: a 256 KiB file, a 65536x65536 output
+    from aegis_cli.backends.base import Layout as L
+    from aegis_cli.vtask import GemmSpec, VTask
+
+    d = 1 << 16
+    spec = GemmSpec(layout=L.FWD, m=d, n=d, k=1, tile=(128, 128))
+    ts = {r: (torch.rand(d, 1) + 0.5).bfloat16() for r in ("a", "b")}
+    return _write(path, VTask(id="big", check="gemm.row_checksum", op="qkv", gemm=spec, tau=1e-6, dist="normal", tensors=ts))
+
+
+def test_replay_refuses_a_vtask_too_big_for_the_device(tmp_path, monkeypatch, capsys):
+    from aegis_cli.backends.cpu import CpuDevice
+    from tests.helpers import run_cli as run
+
+    path = _huge_output_bundle(tmp_path / "huge.aegis")
+    monkeypatch.setattr(CpuDevice, "memory_bytes", lambda self: 32 << 30)
+    monkeypatch.setattr(CpuDevice, "memory_free", lambda self: 16 << 30)
+    code, out, err = run(capsys, "replay", str(path), "--device", "cpu", "-q", "-o", str(tmp_path / "r.json"))
+    assert code == 3 and out == "" and not (tmp_path / "r.json").exists()
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"Error: bundle {path}: vTask 'big' replays a 65536x65536x1 GEMM that needs about ")
+    assert line.endswith("on cpu:0, which has 32.0 GiB")
+
+
+def test_replay_tells_a_busy_device_from_a_small_one(tmp_path, monkeypatch, capsys):
+    from aegis_cli.backends.cpu import CpuDevice
+    from aegis_cli.replay import replay_bytes
+    from tests.helpers import run_cli as run
+
+    vt = make_vtask("v0", m=24, n=40, k=16, tile=(8, 8), seed=random.randrange(2**31))
+    path = _write(tmp_path / "b.aegis", vt)
+    need = replay_bytes(vt)
+    monkeypatch.setattr(CpuDevice, "memory_bytes", lambda self: 64 * need)
+    monkeypatch.setattr(CpuDevice, "memory_free", lambda self: need - 1)
+    code, _, err = run(capsys, "replay", str(path), "--device", "cpu", "-q")
+    assert code == 3 and len(err.strip().splitlines()) == 1
+    assert "free now (other processes hold the rest); replay when the device is idle" in err
+    monkeypatch.setattr(CpuDevice, "memory_free", lambda self: need)
+    code, _, _ = run(capsys, "replay", str(path), "--device", "cpu", "-q", "--repeat", "1")
+    assert code == 0
+
+
+def _renamed_tiny(tmp_path: Path, name: str) -> str:
+    text = Path(TINY).read_text().replace("name: tiny", f"name: {name}")
+    (tmp_path / "wl.yaml").write_text(text)
+    return str(tmp_path / "wl.yaml")
+
+
+@pytest.mark.parametrize(("extra", "needle"), [
+    (("--workload", "my tiny"), "--save-vtasks: workload 'my tiny' gives vTask ids like 'cpu:0/my tiny/mlp_down/"),
+    (("--threshold", "1e-310"), "--save-vtasks: τ = 1e-310 for cpu:0 at K = "),
+])
+def test_save_vtasks_refuses_what_it_could_not_save_before_the_scan(extra, needle, tmp_path, monkeypatch, capsys):
+    from aegis_cli import scan as scan_mod
+    from tests.helpers import run_cli as run
+
+    def no_scan(*a, **k):
+        raise AssertionError("the scan ran")
+
+    monkeypatch.setattr(scan_mod, "scan_device", no_scan)
+    args = list(extra)
+    if args[0] == "--workload":
+        args[1] = _renamed_tiny(tmp_path, args[1])
+    else:
+        args += ["--workload", TINY]
+    code, out, err = run(capsys, "scan", "--device", "cpu", "-q", "--probes", "gemm", *args, "--save-vtasks",
+                         str(tmp_path / "b.aegis"), "--format", "json", "-o", str(tmp_path / "r.json"))
+    assert code == 3 and out == "" and len(err.strip().splitlines()) == 1 and needle in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["wl.yaml"] if extra[0] == "--workload" else [])
+
+
+def test_a_failed_save_keeps_the_scan_report(tmp_path, monkeypatch, capsys):
+    from aegis_cli.errors import BundleError
+    from tests.helpers import run_cli as run
+
+    def fail(rep, opts, path):
+        raise BundleError(f"bundle {path}: cannot write (No space left on device)")
+
+    monkeypatch.setattr(capture, "save_scan_vtasks", fail)
+    report, bundle = tmp_path / "r.json", tmp_path / "b.aegis"
+    code, out, err = run(capsys, "scan", "--device", "cpu", "-q", "--workload", TINY, "--reruns", "1", "--probes", "gemm",
+                         "--seed", str(random.randrange(2**31)), "--inject", "bitflip:bit=exp", "--save-vtasks", str(bundle),
+                         "--format", "json", "-o", str(report))
+    assert code == 3 and out == "" and json.loads(report.read_text())["devices"][0]["verdict"] == "FAULTY"
+    assert err.strip().splitlines()[-1] == (f"Error: --save-vtasks: the report is out, but the vTasks were not saved: "
+                                            f"bundle {bundle}: cannot write (No space left on device)")
