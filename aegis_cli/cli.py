@@ -21,6 +21,7 @@ from aegis_cli import report as report_mod
 from aegis_cli.errors import AegisError, ExitCode
 from aegis_cli.probes import DEFAULT_PROBES
 
+SCAN_RERUNS = 5  # the --reruns default, left out of the re-run command
 VERDICT_STYLE = {"HEALTHY": "bold green", "SUSPECT": "bold yellow", "FAULTY": "bold red", "ERROR": "bold magenta"}
 err_console = Console(stderr=True)
 
@@ -95,24 +96,56 @@ def _verdict_table(console: Console, doc: dict) -> None:
             console.print(f"[{style}]{e['severity']}[/] {d['device']['id']} {e['case_id']}\n    {e['summary']}{where}{sms}", highlight=False)
         if len(d["evidence"]) > 10:
             console.print(f"    … {len(d['evidence']) - 10} more evidence records (use --format json)")
-    if any(d["evidence"] for d in doc["devices"]):
-        console.print(f"Re-run one case: {_rerun_command(doc)} --case CASE_ID", highlight=False)
+    for command in _rerun_commands(doc):
+        # soft_wrap: a command broken over lines by the console would not paste back whole
+        console.print(f"Re-run one case: {escape(command)}", highlight=False, soft_wrap=True)
 
 
-def _rerun_command(doc: dict) -> str:
-    """The scan command that re-runs a case of ``doc`` as it was judged: same seed, workload
-    and thresholds (the defaults left out)."""
+def _rerun_commands(doc: dict) -> list[str]:
+    """For each device with evidence, the scan command that re-runs its first case exactly as it
+    was judged: seed, device(s), workload, golden file, the case's probe options, thresholds
+    (repr: ``:g`` rounded them), re-runs and injected faults; defaults left out. No --probes:
+    --case runs the probe that owns the case and nothing else (scan.run_scan)."""
+    from aegis_cli.inject import parse_spec
     from aegis_cli.numerics import Thresholds
+    from aegis_cli.probes import NODE_PROBES, PROBES, load_all
 
-    o, th = doc.get("options") or {}, Thresholds()
-    parts = ["aegis scan", f"--seed {doc['seed']}"]
-    if o.get("workload"):
-        parts.append(f"--workload {shlex.quote(str(o['workload']))}")
-    if o.get("threshold") not in (None, th.tau):
-        parts.append(f"--threshold {o['threshold']:g}")
-    if o.get("confirm_margin") not in (None, th.confirm_margin):
-        parts.append(f"--confirm-margin {o['confirm_margin']:g}")
-    return " ".join(parts)
+    load_all()
+    o, th, q = doc.get("options") or {}, Thresholds(), shlex.quote
+    scanned = [d["device"]["id"] for d in doc["devices"]]
+    faults = [f for spec in doc.get("injected") or [] for f in parse_spec(spec)]
+    commands = []
+    for d in doc["devices"]:
+        if not d["evidence"]:
+            continue
+        case = d["evidence"][0]["case_id"]
+        head = case.split("/", 1)[0]
+        probe = head if head in PROBES or head in NODE_PROBES else "gemm"
+        devices = [d["device"]["id"]]
+        # a node probe compares them all; and faults aimed at other devices keep their places in
+        # the --inject spec (the seeds of their positions) only when those devices are scanned too
+        if probe in NODE_PROBES or any(f.params.get("device") not in (None, *devices) for f in faults):
+            devices = scanned
+        sims = [int(i.split(":", 1)[1]) for i in devices if i.startswith("cpu:") and i[4:].isdigit()]
+        env = f"AEGIS_CPU_DEVICES={max(sims) + 1} " if sims and max(sims) > 0 else ""  # simulated CPU devices
+        parts = [f"{env}aegis scan", f"--seed {doc['seed']}", f"--device {q(','.join(devices))}"]
+        if o.get("workload"):
+            parts.append(f"--workload {q(str(o['workload']))}")
+        if o.get("golden"):
+            parts.append(f"--golden {q(str(o['golden']))}")
+        for key, value in (o.get("probe_options") or {}).items():
+            if key.split(".", 1)[0] == probe:
+                parts.append(f"--probe-option {q(f'{key}={value}')}")
+        if o.get("threshold") not in (None, th.tau):
+            parts.append(f"--threshold {o['threshold']!r}")
+        if o.get("confirm_margin") not in (None, th.confirm_margin):
+            parts.append(f"--confirm-margin {o['confirm_margin']!r}")
+        if o.get("reruns") not in (None, SCAN_RERUNS):
+            parts.append(f"--reruns {o['reruns']}")
+        parts += [f"--inject {q(spec)}" for spec in doc.get("injected") or []]
+        parts.append(f"--case {q(case)}")
+        commands.append(" ".join(parts))
+    return list(dict.fromkeys(commands))  # devices that share a case and device list share its command
 
 
 def _thresholds(tau: float | None, margin: float | None):
@@ -124,24 +157,27 @@ def _thresholds(tau: float | None, margin: float | None):
 
 
 def _run_with_progress(run, opts, inject: str | None, quiet: bool):
-    """Validate and announce an injection (before any work), then ``run(opts, progress)`` with a
-    progress bar on a terminal."""
+    """Validate an injection (before any work), then ``run(opts, progress)`` with a progress bar
+    on a terminal; the injection is announced when the work starts, after the run's own checks,
+    so a refused run prints its one error line and nothing else."""
+    banner = None
     if inject:
         from aegis_cli.inject import parse_spec
 
         parse_spec(inject)
-        err_console.print(f"[bold red]FAULT INJECTION ACTIVE:[/] {inject} — results below are a self-test, not a diagnosis",
-                          highlight=False)
+        banner = f"[bold red]FAULT INJECTION ACTIVE:[/] {escape(inject)} — results below are a self-test, not a diagnosis"
     show = not quiet and err_console.is_terminal
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err_console, transient=True, disable=not show) as progress:
-        return run(opts, _progress_callback(progress if show else None))
+        return run(opts, _progress_callback(progress if show else None, banner))
 
 
-def _progress_callback(progress: Progress | None):
+def _progress_callback(progress: Progress | None, banner: str | None = None):
     task = {}
 
     def cb(event: str, **info) -> None:
+        if event == "start" and banner:
+            err_console.print(banner, highlight=False)
         if progress is None:
             return
         if event == "start":
@@ -158,7 +194,7 @@ def _progress_callback(progress: Progress | None):
               "Default: cpu-quick on CPUs, llama3-70b on GPUs.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed of every input (0…2147483647); recorded in the report.")
 @click.option("--case", default=None, help="Re-run exactly one case id from a report.")
-@click.option("--reruns", default=5, show_default=True, type=int, help="Re-runs of a flagged case to confirm it.")
+@click.option("--reruns", default=SCAN_RERUNS, show_default=True, type=int, help="Re-runs of a flagged case to confirm it (1…1000).")
 @click.option("--inject", default=None, metavar="SPEC", help="Inject faults on purpose (self-test); see docs/fault-injection.md.")
 @click.option("--save-vtasks", "save_vtasks", default=None, metavar="PATH", callback=_writable,
               help="Save every flagged case as vTasks in a bundle.")
@@ -187,6 +223,9 @@ def scan(devices, workload, seed, case, reruns, inject, save_vtasks, probes, gol
     rep = _run_with_progress(run_scan, opts, inject, quiet)
     # the report first: a bundle that cannot be saved must not cost the scan's verdict
     _emit(rep.to_dict(), fmt, output, _verdict_table)
+    for spec in rep.never_fired or []:
+        err_console.print(f"[bold yellow]Warning:[/] injected fault {escape(spec)!r} never fired (its device=/op= matched nothing "
+                          "this run checked): the verdicts above are no self-test of it", highlight=False, soft_wrap=True)
     if save_vtasks:
         from aegis_cli.capture import save_scan_vtasks
 

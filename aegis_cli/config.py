@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from yaml.constructor import SafeConstructor
 
 from aegis_cli.errors import ConfigError
 
@@ -72,7 +73,9 @@ def _construct(node: yaml.Node) -> Any:
         return out
     if isinstance(node, yaml.SequenceNode):
         return [_construct(v) for v in node.value]
-    return yaml.safe_load(yaml.serialize(node))
+    # the safe constructor of the node itself: a re-serialised empty scalar (``key:`` with no
+    # value, which YAML reads as null) did not parse back
+    return SafeConstructor().construct_object(node, deep=True)
 
 
 def load_yaml(path: Path) -> Any:
@@ -99,6 +102,22 @@ def load_yaml(path: Path) -> Any:
         raise ConfigError(f"{path}: malformed YAML: {str(exc).splitlines()[0]}") from None
 
 
+def yaml_type(value: Any) -> str:
+    """What a parsed YAML value is, in YAML's words (not our Located class)."""
+    if value is None:
+        return "null"
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string"}.get(type(value), type(value).__name__)
+
+
+def _shown(value: Any) -> str:
+    """A value for an error message: scalars as written, containers by their kind."""
+    return yaml_type(value) if value is None or isinstance(value, (dict, list)) else repr(value)
+
+
 def _where(src: str, data: Any, key: str | None = None) -> str:
     if isinstance(data, Located):
         line = data.lines.get(key, data.line) if key else data.line
@@ -118,21 +137,21 @@ def _coerce(value: Any, tp: Any, src: str, parent: Any, key: str) -> Any:
         return from_dict(tp, value, src)
     if origin in (list, tuple):
         if not isinstance(value, list):
-            raise ConfigError(f"{_where(src, parent, key)}: {key} must be a list, got {type(value).__name__}")
+            raise ConfigError(f"{_where(src, parent, key)}: {key} must be a list, got {yaml_type(value)}")
         inner = args[0] if args else Any
         items = [_coerce(v, inner, src, parent, key) for v in value]
         return tuple(items) if origin is tuple else items
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp in (int, float, str, bool) and (not isinstance(value, tp) or (tp is int and isinstance(value, bool))):
-        raise ConfigError(f"{_where(src, parent, key)}: {key} must be {tp.__name__}, got {value!r}")
+        raise ConfigError(f"{_where(src, parent, key)}: {key} must be {tp.__name__}, got {_shown(value)}")
     return value
 
 
 def from_dict(cls: type, data: Any, src: str) -> Any:
     """Build dataclass ``cls`` from a mapping; unknown or missing keys raise ConfigError."""
     if not isinstance(data, dict):
-        raise ConfigError(f"{_where(src, data)}: expected a mapping for {cls.__name__}, got {type(data).__name__}")
+        raise ConfigError(f"{_where(src, data)}: expected a mapping for {cls.__name__}, got {yaml_type(data)}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     for key in data:

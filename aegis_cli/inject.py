@@ -231,6 +231,9 @@ class FaultPlan:
     # by it, so a shared fault lands in the same place on every device whichever other devices'
     # faults were dropped from this one's plan
     slots: list[int] | None = None
+    # slots of the faults that fired at least once; one set shared by every for_device() copy
+    # (dataclasses.replace keeps the reference), so the scan can say which never did
+    fired: set[int] = field(default_factory=set)
 
     @classmethod
     def parse(cls, text: str) -> FaultPlan:
@@ -241,6 +244,19 @@ class FaultPlan:
         mine = [(f, s) for f, s in zip(self.faults, slots, strict=True) if f.params.get("device") in (None, device_id)]
         return dataclasses.replace(self, faults=[f for f, _ in mine], slots=[s for _, s in mine], injected=[],
                                    launches=0) if mine else None
+
+    def check_devices(self, scanned: list[str]) -> None:
+        """Refuse a fault aimed at a device the run does not scan: it would never fire and the
+        self-test would report HEALTHY with fault_injected true."""
+        for f in self.faults:
+            dev = f.params.get("device")
+            if dev is not None and dev not in scanned:
+                raise InjectSpecError(f"--inject {str(f)!r}: device={dev} is not scanned (scanned: {', '.join(scanned)})")
+
+    def never_fired(self) -> list[str]:
+        """The faults that applied to no launch or stored tensor (an ``op=`` matching nothing)."""
+        slots = self.slots or range(len(self.faults))
+        return [str(f) for s, f in zip(slots, self.faults, strict=True) if s not in self.fired]
 
     def needs_clean_median(self) -> bool:
         return any(f.model == "perturb" for f in self.faults)
@@ -267,6 +283,7 @@ class FaultPlan:
             site = _SCALE_SUFFIX.sub("", ctx.op)
             pos_rng = np.random.default_rng([f.seed, i, zlib.crc32(site.encode())])
             fired.append((f, pos_rng))
+            self.fired.add(i)
         return fired
 
     def record(self, f: FaultSpec, ctx: LaunchContext, **what) -> None:

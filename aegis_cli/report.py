@@ -13,6 +13,7 @@ import json
 import math
 import os
 import platform
+import stat
 import sys
 import tempfile
 import time
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from aegis_cli.probes.gemm import ProbeStats
     from aegis_cli.scan import ScanOptions
 
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"
 FORMATS = ("table", "json", "csv", "prom")
 
 
@@ -107,6 +108,7 @@ class Report:
     devices: list[DeviceReport] = field(default_factory=list)
     finished: str | None = None
     tau: float = 0.0
+    never_fired: list[str] | None = None  # injected faults that applied nowhere (None: not tracked)
     _t0: float = field(default_factory=time.time, repr=False)
     duration: float = 0.0
 
@@ -132,6 +134,7 @@ class Report:
             "options": self.options,
             "fault_injected": bool(self.injected),
             "injected": self.injected,
+            **({"injected_never_fired": self.never_fired} if self.never_fired is not None else {}),
             "versions": versions(),
             "kernel_hashes": kernel_hashes(),
             "devices": [d.to_dict(self.tau) for d in self.devices],
@@ -141,7 +144,7 @@ class Report:
 
 def new_report(opts: ScanOptions, kind: str = "scan") -> Report:
     options = {"devices": opts.devices, "workload": opts.workload, "reruns": opts.reruns, "case": opts.case,
-               "probes": list(opts.probes), "golden": opts.golden,
+               "probes": list(opts.probes), "golden": opts.golden, "probe_options": dict(opts.probe_options),
                "threshold": opts.thresholds.tau, "confirm_margin": opts.thresholds.confirm_margin}
     return Report(kind=kind, command_line=list(opts.command_line) or list(sys.argv), seed=opts.seed, options=options,
                   started=_now(), injected=[opts.inject] if opts.inject else [], tau=opts.thresholds.tau)
@@ -237,31 +240,72 @@ def render(doc: dict, fmt: str) -> str:
     raise ValueError(f"no machine renderer for {fmt!r}")
 
 
+def _existing_target(p: Path) -> os.stat_result | None:
+    """lstat of an output path that already exists, refusing anything but a regular file: the
+    rename would replace a device node, FIFO or socket with a plain file (as root, ``-o
+    /dev/null`` would break /dev/null for the whole host). Symbolic links are refused too,
+    deliberately, rather than written through: the rename would replace the link itself, and
+    following a link planted in a shared directory would let another user aim a root-run write
+    at any file."""
+    try:
+        st = p.lstat()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise OutputError(f"cannot write {p}: {exc.strerror or exc}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise OutputError(f"cannot write {p}: is a directory")
+    if stat.S_ISLNK(st.st_mode):
+        raise OutputError(f"cannot write {p}: is a symbolic link (give the path of a regular file)")
+    if not stat.S_ISREG(st.st_mode):
+        raise OutputError(f"cannot write {p}: exists and is not a regular file (a device, FIFO or socket); not replacing it")
+    return st
+
+
 def check_writable(path: str | os.PathLike) -> None:
     """Refuse, before any long work, an output path atomic_write could not write: a directory,
-    or a file whose directory is missing or does not accept new files (the temp file goes
-    there). A typo in ``-o`` must not cost a finished scan's results."""
+    something that is not a regular file, or a file whose directory is missing or does not
+    accept new files (the temp file goes there). A typo in ``-o`` must not cost a finished
+    scan's results."""
     p = Path(path)
     parent = p.parent
-    if p.is_dir():
-        raise OutputError(f"cannot write {p}: is a directory")
+    _existing_target(p)
     if not parent.is_dir():
         raise OutputError(f"cannot write {p}: no directory {parent}")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise OutputError(f"cannot write {p}: directory {parent} is not writable")
 
 
+def _umask() -> int:
+    """The process umask, read without changing it where Linux says it (os.umask sets it, which
+    another thread could see in between)."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: str | os.PathLike, text: str | bytes) -> None:
     """Write to a temp file in the same directory, fsync, rename: no half-written file
-    ever appears under ``path``."""
+    ever appears under ``path``. The file gets the mode an ordinary write would give it:
+    a replaced file keeps its mode, a new one 0666 less the umask
+    (mkstemp makes 0600, which hid reports from the monitoring that reads them)."""
     path = Path(path)
     data = text.encode("utf-8") if isinstance(text, str) else text
+    old = _existing_target(path)  # again here: the path may have changed since check_writable
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
     except OSError as exc:
         raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
     try:
         with os.fdopen(fd, "wb") as fh:
+            os.fchmod(fh.fileno(), stat.S_IMODE(old.st_mode) if old else 0o666 & ~_umask())
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())

@@ -23,6 +23,7 @@ from aegis_cli.verdict import Evidence, Verdict, worst
 
 DEFAULT_CPU_WORKLOAD = "cpu-quick"
 DEFAULT_GPU_WORKLOAD = "llama3-70b"
+MAX_RERUNS = 1000  # re-runs of one flagged case; a typo (--reruns 1000000) must not hang the scan
 
 # progress(event, **info): "start" (total=cases), "case" (device, case), "device_done" (device, verdict)
 Progress = Callable[..., None]
@@ -149,7 +150,12 @@ def check_memory(opts: ScanOptions, devices: list[Device]) -> None:
     killer would end the scan with no report and no exit code of ours, and a CUDA out-of-memory
     error half-way would mark a sound GPU ERROR. Two cases, two remedies: the device is too
     small for the workload (lower its sizes), or other processes hold the memory now (retry
-    when the device is idle)."""
+    when the device is idle). The memory probe's CPU buffer is checked against what is free too."""
+    if "memory" in opts.probes:
+        from aegis_cli.probes.memory import check_fits
+
+        for d in devices:
+            check_fits(d, ProbeContext(opts=opts, fault=None, progress=lambda *a, **k: None))
     if "gemm" not in opts.probes:
         return
     for d in devices:
@@ -183,8 +189,8 @@ def count_cases(opts: ScanOptions, devices: list[Device]) -> int:
 def run_scan(opts: ScanOptions, progress: Progress | None = None) -> Report:
     progress = progress or (lambda *a, **k: None)
     plan = FaultPlan.parse(opts.inject) if opts.inject else None
-    if opts.reruns < 1:
-        raise ConfigError(f"--reruns must be ≥ 1, got {opts.reruns}")
+    if not 1 <= opts.reruns <= MAX_RERUNS:
+        raise ConfigError(f"--reruns must lie in 1…{MAX_RERUNS}, got {opts.reruns}")
     load_all()
     unknown = [p for p in opts.probes if p not in PROBES and p not in NODE_PROBES]
     if unknown:
@@ -202,6 +208,8 @@ def run_scan(opts: ScanOptions, progress: Progress | None = None) -> Report:
         probes = (head,) if head in PROBES or head in NODE_PROBES else ("gemm",)
     opts = dataclasses.replace(opts, probes=probes)  # the caller's options stay as given
     devices = resolve_devices(opts.devices)
+    if plan is not None:
+        plan.check_devices([d.identity.id for d in devices])
     if set(probes) <= set(NODE_PROBES) and len(devices) < 2:
         raise ConfigError(f"{', '.join(probes)} compares devices with each other; with one device it checks nothing")
     check_memory(opts, devices)
@@ -219,5 +227,7 @@ def run_scan(opts: ScanOptions, progress: Progress | None = None) -> Report:
         fault = plan.for_device(device.identity.id) if plan else None
         report.devices.append(scan_device(device, opts, fault, progress))
     run_node_probes(devices, report.devices, opts, plan, progress)
+    if plan is not None:
+        report.never_fired = plan.never_fired()
     report.finish()
     return report

@@ -95,7 +95,7 @@ def test_device_error_is_error_verdict_exit_3(capsys, monkeypatch):
         # a case whose scale the catalog lacks ran the base scale, ignored it and said HEALTHY
         (["scan", "--case", "cpu-quick/qkv/fwd/normal/192x384x256/s+3+3"], "has no such scale (its scales: s+0+0, s-16-16"),
         (["scan", "--case", "cpu-quick/qkv/fwd/normal/192x384x256/sXYZ"], "has no such scale"),
-        (["scan", "--case", "pow2/nosuchimpl/64x96x128"], "pow2 has no implementation 'nosuchimpl'"),
+        (["scan", "--case", "pow2/nosuchimpl/64x96x128"], "the pow2 probe has no such case on cpu:0"),
         (["scan", "--case", "memory/bogus"], "the memory probe has no such case"),
         (["scan", "--probes", ""], "no probes to run"),  # was HEALTHY with nothing checked
         (["scan", "--probes", ","], "no probes to run"),
@@ -440,7 +440,8 @@ def test_rerun_hint_names_the_workload_and_thresholds(capsys):
     code, out, _ = run_cli(capsys, "scan", "--workload", TINY, "--seed", "5", "--threshold", "2e-6", "--probes", "gemm",
                            "--reruns", "1", "--inject", "bitflip:bit=exp")
     assert code == ExitCode.FAULTY
-    assert f"aegis scan --seed 5 --workload {TINY} --threshold 2e-06 --case CASE_ID" in " ".join(out.split())
+    assert (f"aegis scan --seed 5 --device cpu:0 --workload {TINY} --threshold 2e-06 --reruns 1 --inject bitflip:bit=exp "
+            "--case tiny/mlp_down/fwd/normal/160x256x512/s+0+0") in " ".join(out.split())
 
 
 def test_cpu_uuid_tells_cloned_hosts_apart(tmp_path, monkeypatch):

@@ -48,7 +48,7 @@ def test_pow2_step_that_checks_nothing_is_refused(step):
     tested nothing, even with a fault injected, and said HEALTHY."""
     from aegis_cli.probes.pow2 import pow2_probe
 
-    with pytest.raises(ConfigError, match=f"pow2.step must lie in 1…56, got {step}"):
+    with pytest.raises(ConfigError, match=f"pow2.step='{step}' must lie in 1…56"):
         pow2_probe(CpuDevice(0), ctx("memflip:op=pow2/matmul", pow2__step=step))
     c = ctx("memflip:op=pow2/matmul", pow2__step=56)
     (ev,) = pow2_probe(CpuDevice(0), c)

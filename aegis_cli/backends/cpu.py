@@ -144,11 +144,16 @@ class CpuBackend(Backend):
     name = "cpu"
 
     def __init__(self, n_devices: int | None = None):
+        if n_devices is not None:
+            self.n_devices = n_devices
+            return
         env = os.environ.get("AEGIS_CPU_DEVICES", "1")
         try:
-            self.n_devices = n_devices if n_devices is not None else max(1, int(env))
+            self.n_devices = int(env)
         except ValueError:
-            raise DeviceError(f"AEGIS_CPU_DEVICES={env!r} is not a positive integer") from None
+            self.n_devices = 0
+        if self.n_devices < 1:  # 0 or -3 meant 1 while "abc" was refused: refuse them alike
+            raise DeviceError(f"AEGIS_CPU_DEVICES={env!r} is not a positive integer")
 
     def available(self) -> bool:
         return True

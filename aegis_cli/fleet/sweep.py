@@ -109,9 +109,11 @@ class SweepConfig:
     def __post_init__(self) -> None:
         if self.budget_seconds <= 0 or self.device_timeout_seconds <= 0:
             raise ConfigError("budget_seconds and device_timeout_seconds must be > 0")
-        if self.reruns < 1:
-            raise ConfigError(f"reruns must be ≥ 1, got {self.reruns}")
         from aegis_cli.probes.gemm import check_seed
+        from aegis_cli.scan import MAX_RERUNS
+
+        if not 1 <= self.reruns <= MAX_RERUNS:
+            raise ConfigError(f"reruns must lie in 1…{MAX_RERUNS}, got {self.reruns}")
 
         check_seed(self.seed)
         if self.max_parallel < 0 or self.fingerprint_cases < 0:

@@ -37,9 +37,8 @@ class ProbeContext:
 
     def option(self, probe: str, key: str) -> Any:
         """The value of ``--probe-option probe.key=…`` converted to its declared type, else its default."""
-        typ, default, _help = PROBE_OPTIONS[probe][key]
         raw = getattr(self.opts, "probe_options", {}).get(f"{probe}.{key}")
-        return default if raw is None else typ(raw)
+        return PROBE_OPTIONS[probe][key][1] if raw is None else convert_option(probe, key, raw)
 
     def case_part(self, probe: str) -> str | None:
         """The part after ``probe/`` of ``--case probe/PART/…`` (what to re-run), else None."""
@@ -47,14 +46,17 @@ class ProbeContext:
         return case.split("/")[1] if case and case.startswith(probe + "/") else None
 
 
-def bounded(typ: type, lo: float, hi: float) -> Callable[[str], object]:
-    """An option type: ``typ`` in [lo, hi] (NaN refused). Values that would check nothing or
-    never finish are refused before any work: HEALTHY means every check ran."""
+def bounded(typ: type, lo: float, hi: float, auto: float | None = None) -> Callable[[str], object]:
+    """An option type: ``typ`` in [lo, hi] (NaN refused), or exactly ``auto`` (the "by mode"
+    value) when given. Values that would check nothing or never finish are refused before any
+    work: HEALTHY means every check ran."""
 
     def parse(v: str):
         x = typ(v)
+        if auto is not None and x == auto:
+            return x
         if not lo <= x <= hi:
-            raise ValueError(f"must lie in {lo}…{hi}")
+            raise ValueError(f"must lie in {lo}…{hi}" + (f" (or be {auto}: by mode)" if auto is not None else ""))
         return x
 
     parse.__name__ = typ.__name__
@@ -95,8 +97,22 @@ def register_node(name: str, options: dict[str, tuple[type, Any, str]] | None = 
     return _registrar(NODE_PROBES, name, options)
 
 
+def convert_option(probe: str, key: str, raw: str) -> Any:
+    """``raw`` converted by the declared type of ``probe.key``; ConfigError names the option
+    and, for a value out of range, the range."""
+    from aegis_cli.errors import ConfigError
+
+    typ = PROBE_OPTIONS[probe][key][0]
+    try:
+        return typ(raw)
+    except ValueError as exc:
+        why = str(exc) if str(exc).startswith("must") else f"is not a valid {typ.__name__}"
+        raise ConfigError(f"probe option {probe}.{key}={raw!r} {why}") from None
+
+
 def parse_probe_options(items: dict[str, str]) -> dict[str, str]:
-    """Check ``probe.key`` names and values against the declared options (ConfigError)."""
+    """Check ``probe.key`` names and values (types and ranges) against the declared options
+    (ConfigError), before any probe runs: a bad value must not surface after an hour of others."""
     from aegis_cli.errors import ConfigError
 
     load_all()
@@ -105,12 +121,7 @@ def parse_probe_options(items: dict[str, str]) -> dict[str, str]:
         if probe not in PROBE_OPTIONS or key not in PROBE_OPTIONS[probe]:
             known = ", ".join(f"{p}.{k}" for p in sorted(PROBE_OPTIONS) for k in sorted(PROBE_OPTIONS[p]))
             raise ConfigError(f"unknown probe option {name!r} (known: {known})")
-        typ = PROBE_OPTIONS[probe][key][0]
-        try:
-            typ(raw)
-        except ValueError as exc:
-            why = str(exc) if str(exc).startswith("must") else f"is not a valid {typ.__name__}"
-            raise ConfigError(f"probe option {name}={raw!r} {why}") from None
+        convert_option(probe, key, raw)
     return dict(items)
 
 

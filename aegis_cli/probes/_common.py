@@ -162,6 +162,28 @@ COMPUTATIONS: dict[str, Computation] = {c.name: c for c in (
 )}
 
 
+def computation_list(allow_empty: bool) -> Callable[[str], str]:
+    """The type of the probes' ``only`` options: comma-separated COMPUTATIONS names, checked
+    when the command line is read (not when the probe's turn comes, after the others ran)."""
+
+    def parse(v: str) -> str:
+        names = [n.strip() for n in v.split(",") if n.strip()]
+        unknown = [n for n in names if n not in COMPUTATIONS]
+        if unknown:
+            raise ValueError(f"must name known computations (unknown: {', '.join(unknown)}; known: {', '.join(COMPUTATIONS)})")
+        if not names and not allow_empty:  # would compare nothing and say HEALTHY
+            raise ValueError(f"must name at least one computation (known: {', '.join(COMPUTATIONS)})")
+        return v
+
+    parse.__name__ = "str"
+    return parse
+
+
+def case_shape(shape: dict) -> str:
+    """The shape part of a computation's case id: its sizes joined by "x" (128x192x256)."""
+    return "x".join(str(v) for v in shape.values())
+
+
 def assumed_deterministic(device: Device, name: str) -> bool:
     return name not in NONDETERMINISTIC.get(device.identity.backend, set())
 

@@ -27,13 +27,21 @@ from aegis_cli import fingerprint, numerics
 from aegis_cli.backends.base import Device, GemmOperands, Layout
 from aegis_cli.inject import recent_injections
 from aegis_cli.probes import ProbeContext, register_node
-from aegis_cli.probes._common import COMPUTATIONS, MAX_SAMPLES, assumed_deterministic, localise, majority, sizes_for
+from aegis_cli.probes._common import (
+    COMPUTATIONS,
+    MAX_SAMPLES,
+    assumed_deterministic,
+    computation_list,
+    localise,
+    majority,
+    sizes_for,
+)
 from aegis_cli.verdict import Evidence, Verdict
 
 DEFAULT = "checked_gemm,matmul,sdpa_fwd,rmsnorm,silu"
 REFEREE_POSITIONS = 64
 
-OPTIONS = {"only": (str, DEFAULT, "comma-separated computations to compare across devices")}
+OPTIONS = {"only": (computation_list(allow_empty=False), DEFAULT, "comma-separated computations to compare across devices")}
 
 
 def _run_device(device: Device, names: list[str], ctx: ProbeContext, fault) -> dict[str, dict[str, torch.Tensor]]:

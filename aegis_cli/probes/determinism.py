@@ -24,14 +24,17 @@ import time
 import torch
 
 from aegis_cli.backends.base import Device
+from aegis_cli.errors import ConfigError
 from aegis_cli.fingerprint import device_fingerprint
 from aegis_cli.inject import recent_injections
-from aegis_cli.probes import ProbeContext, quick_or_full, register
+from aegis_cli.probes import ProbeContext, bounded, quick_or_full, register
 from aegis_cli.probes._common import (
     COMPUTATIONS,
     MAX_SAMPLES,
     assumed_deterministic,
     bytes_of,
+    case_shape,
+    computation_list,
     localise,
     majority,
     sizes_for,
@@ -39,12 +42,14 @@ from aegis_cli.probes._common import (
 from aegis_cli.verdict import Evidence, Verdict
 
 MAX_HELD = 4  # distinct results whose tensors are kept for localisation
+MAX_RUNS = 1000  # a typo (runs=1000000) must not hang the scan; full mode runs 16
 
 
 OPTIONS = {
     "mode": (quick_or_full, "quick", "quick: 4 runs per computation (3 on the CPU backend, without sdpa_bwd_det); full: 16"),
-    "runs": (int, 0, "runs per computation (0: by mode)"),
-    "only": (str, "", "comma-separated computations to run (default: all)"),
+    # one run has nothing to compare with: HEALTHY would mean nothing was checked
+    "runs": (bounded(int, 2, MAX_RUNS, auto=0), 0, f"runs per computation, 2…{MAX_RUNS} (0: by mode)"),
+    "only": (computation_list(allow_empty=True), "", "comma-separated computations to run (default: all)"),
 }
 
 
@@ -115,7 +120,7 @@ def run_computation(device: Device, name: str, runs: int, seed: int, ctx: ProbeC
     where = ", ".join(f"{k} blocks {v[:4]}" for k, v in blocks.items())
     ev = Evidence(
         check="determinism.mismatch", severity=Verdict.FAULTY,
-        case_id=f"determinism/{name}/" + "x".join(str(v) for v in comp.shape(sizes).values()),
+        case_id=case_id(name, sizes),
         summary=(f"determinism.mismatch: {name}: "
                  + (f"{distinct} distinct results in {runs} runs and no majority; compared with run {ref_run}, which may "
                     f"itself be a wrong one (" if no_majority else f"{len(odd)} of {runs} runs differ from the majority (")
@@ -129,27 +134,28 @@ def run_computation(device: Device, name: str, runs: int, seed: int, ctx: ProbeC
     return stats, ev
 
 
+def case_id(name: str, sizes) -> str:
+    return f"determinism/{name}/{case_shape(COMPUTATIONS[name].shape(sizes))}"
+
+
 @register("determinism", OPTIONS)
 def determinism_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     """Repeat each canonical computation on identical inputs; bits must not change."""
     mode = ctx.option("determinism", "mode")
     cpu_quick = mode == "quick" and device.identity.backend == "cpu"
     runs = ctx.option("determinism", "runs") or (16 if mode == "full" else 3 if cpu_quick else 4)
-    if runs < 2:
-        from aegis_cli.errors import ConfigError
-
-        raise ConfigError(f"determinism.runs must be ≥ 2, got {runs}")
     # torch's CPU kernels have no separate deterministic mode: sdpa_bwd_det repeats sdpa_bwd there
     only = [n.strip() for n in ctx.option("determinism", "only").split(",") if n.strip()] or [
         n for n in COMPUTATIONS if not (cpu_quick and n == "sdpa_bwd_det")]
-    part = ctx.case_part("determinism")
-    if part is not None:
-        only = [part]  # --case determinism/NAME/SHAPE
-    unknown = [n for n in only if n not in COMPUTATIONS]
-    if unknown:
-        from aegis_cli.errors import ConfigError
-
-        raise ConfigError(f"determinism.only: unknown computation(s) {', '.join(unknown)} (known: {', '.join(COMPUTATIONS)})")
+    if ctx.opts.case is not None and ctx.opts.case.startswith("determinism/"):
+        # --case determinism/NAME/SHAPE, exactly as this device names its cases: an id that matched
+        # nothing (another shape, a typo) ran nothing and said HEALTHY
+        sizes = sizes_for(device)
+        ids = {case_id(n, sizes): n for n in COMPUTATIONS}
+        if ctx.opts.case not in ids:
+            raise ConfigError(f"case {ctx.opts.case!r}: the determinism probe has no such case on {device.identity.id} "
+                              f"(its cases: {', '.join(ids)})")
+        only = [ids[ctx.opts.case]]
     evidence: list[Evidence] = []
     stats: dict[str, dict] = {}
     for name in only:

@@ -43,7 +43,7 @@ MAX_BLOCKS_EXAMINED = 16
 
 OPTIONS = {
     "mode": (quick_or_full, "quick", "quick: 90% of free GPU memory held 3 s, one pass; full: 95%, 30 s, two passes"),
-    "fraction": (float, 0.0, "fraction of free GPU memory to cover (0: by mode)"),
+    "fraction": (bounded(float, 0.01, 0.99, auto=0.0), 0.0, "fraction of free GPU memory to cover, 0.01…0.99 (0: by mode)"),
     "hold": (bounded(float, -1, 3600), -1.0, "seconds to hold the patterns while matmuls run (-1: by mode)"),
     "passes": (bounded(int, 0, 1000), 0, "passes, each with the patterns rotated across chunks (0: by mode)"),
     "mb": (bounded(int, 0, 1 << 20), 0, "CPU backend: host buffer size in MiB (0: by mode, 32 quick / 512 full)"),
@@ -170,19 +170,48 @@ def _compare(region: _Region, before: list[torch.Tensor], ctx_device: str) -> tu
     return words_bad, samples, where
 
 
+def cpu_buffer_bytes(ctx: ProbeContext) -> int:
+    """Bytes of the host buffer the probe checks on the CPU backend (``mb``, else by mode)."""
+    return (ctx.option("memory", "mb") or (512 if ctx.option("memory", "mode") == "full" else 32)) << 20
+
+
+def check_fits(device: Device, ctx: ProbeContext) -> None:
+    """Refuse a CPU buffer larger than the memory available now (MemAvailable): allocating it
+    fails, or the OOM killer ends the scan, and either was blamed on the device. On GPUs the
+    probe covers a fraction of the free memory, which fits by construction."""
+    if device.identity.backend != "cpu":
+        return
+    need, free = cpu_buffer_bytes(ctx), device.memory_free()
+    if free is not None and need > free:
+        raise ConfigError(f"memory probe: a {need >> 20} MiB buffer (memory.mb) does not fit in the {free >> 20} MiB "
+                          f"available on {device.identity.id}; lower memory.mb")
+
+
+def check_case(case: str | None, passes: int) -> None:
+    """``--case memory/passN`` (N below ``passes``) or ``memory/nvml``, either of which re-runs
+    the whole probe; anything else ran it and reported HEALTHY for a case that does not exist."""
+    if case is None or not case.startswith("memory/"):
+        return
+    part = case[len("memory/"):]
+    if not (part == "nvml" or (part.startswith("pass") and part[4:].isascii() and part[4:].isdecimal())):
+        raise ConfigError(f"case {case!r}: the memory probe has no such case (its cases: memory/passN, one per pass, "
+                          "and memory/nvml)")
+    if part != "nvml" and int(part[4:]) >= passes:
+        last = f"…memory/pass{passes - 1}" if passes > 1 else ""
+        raise ConfigError(f"case {case!r}: the memory probe makes {passes} pass(es) here (memory/pass0{last}); "
+                          "give memory.passes to re-run a later one")
+
+
 @register("memory", OPTIONS)
 def memory_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     """Patterns in most of free memory, fingerprinted, held under load, re-read."""
-    part = ctx.case_part("memory")  # --case memory/passN or memory/nvml re-runs the whole probe
-    if part is not None and not (part == "nvml" or (part.startswith("pass") and part[4:].isdecimal())):
-        raise ConfigError(f"case {ctx.opts.case!r}: the memory probe has no such case (memory/passN, memory/nvml)")
     mode = ctx.option("memory", "mode")
     full = mode == "full"
     fraction = ctx.option("memory", "fraction") or (0.95 if full else 0.90)
     hold = ctx.option("memory", "hold")
     passes = ctx.option("memory", "passes") or (2 if full else 1)
-    if not 0 < fraction <= 0.99:
-        raise ConfigError(f"memory.fraction must lie in (0, 0.99], got {fraction}")
+    check_case(ctx.opts.case, passes)
+    check_fits(device, ctx)
     backend = device.identity.backend
     if hold < 0:
         hold = (30.0 if full else 3.0) if backend != "cpu" else (2.0 if full else 0.2)
@@ -195,7 +224,7 @@ def memory_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
         free, total = torch.cuda.mem_get_info(dev)
         chunk, piece = GPU_CHUNK, GPU_PIECE
     else:
-        free = (ctx.option("memory", "mb") or (512 if full else 32)) << 20
+        free = cpu_buffer_bytes(ctx)
         total, fraction, chunk, piece = None, 1.0, CPU_CHUNK, CPU_PIECE
     evidence: list[Evidence] = []
     passes_stats = []

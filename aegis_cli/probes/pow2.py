@@ -23,9 +23,10 @@ import torch
 
 from aegis_cli import numerics
 from aegis_cli.backends.base import Device, GemmOperands, Layout
+from aegis_cli.errors import ConfigError
 from aegis_cli.fingerprint import int_view
 from aegis_cli.inject import recent_injections
-from aegis_cli.probes import ProbeContext, quick_or_full, register
+from aegis_cli.probes import ProbeContext, bounded, quick_or_full, register
 from aegis_cli.probes._common import COMPUTATIONS, MAX_SAMPLES, localise
 from aegis_cli.probes.gemm import case_seed
 from aegis_cli.verdict import Evidence, Verdict
@@ -38,7 +39,8 @@ MAX_STEP = 56  # the coarsest grid with pairs inside the exact range (−56 … 
 
 OPTIONS = {
     "mode": (quick_or_full, "quick", "quick: exponent step 16 (GPU) / 56 (CPU); full: step 4"),
-    "step": (int, 0, "exponent grid step (0: by mode)"),
+    # a coarser grid leaves no pair of scales inside the exact range: HEALTHY would mean nothing was checked
+    "step": (bounded(int, 1, MAX_STEP, auto=0), 0, f"exponent grid step, 1…{MAX_STEP} (0: by mode)"),
 }
 
 
@@ -85,8 +87,6 @@ def sweep(device: Device, impl: str, step: int, ctx: ProbeContext) -> tuple[dict
         ctx.progress("step", device=device.identity.id, case=f"{case}/a{ea:+d}")
     device.synchronize()
     if not tested:
-        from aegis_cli.errors import ConfigError
-
         raise ConfigError(f"pow2: no pair of the exponent grid {exps[0]}…{exps[-1]} step {step} lies inside the exact range "
                           f"for {impl}: HEALTHY would mean nothing was checked")
     stats = {"shape": {"m": m, "n": n, "k": k}, "step": step, "tested": tested, "skipped_unsafe": skipped,
@@ -132,20 +132,17 @@ def pow2_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     """Sweep power-of-two input scales; outputs must scale exactly."""
     mode = ctx.option("pow2", "mode")
     step = ctx.option("pow2", "step") or (4 if mode == "full" else (56 if device.identity.backend == "cpu" else 16))
-    if not 1 <= step <= MAX_STEP:
-        from aegis_cli.errors import ConfigError
-
-        raise ConfigError(f"pow2.step must lie in 1…{MAX_STEP}, got {step} (a coarser grid leaves no pair of scales "
-                          "inside the exact range: HEALTHY would mean nothing was checked)")
     evidence, stats = [], {}
     impls = IMPLS
-    part = ctx.case_part("pow2")
-    if part is not None:
-        if part not in IMPLS:
-            from aegis_cli.errors import ConfigError
-
-            raise ConfigError(f"case {ctx.opts.case!r}: pow2 has no implementation {part!r} (known: {', '.join(IMPLS)})")
-        impls = (part,)  # --case pow2/IMPL/SHAPE
+    if ctx.opts.case is not None and ctx.opts.case.startswith("pow2/"):
+        # --case pow2/IMPL/MxNxK, exactly as this device names its cases: another shape or a
+        # trailing typo ran the sweep of IMPL anyway, or nothing, and said HEALTHY
+        m, n, k = CPU_SHAPE if device.identity.backend == "cpu" else GPU_SHAPE
+        ids = {f"pow2/{impl}/{m}x{n}x{k}": impl for impl in IMPLS}
+        if ctx.opts.case not in ids:
+            raise ConfigError(f"case {ctx.opts.case!r}: the pow2 probe has no such case on {device.identity.id} "
+                              f"(its cases: {', '.join(ids)})")
+        impls = (ids[ctx.opts.case],)
     for impl in impls:
         st, ev = sweep(device, impl, step, ctx)
         stats[impl] = st
