@@ -278,3 +278,33 @@ def test_memory_free_and_flagged_runs_kept_on_the_host(tmp_path):
     vts = read_bundle(path).vtasks
     assert all(vt.observed["source"] == "the flagged scan run, as observed" for vt in vts)
     assert all(vt.gemm.flagged_rows or vt.gemm.flagged_cols for vt in vts)
+
+
+def test_gpu_capture_is_recognised_as_the_scans_draw_on_gpu_and_cpu(tmp_path):
+    """Replay's rounding guard trusts a vTask's ``dist`` only when its inputs regenerate bit for
+    bit: a GPU scan's capture must regenerate on the GPU that drew it (and, where the CPU draws
+    the same bits, on the CPU), and a flipped input bit must not."""
+    import dataclasses
+
+    from aegis_cli import capture
+    from aegis_cli.backends import resolve_devices
+    from aegis_cli.probes.gemm import ProbeStats, scaled
+    from aegis_cli.replay import ReplayOptions, _VTaskReplay
+    from aegis_cli.scan import plan_cases
+    from aegis_cli.verdict import Evidence, Verdict
+    from aegis_cli.workloads import load
+
+    dev = resolve_devices("cuda:0")[0]
+    case = plan_cases(load("cpu-quick"), 7)[3]
+    cid = case.case_id(-8, 8)
+    run = dev.checked_gemm(scaled(case.operands(dev), -8, 8))
+    ev = Evidence(check="gemm.row_checksum", severity=Verdict.FAULTY, case_id=cid, summary="x", scale=[-8, 8],
+                  samples=[{"row": 1, "col_tile": 0, "col": 2}])
+    (vt,) = capture.capture_gemm_vtasks(dev, case, [ev], None, 1e-6, 1.0, {"device_id": "cuda:0"}, flagged_run=run)
+    ok, why = _VTaskReplay(dev, vt, ReplayOptions(bundles=[]), None, ProbeStats()).calibrated()
+    assert ok, why
+    a = vt.tensors["a"].clone()
+    a.view(torch.int16).view(-1)[5] ^= 1
+    bad = dataclasses.replace(vt, tensors={**vt.tensors, "a": a})
+    ok, why = _VTaskReplay(dev, bad, ReplayOptions(bundles=[]), None, ProbeStats()).calibrated()
+    assert not ok and "not the scan's draw" in why
