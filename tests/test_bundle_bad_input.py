@@ -164,16 +164,6 @@ def assert_rejected(code: int, out: str, err: str, path: Path, fragment: str, re
     assert not report.exists()
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_bad_bundle_exit_3_one_line_no_output(case, tmp_path, capsys):
-    make, fragment = CASES[case]
-    path = tmp_path / "bad.aegis"
-    path.write_bytes(make(_valid(tmp_path / "good.aegis")))
-    report = tmp_path / "report.json"
-    code, out, err = run_cli(["replay", str(path), "--device", "cpu", "--format", "json", "-o", str(report)], capsys)
-    assert_rejected(code, out, err, path, fragment, report)
-
-
 def test_directory(tmp_path, capsys):
     d = tmp_path / "adir"
     d.mkdir()
@@ -308,9 +298,9 @@ REVIEW_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(REVIEW_CASES))
-def test_review_bad_bundles_exit_3_one_line(case, tmp_path, capsys):
-    make, fragment = REVIEW_CASES[case]
+@pytest.mark.parametrize("case", [*CASES, *REVIEW_CASES])
+def test_bad_bundle_exit_3_one_line_no_output(case, tmp_path, capsys):
+    make, fragment = {**CASES, **REVIEW_CASES}[case]
     path = tmp_path / "bad.aegis"
     path.write_bytes(make(_valid(tmp_path / "good.aegis")))
     report = tmp_path / "report.json"
