@@ -36,7 +36,7 @@ import torch
 
 from aegis_cli import numerics, vtask
 from aegis_cli.backends import resolve_devices
-from aegis_cli.backends.base import Device, GemmResult
+from aegis_cli.backends.base import Device, GemmResult, memory_shortfall
 from aegis_cli.bundle import error as bundle_error
 from aegis_cli.bundle import read_bundle
 from aegis_cli.errors import AegisError, BundleError, ConfigError
@@ -489,22 +489,16 @@ def check_memory(bundles: list[vtask.Bundle], devices: list[Device]) -> None:
     a 256 KiB file and tens of GiB to replay), and running out half-way would be blamed on the
     device (ERROR) or end the process with no report at all."""
     for d in devices:
-        have, free = d.memory_bytes(), d.memory_free()
-        if not have and free is None:
-            continue
         for b in bundles:
             big = max(b.vtasks, key=replay_bytes, default=None)
             if big is None:
                 continue
             need, g = replay_bytes(big), big.gemm
-            what = (f"vTask {big.id!r} replays a {g.m_sub}x{g.n_sub}x{g.k} GEMM that needs about {need / 2**30:.1f} GiB "
-                    f"on {d.identity.id}")
-            if have and need > have:
-                raise bundle_error(b.path, f"{what}, which has {have / 2**30:.1f} GiB")
-            if free is not None and need > free:
-                total = f" of its {have / 2**30:.1f} GiB" if have else ""
-                raise bundle_error(b.path, f"{what}, which has only {free / 2**30:.1f} GiB{total} free now (other processes "
-                                           "hold the rest); replay when the device is idle")
+            short = memory_shortfall(d, need)
+            if short is not None:
+                raise bundle_error(b.path, f"vTask {big.id!r} replays a {g.m_sub}x{g.n_sub}x{g.k} GEMM that needs about "
+                                           f"{need / 2**30:.1f} GiB on {d.identity.id}, {short[1]}"
+                                           + ("; replay when the device is idle" if short[0] == "busy" else ""))
 
 
 def run_replay(opts: ReplayOptions, progress: Progress | None = None) -> Report:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from aegis_cli import numerics, workloads
 from aegis_cli.backends import resolve_devices
-from aegis_cli.backends.base import Device
+from aegis_cli.backends.base import Device, memory_shortfall
 from aegis_cli.errors import AegisError, ConfigError, GoldenError
 from aegis_cli.inject import FaultPlan
 from aegis_cli.probes import DEFAULT_PROBES, NODE_PROBES, PROBES, ProbeContext, load_all, parse_probe_options, register
@@ -159,20 +159,14 @@ def check_memory(opts: ScanOptions, devices: list[Device]) -> None:
     if "gemm" not in opts.probes:
         return
     for d in devices:
-        have, free = d.memory_bytes(), d.memory_free()
-        if not have and free is None:
-            continue
         wl = workload_for(opts, d)
         big = max({c.shape for c in plan_cases(wl, opts.seed, opts.case)}, key=lambda s: case_bytes(s.m, s.n, s.k))
         need = case_bytes(big.m, big.n, big.k)
-        what = (f"workload {wl.name!r}: its largest GEMM ({big.op} {big.layout.value} {big.m}x{big.n}x{big.k}) "
-                f"needs about {need / 2**30:.1f} GiB on {d.identity.id}")
-        if have and need > have:
-            raise ConfigError(f"{what}, which has {have / 2**30:.1f} GiB; lower scan.max_tokens or the model's sizes")
-        if free is not None and need > free:
-            total = f" of its {have / 2**30:.1f} GiB" if have else ""
-            raise ConfigError(f"{what}, which has only {free / 2**30:.1f} GiB{total} free now (other processes hold the "
-                              "rest); run the scan when the device is idle")
+        short = memory_shortfall(d, need)
+        if short is not None:
+            remedy = "lower scan.max_tokens or the model's sizes" if short[0] == "small" else "run the scan when the device is idle"
+            raise ConfigError(f"workload {wl.name!r}: its largest GEMM ({big.op} {big.layout.value} {big.m}x{big.n}x{big.k}) "
+                              f"needs about {need / 2**30:.1f} GiB on {d.identity.id}, {short[1]}; {remedy}")
 
 
 def count_cases(opts: ScanOptions, devices: list[Device]) -> int:

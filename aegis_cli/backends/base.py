@@ -199,6 +199,19 @@ class Device(abc.ABC):
         return None
 
 
+def memory_shortfall(device: Device, need: int) -> tuple[str, str] | None:
+    """Why ``need`` bytes cannot be held on ``device`` now, for preflights: ("small", "which has
+    X GiB") when the device itself is too small, ("busy", "which has only …") when other
+    processes hold the memory; None when it fits or the device cannot tell."""
+    have, free = device.memory_bytes(), device.memory_free()
+    if have and need > have:
+        return "small", f"which has {have / 2**30:.1f} GiB"
+    if free is not None and need > free:
+        total = f" of its {have / 2**30:.1f} GiB" if have else ""
+        return "busy", f"which has only {free / 2**30:.1f} GiB{total} free now (other processes hold the rest)"
+    return None
+
+
 class Backend(abc.ABC):
     """A family of devices (all CPUs, all CUDA GPUs)."""
 
