@@ -116,8 +116,8 @@ def check_savable(opts: ScanOptions, devices: list) -> None:
     """Refuse, before a scan with --save-vtasks starts, what no bundle could hold: vTask ids
     made from the workload's name and ops that are not valid ids, or a τ outside the range a
     bundle records. Found only when saving, after the scan, they cost the whole run."""
-    from aegis_cli.bundle import ID_RE, entry_problem
     from aegis_cli.errors import ConfigError
+    from aegis_cli.manifest import ID_RE, entry_problem
     from aegis_cli.scan import plan_cases, workload_for
     from aegis_cli.vtask import TAU_RANGE
 

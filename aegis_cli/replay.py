@@ -37,10 +37,10 @@ import torch
 from aegis_cli import numerics, vtask
 from aegis_cli.backends import resolve_devices
 from aegis_cli.backends.base import Device, GemmResult, memory_shortfall
-from aegis_cli.bundle import error as bundle_error
 from aegis_cli.bundle import read_bundle
 from aegis_cli.errors import AegisError, BundleError, ConfigError
 from aegis_cli.inject import FaultPlan, recent_injections
+from aegis_cli.manifest import error as bundle_error
 from aegis_cli.probes.gemm import ProbeStats, case_bytes, case_seed, scaled, scaled_reference
 from aegis_cli.probes.gemm import clean_median as clean_median_of
 from aegis_cli.report import DeviceReport, Report
