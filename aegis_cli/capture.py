@@ -131,11 +131,11 @@ def check_savable(opts: ScanOptions, devices: list) -> None:
                                   f"records ({TAU_RANGE[0]:g}…{TAU_RANGE[1]:g}); choose --threshold within it")
             for ea, eb in wl.scan.scales:
                 cid = case.case_id(ea, eb)
-                for check in GEMM_CHECKS:
-                    vid = f"{d.identity.id}/{cid}/{check}"  # as capture_gemm_vtasks names them
-                    if not ID_RE.fullmatch(vid):
-                        raise ConfigError(f"--save-vtasks: workload {wl.name!r} gives vTask ids like {vid[:120]!r} that a bundle "
-                                          f"cannot hold (1–256 characters from A-Za-z0-9._:/+=@-); rename the workload or its ops")
+                check = max(GEMM_CHECKS, key=len)  # the longest of the ids capture_gemm_vtasks gives this case
+                vid = f"{d.identity.id}/{cid}/{check}"
+                if not ID_RE.fullmatch(vid):
+                    raise ConfigError(f"--save-vtasks: workload {wl.name!r} gives vTask ids like {vid[:120]!r} that a bundle "
+                                      f"cannot hold (1–256 characters from A-Za-z0-9._:/+=@-); rename the workload or its ops")
                 spec = GemmSpec(layout=s.layout, m=s.m, n=s.n, k=s.k, tile=tuple(d.tile))
                 problem = entry_problem(VTask(id=vid, check=check, op=s.op, gemm=spec, tensors={}, tau=tau, scale=(ea, eb),
                                               confirm_margin=opts.thresholds.confirm_margin, case_id=cid, seed=case.seed,

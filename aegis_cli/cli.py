@@ -108,7 +108,7 @@ def _rerun_commands(doc: dict) -> list[str]:
     --case runs the probe that owns the case and nothing else (scan.run_scan)."""
     from aegis_cli.inject import parse_spec
     from aegis_cli.numerics import Thresholds
-    from aegis_cli.probes import NODE_PROBES, PROBES, load_all
+    from aegis_cli.probes import NODE_PROBES, case_probe, load_all
 
     load_all()
     o, th, q = doc.get("options") or {}, Thresholds(), shlex.quote
@@ -119,8 +119,7 @@ def _rerun_commands(doc: dict) -> list[str]:
         if not d["evidence"]:
             continue
         case = d["evidence"][0]["case_id"]
-        head = case.split("/", 1)[0]
-        probe = head if head in PROBES or head in NODE_PROBES else "gemm"
+        probe = case_probe(case)
         devices = [d["device"]["id"]]
         # a node probe compares them all; and faults aimed at other devices keep their places in
         # the --inject spec (the seeds of their positions) only when those devices are scanned too

@@ -227,7 +227,7 @@ class FaultPlan:
     faults: list[FaultSpec]
     launches: int = 0
     injected: list[dict] = field(default_factory=list)
-    # each fault's place in the spec as written (None: as listed). Positions and coins are seeded
+    # each fault's place in the spec as written (None: as listed, filled in by __post_init__). Positions and coins are seeded
     # by it, so a shared fault lands in the same place on every device whichever other devices'
     # faults were dropped from this one's plan
     slots: list[int] | None = None
@@ -235,13 +235,16 @@ class FaultPlan:
     # (dataclasses.replace keeps the reference), so the scan can say which never did
     fired: set[int] = field(default_factory=set)
 
+    def __post_init__(self) -> None:
+        if self.slots is None:
+            self.slots = list(range(len(self.faults)))
+
     @classmethod
     def parse(cls, text: str) -> FaultPlan:
         return cls(parse_spec(text))
 
     def for_device(self, device_id: str) -> FaultPlan | None:
-        slots = self.slots or list(range(len(self.faults)))
-        mine = [(f, s) for f, s in zip(self.faults, slots, strict=True) if f.params.get("device") in (None, device_id)]
+        mine = [(f, s) for f, s in zip(self.faults, self.slots, strict=True) if f.params.get("device") in (None, device_id)]
         return dataclasses.replace(self, faults=[f for f, _ in mine], slots=[s for _, s in mine], injected=[],
                                    launches=0) if mine else None
 
@@ -255,8 +258,7 @@ class FaultPlan:
 
     def never_fired(self) -> list[str]:
         """The faults that applied to no launch or stored tensor (an ``op=`` matching nothing)."""
-        slots = self.slots or range(len(self.faults))
-        return [str(f) for s, f in zip(slots, self.faults, strict=True) if s not in self.fired]
+        return [str(f) for s, f in zip(self.slots, self.faults, strict=True) if s not in self.fired]
 
     def needs_clean_median(self) -> bool:
         return any(f.model == "perturb" for f in self.faults)
@@ -270,7 +272,7 @@ class FaultPlan:
         from a generator seeded by (fault seed, op) so a permanent fault sits still;
         firing of an intermittent fault is drawn per launch."""
         fired = []
-        for i, f in zip(self.slots or range(len(self.faults)), self.faults, strict=True):
+        for i, f in zip(self.slots, self.faults, strict=True):
             st = {"a": "operands", "b": "operands", "acc": "acc", "out": "out", "mem": "mem"}[f.target]
             if st != stage or not f.applies_to(ctx.device_id, ctx.op):
                 continue

@@ -24,6 +24,7 @@ own draw. See docs/bundle-format.md.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import re
 import sys
@@ -41,7 +42,7 @@ from aegis_cli.bundle import read_bundle
 from aegis_cli.errors import AegisError, BundleError, ConfigError
 from aegis_cli.inject import FaultPlan, recent_injections
 from aegis_cli.manifest import error as bundle_error
-from aegis_cli.probes.gemm import ProbeStats, case_bytes, case_seed, scaled, scaled_reference
+from aegis_cli.probes.gemm import ProbeStats, case_bytes, draw_operands, scaled, scaled_reference
 from aegis_cli.probes.gemm import clean_median as clean_median_of
 from aegis_cli.report import DeviceReport, Report
 from aegis_cli.verdict import Evidence, Verdict, worst
@@ -166,8 +167,7 @@ class _VTaskReplay:
         ref0 = dev.reference_checksums(ops0, tile)
         m, n, k = ops0.mnk
         exact0 = bound0 = None
-        # at K ≥ 2²² γ_K has no finite value (and inf·0 would be a NaN bound no error exceeds)
-        if m * n * k <= ELEMENT_BUDGET and k * U_ACC < 0.5:
+        if _checks_elements(m, n, k):
             a64, b64 = ops0.a_mk.double(), ops0.b_kn.double()
             exact0 = a64 @ b64  # (M', N') exact up to fp64 rounding
             mag = a64.abs() @ b64.abs()
@@ -319,20 +319,19 @@ class _VTaskReplay:
         group = _SCALE_SUFFIX.sub("", vt.case_id or "")
         if vt.seed is None or group == (vt.case_id or ""):
             return False, claim + "without the scan's seed and case id its inputs cannot be checked against it"
-        shapes = (g.layout.a_stored_shape(g.m, g.k), g.layout.b_stored_shape(g.k, g.n))
         # generating fills fp32 (plus three more for heavy tails), then rounds to bf16
-        need = 18 * (shapes[0][0] * shapes[0][1] + shapes[1][0] * shapes[1][1])
+        need = 18 * (g.m * g.k + g.k * g.n)
         backends = [(self.dev.generate, self.dev.memory_free())]
         if self.dev.identity.backend != "cpu":
-            backends.append((lambda shape, dist, seed: numerics.generate_bf16(shape, dist, seed, "cpu"), None))
+            backends.append((functools.partial(numerics.generate_bf16, device="cpu"), None))
         stored = (vt.tensors["a"], vt.tensors["b"])
         tried = False
         for generate, free in backends:
             if need > (free if free is not None else REGENERATE_BYTES):
                 continue
             tried = True
-            a, b = (generate(shape, vt.dist, case_seed(vt.seed, group, role)) for shape, role in zip(shapes, "AB", strict=True))
-            a, b = g.sub_operands(numerics.pow2_scale(a, vt.scale[0]), numerics.pow2_scale(b, vt.scale[1]))
+            drawn = draw_operands(generate, g.layout, g.m, g.n, g.k, vt.dist, vt.seed, group)
+            a, b = g.sub_operands(numerics.pow2_scale(drawn.a, vt.scale[0]), numerics.pow2_scale(drawn.b, vt.scale[1]))
             if all(_same_bits(x.to("cpu"), y) for x, y in zip((a, b), stored, strict=True)):
                 return True, ""
         if not tried:
@@ -474,12 +473,18 @@ def load_bundles(paths: list[str], max_bytes: int | None = None) -> list[vtask.B
     return bundles
 
 
+def _checks_elements(m: int, n: int, k: int) -> bool:
+    """Whether replay checks every element against the fp64 product: within its budget, and
+    below K = 2²², where γ_K has no finite value (and inf·0 would be a NaN bound)."""
+    return m * n * k <= ELEMENT_BUDGET and k * U_ACC < 0.5
+
+
 def replay_bytes(vt: vtask.VTask) -> int:
     """Upper estimate of the memory replaying ``vt`` holds at its peak: a scan case of its
     (sub-)GEMM (probes.gemm.case_bytes), plus, where every element is checked, the fp64 exact
     product, magnitudes and bound and one scale's fp64 error terms (12 fp64 values per output)."""
     m, n, k = vt.gemm.m_sub, vt.gemm.n_sub, vt.gemm.k
-    elements = 96 * m * n if m * n * k <= ELEMENT_BUDGET and k * U_ACC < 0.5 else 0
+    elements = 96 * m * n if _checks_elements(m, n, k) else 0
     return case_bytes(m, n, k) + elements
 
 
@@ -488,12 +493,10 @@ def check_memory(bundles: list[vtask.Bundle], devices: list[Device]) -> None:
     next to what it asks for (M'·N' outputs from M'+N' rows of inputs: 65536x65536 with K = 1 is
     a 256 KiB file and tens of GiB to replay), and running out half-way would be blamed on the
     device (ERROR) or end the process with no report at all."""
+    worst = [(b, big, replay_bytes(big)) for b in bundles if (big := max(b.vtasks, key=replay_bytes, default=None))]
     for d in devices:
-        for b in bundles:
-            big = max(b.vtasks, key=replay_bytes, default=None)
-            if big is None:
-                continue
-            need, g = replay_bytes(big), big.gemm
+        for b, big, need in worst:
+            g = big.gemm
             short = memory_shortfall(d, need)
             if short is not None:
                 raise bundle_error(b.path, f"vTask {big.id!r} replays a {g.m_sub}x{g.n_sub}x{g.k} GEMM that needs about "

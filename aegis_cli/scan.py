@@ -16,7 +16,7 @@ from aegis_cli.backends import resolve_devices
 from aegis_cli.backends.base import Device, memory_shortfall
 from aegis_cli.errors import AegisError, ConfigError, GoldenError
 from aegis_cli.inject import FaultPlan
-from aegis_cli.probes import DEFAULT_PROBES, NODE_PROBES, PROBES, ProbeContext, load_all, parse_probe_options, register
+from aegis_cli.probes import DEFAULT_PROBES, NODE_PROBES, PROBES, ProbeContext, case_probe, load_all, parse_probe_options, register
 from aegis_cli.probes.gemm import GemmCase, GemmProbe, case_bytes, check_seed
 from aegis_cli.report import DeviceReport, Report, new_report
 from aegis_cli.verdict import Evidence, Verdict, worst
@@ -180,11 +180,15 @@ def count_cases(opts: ScanOptions, devices: list[Device]) -> int:
     return total
 
 
+def check_reruns(n: int, name: str = "--reruns") -> None:
+    if not 1 <= n <= MAX_RERUNS:
+        raise ConfigError(f"{name} must lie in 1…{MAX_RERUNS}, got {n}")
+
+
 def run_scan(opts: ScanOptions, progress: Progress | None = None) -> Report:
     progress = progress or (lambda *a, **k: None)
     plan = FaultPlan.parse(opts.inject) if opts.inject else None
-    if not 1 <= opts.reruns <= MAX_RERUNS:
-        raise ConfigError(f"--reruns must lie in 1…{MAX_RERUNS}, got {opts.reruns}")
+    check_reruns(opts.reruns)
     load_all()
     unknown = [p for p in opts.probes if p not in PROBES and p not in NODE_PROBES]
     if unknown:
@@ -198,8 +202,7 @@ def run_scan(opts: ScanOptions, progress: Progress | None = None) -> Report:
     if "golden" in probes and not opts.golden:  # it would check nothing and add to a HEALTHY
         raise ConfigError("the golden probe compares against a golden file: give it with --golden FILE")
     if opts.case is not None:  # re-run one case: only the probe that owns it (ids start with its name)
-        head = opts.case.split("/", 1)[0]
-        probes = (head,) if head in PROBES or head in NODE_PROBES else ("gemm",)
+        probes = (case_probe(opts.case),)
     opts = dataclasses.replace(opts, probes=probes)  # the caller's options stay as given
     devices = resolve_devices(opts.devices)
     if plan is not None:

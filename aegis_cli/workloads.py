@@ -140,9 +140,11 @@ class GemmShape:
 def catalog_dir() -> Path:
     """Where the shipped catalogs live: ``workloads/`` beside the package in a checkout,
     ``aegis_cli/_data/workloads`` in a wheel (copied there at build time)."""
-    here = Path(__file__).resolve().parent
-    if (here.parent / "pyproject.toml").is_file() and (here.parent / "workloads").is_dir():  # a checkout (loader.kernel_dir)
-        return here.parent / "workloads"
+    from aegis_cli.backends.loader import checkout_root
+
+    root = checkout_root()
+    if root is not None and (root / "workloads").is_dir():
+        return root / "workloads"
     return Path(str(resources.files("aegis_cli"))) / "_data" / "workloads"
 
 

@@ -63,6 +63,16 @@ MIGRATIONS: list[str] = [
 SCHEMA_VERSION = len(MIGRATIONS)
 
 
+def _uuid_filter(uuids: list[str] | None) -> tuple[str, list[str], set[str] | None]:
+    """(SQL condition or "", its arguments, uuids to keep in Python or None) selecting ``uuids``
+    (None: every device). Long lists are filtered in Python, not bound (MAX_BOUND_UUIDS)."""
+    if uuids is None:
+        return "", [], None
+    if len(uuids) > MAX_BOUND_UUIDS:
+        return "", [], set(uuids)
+    return f"uuid IN ({', '.join('?' * len(uuids))})", list(uuids), None
+
+
 def _is_locked(exc: sqlite3.Error) -> bool:
     return "locked" in str(exc) or "busy" in str(exc)
 
@@ -156,7 +166,7 @@ class History:
 
     def _fail(self, what: str, exc: sqlite3.Error) -> HistoryError:
         msg = str(exc)
-        if "locked" in msg or "busy" in msg:
+        if _is_locked(exc):
             return HistoryError(f"history database {self.path} is locked by another process ({msg}) while {what}; "
                                 "try again when the other sweep has finished")
         return HistoryError(f"history database {self.path} is corrupt or unreadable ({msg}) while {what}; "
@@ -301,13 +311,8 @@ class History:
 
     def results(self, uuids: list[str] | None = None, since: float | None = None) -> list[ResultRow]:
         sql = "SELECT uuid, ts, verdict, host, device_id, workload, error, seconds, evidence, checks, cases, sweep_id FROM results"
-        where, args = [], []
-        wanted = None
-        if uuids is not None and len(uuids) > MAX_BOUND_UUIDS:
-            wanted = set(uuids)  # filtered below, in the same pass
-        elif uuids is not None:
-            where.append(f"uuid IN ({', '.join('?' * len(uuids))})")
-            args += uuids
+        cond, args, wanted = _uuid_filter(uuids)
+        where = [cond] if cond else []
         if since is not None:
             where.append("ts >= ?")
             args.append(since)
@@ -336,14 +341,11 @@ class History:
     def last_events(self, uuids: list[str] | None = None) -> dict[str, tuple[str, float]]:
         """uuid → (event, ts) of the last event recorded for it (quarantine, readmit or retire:
         what was last announced), for ``uuids`` or every device."""
-        where, args = "", []
-        if uuids is not None:
-            if not uuids:
-                return {}
-            if len(uuids) <= MAX_BOUND_UUIDS:
-                where, args = f" WHERE uuid IN ({', '.join('?' * len(uuids))})", list(uuids)
+        if uuids is not None and not uuids:
+            return {}
+        cond, args, keep = _uuid_filter(uuids)
+        where = f" WHERE {cond}" if cond else ""
         sql = f"SELECT uuid, event, ts FROM actions WHERE id IN (SELECT MAX(id) FROM actions{where} GROUP BY uuid)"
-        keep = set(uuids) if uuids is not None else None
         return {u: (ev, ts) for u, ev, ts in self._query(sql, args) if keep is None or u in keep}
 
     def actions(self, uuid: str | None = None) -> list[dict]:

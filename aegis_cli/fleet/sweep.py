@@ -110,10 +110,9 @@ class SweepConfig:
         if self.budget_seconds <= 0 or self.device_timeout_seconds <= 0:
             raise ConfigError("budget_seconds and device_timeout_seconds must be > 0")
         from aegis_cli.probes.gemm import check_seed
-        from aegis_cli.scan import MAX_RERUNS
+        from aegis_cli.scan import check_reruns
 
-        if not 1 <= self.reruns <= MAX_RERUNS:
-            raise ConfigError(f"reruns must lie in 1…{MAX_RERUNS}, got {self.reruns}")
+        check_reruns(self.reruns, "reruns")
 
         check_seed(self.seed)
         if self.max_parallel < 0 or self.fingerprint_cases < 0:

@@ -16,6 +16,7 @@ and read with ``ctx.option(NAME, KEY)``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -125,8 +126,16 @@ def parse_probe_options(items: dict[str, str]) -> dict[str, str]:
     return dict(items)
 
 
+def case_probe(case: str) -> str:
+    """The probe that owns case id ``case``: ids start with its name, GEMM ids with a workload's."""
+    head = case.split("/", 1)[0]
+    return head if head in PROBES or head in NODE_PROBES else "gemm"
+
+
+@functools.cache
 def load_all() -> None:
-    """Import the probe modules so they register themselves (no GPU is touched)."""
+    """Import the probe modules so they register themselves (no GPU is touched); once per
+    process, however many callers ask."""
     import importlib
     import pkgutil
 

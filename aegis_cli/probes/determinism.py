@@ -147,7 +147,7 @@ def determinism_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     # torch's CPU kernels have no separate deterministic mode: sdpa_bwd_det repeats sdpa_bwd there
     only = [n.strip() for n in ctx.option("determinism", "only").split(",") if n.strip()] or [
         n for n in COMPUTATIONS if not (cpu_quick and n == "sdpa_bwd_det")]
-    if ctx.opts.case is not None and ctx.opts.case.startswith("determinism/"):
+    if ctx.case_part("determinism") is not None:
         # --case determinism/NAME/SHAPE, exactly as this device names its cases: an id that matched
         # nothing (another shape, a typo) ran nothing and said HEALTHY
         sizes = sizes_for(device)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from aegis_cli import fingerprint, numerics
-from aegis_cli.backends.base import Device, GemmOperands, GemmResult, ReferenceChecksums
+from aegis_cli.backends.base import Device, GemmOperands, GemmResult, Layout, ReferenceChecksums
 from aegis_cli.errors import ConfigError
 from aegis_cli.inject import FaultPlan, recent_injections
 from aegis_cli.verdict import Evidence, Verdict
@@ -73,11 +73,15 @@ class GemmCase:
 
     def operands(self, device: Device) -> GemmOperands:
         s = self.shape
-        sa = case_seed(self.seed, self.group_id, "A")
-        sb = case_seed(self.seed, self.group_id, "B")
-        a = device.generate(s.layout.a_stored_shape(s.m, s.k), self.dist, sa)
-        b = device.generate(s.layout.b_stored_shape(s.k, s.n), self.dist, sb)
-        return GemmOperands(a, b, s.layout)
+        return draw_operands(device.generate, s.layout, s.m, s.n, s.k, self.dist, self.seed, self.group_id)
+
+
+def draw_operands(generate, layout: Layout, m: int, n: int, k: int, dist: str, seed: int, group_id: str) -> GemmOperands:
+    """A case's operands as stored, from ``generate(shape, dist, seed)``: the scan's draw, which
+    replay regenerates to tell a scan's own inputs from anyone else's."""
+    a = generate(layout.a_stored_shape(m, k), dist, case_seed(seed, group_id, "A"))
+    b = generate(layout.b_stored_shape(k, n), dist, case_seed(seed, group_id, "B"))
+    return GemmOperands(a, b, layout)
 
 
 @dataclass

@@ -55,14 +55,22 @@ def _regime(devs: list[dict]) -> dict:
     return {"a": [min(a), max(a)], "b": [min(b), max(b)], "a_plus_b": [min(s), max(s)]}
 
 
+def shape_for(device: Device) -> tuple[int, int, int]:
+    return CPU_SHAPE if device.identity.backend == "cpu" else GPU_SHAPE
+
+
+def case_id(device: Device, impl: str) -> str:
+    return f"pow2/{impl}/{'x'.join(map(str, shape_for(device)))}"
+
+
 def sweep(device: Device, impl: str, step: int, ctx: ProbeContext) -> tuple[dict, Evidence | None]:
     t0 = time.perf_counter()
-    m, n, k = CPU_SHAPE if device.identity.backend == "cpu" else GPU_SHAPE
+    m, n, k = shape_for(device)
     seed = ctx.opts.seed
     a = device.generate((m, k), "normal", case_seed(seed, "pow2", "A"))
     b = device.generate((n, k), "normal", case_seed(seed, "pow2", "B"))
     base_ops = GemmOperands(a, b, Layout.FWD)
-    case = f"pow2/{impl}/{m}x{n}x{k}"
+    case = case_id(device, impl)
     base = _run(device, impl, base_ops, ctx, f"{case}/a+0b+0")
     exps = list(range(EXP_RANGE[0], EXP_RANGE[1] + 1, step))
     mag = numerics.magnitudes(base_ops)
@@ -134,11 +142,10 @@ def pow2_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     step = ctx.option("pow2", "step") or (4 if mode == "full" else (56 if device.identity.backend == "cpu" else 16))
     evidence, stats = [], {}
     impls = IMPLS
-    if ctx.opts.case is not None and ctx.opts.case.startswith("pow2/"):
+    if ctx.case_part("pow2") is not None:
         # --case pow2/IMPL/MxNxK, exactly as this device names its cases: another shape or a
         # trailing typo ran the sweep of IMPL anyway, or nothing, and said HEALTHY
-        m, n, k = CPU_SHAPE if device.identity.backend == "cpu" else GPU_SHAPE
-        ids = {f"pow2/{impl}/{m}x{n}x{k}": impl for impl in IMPLS}
+        ids = {case_id(device, impl): impl for impl in IMPLS}
         if ctx.opts.case not in ids:
             raise ConfigError(f"case {ctx.opts.case!r}: the pow2 probe has no such case on {device.identity.id} "
                               f"(its cases: {', '.join(ids)})")
