@@ -153,8 +153,11 @@ def bench_shape(dev, name: str, layout: Layout, m: int, n: int, k: int, reps: in
     return row
 
 
-def _variant_launches(dev, variants: dict[str, tuple[str, dict]], sets, layout: Layout) -> dict[str, list]:
-    """One prepared launch per input set for each wgmma variant ``name: (variant, extra -D defines)``."""
+def _variant_launches(dev, variants: dict[str, tuple[str, dict]], sets, layout: Layout,
+                      ctas: int | None = None) -> dict[str, list]:
+    """One prepared launch per input set for each wgmma variant ``name: (variant, extra -D defines)``.
+    ``ctas`` caps the persistent grid: the same tiles walked by fewer SMs, so the card runs below
+    its power cap and a cost that stays is time (issue, latency), not energy."""
     from aegis_cli.backends import cuda
 
     out = {}
@@ -163,12 +166,15 @@ def _variant_launches(dev, variants: dict[str, tuple[str, dict]], sets, layout: 
             cuda.WGMMA_DEFINES.clear()
             cuda.WGMMA_DEFINES.update(defines)
             out[name] = [dev.prepare(a, b, layout, variant=variant) for a, b in sets]
+            for launch in out[name] if ctas else ():
+                launch.grid = (min(ctas, launch.grid[0]), 1)
     finally:
         cuda.WGMMA_DEFINES.clear()
     return out
 
 
-def compare(variants: dict[str, tuple[str, dict]], sizes, reps: int = 12, layout: Layout = Layout.FWD) -> list[dict]:
+def compare(variants: dict[str, tuple[str, dict]], sizes, reps: int = 12, layout: Layout = Layout.FWD,
+            ctas: int | None = None) -> list[dict]:
     """Interleaved timing of wgmma-kernel variants, each ``name: (variant, extra -D defines)``, plus
     cuBLAS, on each (m, n, k) of ``sizes``; costs are relative to the first variant. Variants of
     the same build that should compute the same bits (no ``AEGIS_NO_*`` knob) are also checked
@@ -180,13 +186,14 @@ def compare(variants: dict[str, tuple[str, dict]], sizes, reps: int = 12, layout
     rows = []
     for m, n, k in sizes:
         sets = _input_sets(dev, layout, m, n, k, 300)
-        fns = {"cublas": lambda i, sets=sets: _torch_matmul(*sets[i % N_SETS], layout)}
-        launches = _variant_launches(dev, variants, sets, layout)
+        # cuBLAS runs on every SM: beside a capped grid it would set the power state for both
+        fns = {} if ctas else {"cublas": lambda i, sets=sets: _torch_matmul(*sets[i % N_SETS], layout)}
+        launches = _variant_launches(dev, variants, sets, layout, ctas)
         fns.update({name: (lambda i, ls=ls: ls[i % N_SETS].run()) for name, ls in launches.items()})
         outputs = {name: (variant, launches[name][0].outputs)  # of input set 0
                    for name, (variant, defines) in variants.items() if not any(d.startswith("AEGIS_NO_") for d in defines)}
         ms = _time(fns, reps)
-        row = {"m": m, "n": n, "k": k, "layout": layout.value, **{f"{v}_tflops": 2.0 * m * n * k / t / 1e9 for v, t in ms.items()}}
+        row = {"m": m, "n": n, "k": k, "layout": layout.value, "ctas": ctas, **{f"{v}_tflops": 2.0 * m * n * k / t / 1e9 for v, t in ms.items()}}
         row.update({f"{v}_cost": ms[v] / ms[first] - 1.0 for v in variants if v != first})
         refs: dict[str, tuple] = {}
         for name, (variant, outs) in outputs.items():
@@ -201,7 +208,7 @@ def compare(variants: dict[str, tuple[str, dict]], sizes, reps: int = 12, layout
 
 
 def clocks_under_load(variants: dict[str, tuple[str, dict]], size, seconds: float = 2.0, rounds: int = 3,
-                      layout: Layout = Layout.FWD) -> list[dict]:
+                      layout: Layout = Layout.FWD, ctas: int | None = None) -> list[dict]:
     """Sustained runs of each variant: ``seconds`` of back-to-back launches (the launch queue
     fills, so the GPU paces the host), variants alternating for ``rounds``, with the SM clock
     and board power sampled through NVML meanwhile. Tells a power-capped card (the clock drops
@@ -216,7 +223,7 @@ def clocks_under_load(variants: dict[str, tuple[str, dict]], size, seconds: floa
     m, n, k = size
     sets = _input_sets(dev, layout, m, n, k, 500)
     fns = {"cublas": lambda i: _torch_matmul(*sets[i % N_SETS], layout)}
-    fns.update({name: (lambda i, ls=ls: ls[i % N_SETS].run()) for name, ls in _variant_launches(dev, variants, sets, layout).items()})
+    fns.update({name: (lambda i, ls=ls: ls[i % N_SETS].run()) for name, ls in _variant_launches(dev, variants, sets, layout, ctas).items()})
     samples: dict[str, dict[str, list[float]]] = {v: {"mhz": [], "w": [], "tflops": []} for v in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
@@ -247,7 +254,7 @@ def clocks_under_load(variants: dict[str, tuple[str, dict]], size, seconds: floa
     for name, s in samples.items():
         # the clock is sampled in 15 MHz steps that it dithers between at the cap: the mean over
         # hundreds of samples resolves it finer than the median, which snaps to one step
-        row = {"variant": name, "layout": layout.value, "m": m, "n": n, "k": k, "sm_mhz": statistics.fmean(s["mhz"]),
+        row = {"variant": name, "layout": layout.value, "m": m, "n": n, "k": k, "ctas": ctas, "sm_mhz": statistics.fmean(s["mhz"]),
                "clock_samples": len(s["mhz"]), "power_w": statistics.fmean(s["w"]) if s["w"] else float("nan"),
                "tflops": statistics.median(s["tflops"]), "tflops_rounds": [round(x, 1) for x in s["tflops"]]}
         row["tflop_per_ghz"] = row["tflops"] / (row["sm_mhz"] / 1000.0)
@@ -346,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3, help="with --clocks: alternating rounds of 2 s per variant")
     ap.add_argument("--sustained", action="store_true",
                     help="every shape under sustained load (2 s per variant, 2 rounds) instead of interleaved bursts")
+    ap.add_argument("--ctas", type=int, default=None,
+                    help="with --compare: run the wgmma variants on at most this many SMs (below the power cap)")
     ap.add_argument("--clocks", action="store_true",
                     help="with --compare: sustained runs sampling SM clock and power instead of timed bursts")
     args = ap.parse_args(argv)
@@ -357,9 +366,10 @@ def main(argv: list[str] | None = None) -> int:
         rows = sustained()
     elif args.compare and args.clocks:
         variants = dict(map(_parse_variant, args.compare))
-        rows = [r for size in sizes for r in clocks_under_load(variants, size, rounds=args.rounds, layout=Layout(args.layout))]
+        rows = [r for size in sizes for r in clocks_under_load(variants, size, rounds=args.rounds, layout=Layout(args.layout),
+                                                                ctas=args.ctas)]
     elif args.compare:
-        rows = compare(dict(map(_parse_variant, args.compare)), sizes, args.reps, Layout(args.layout))
+        rows = compare(dict(map(_parse_variant, args.compare)), sizes, args.reps, Layout(args.layout), args.ctas)
     else:
         rows = run(args.reps, args.kernel, args.square, args.baseline)
         if args.repeat_square:
