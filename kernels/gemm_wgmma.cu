@@ -117,47 +117,27 @@ __device__ __forceinline__ void wgmma_256(float* d, uint64_t da, uint64_t db, in
           "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
         : "l"(da), "l"(db), "r"(scale_d), "n"(TA), "n"(TB));
 }
-// bf16 pairs of one consumer thread's accumulator fragment: p[n8*2 + h] holds d[n8*4 + h*2 + j]
-// (row row0 + 8h, column col0 + 8·n8 + j) for j = 0, 1, rounded as the stores write them. Packing
-// first lets the checked epilogue free the fp32 accumulator before the column sums and still
-// issue every C store last, after the checksum work (see the epilogue).
-__device__ __forceinline__ void pack_c(const float (&d)[128], __nv_bfloat162 (&p)[64]) {
-#pragma unroll
-    for (int n8 = 0; n8 < 32; ++n8)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) p[n8 * 2 + h] = __floats2bfloat162_rn(d[n8 * 4 + h * 2], d[n8 * 4 + h * 2 + 1]);
-}
-// bf16 output of one consumer thread's packed fragment (pack_c), in two steps so the shuffles of
-// the first can be in flight while other epilogue work issues. When N is a multiple of 4 the
-// lanes of a pair (tig, tig^1) swap halves (c_swap: one shuffle per two pairs) so that each lane
-// holds 4 consecutive columns and a quad writes 32 contiguous bytes of its row per instruction:
-// whole 32-byte sectors, where one 32-bit store per pair wrote 16 bytes into each of 8 rows'
-// sectors (Nsight Compute: 15.5 of 32 bytes used; the L2 merged the halves, and the stores cost
-// ~10 % of the kernel at K = 3584). Other N: one 32-bit store per pair, or per element at odd N.
-// swap[h*16 + m]: the partner's pair for row h, n8 = 2m + (odd lane ? 0 : 1).
-__device__ __forceinline__ void c_swap(const __nv_bfloat162 (&p)[64], bool odd, uint32_t (&swap)[32]) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int m = 0; m < 16; ++m) {  // n8 = 2m (a) and 2m+1 (b)
-            const uint32_t xa = *reinterpret_cast<const uint32_t*>(&p[(2 * m) * 2 + h]);
-            const uint32_t xb = *reinterpret_cast<const uint32_t*>(&p[(2 * m + 1) * 2 + h]);
-            swap[h * 16 + m] = __shfl_xor_sync(0xffffffffu, odd ? xa : xb, 1);
-        }
-}
-__device__ __forceinline__ void store_c(const __nv_bfloat162 (&p)[64], const uint32_t (&swap)[32], bf16* __restrict__ C,
-                                        int M, int N, int row0, int col0) {
+// bf16 output of one consumer thread's accumulator fragment, packed and stored straight from the
+// accumulator 16 columns at a time, so it needs no packed copy of C in registers and can be
+// issued before the checksum work. When N is a multiple of 4 the lanes of a pair (tig, tig^1)
+// swap halves (one shuffle per two pairs) so that each lane holds 4 consecutive columns and a
+// quad writes 32 contiguous bytes of its row per instruction: whole 32-byte sectors, where one
+// 32-bit store per pair wrote 16 bytes into each of 8 rows' sectors (Nsight Compute: 15.5 of 32
+// bytes used; the stores cost ~10 % of the kernel at K = 3584). Other N: one 32-bit store per
+// pair, or per element at odd N. d[n8*4 + h*2 + j] is row row0 + 8h, column col0 + 8·n8 + j.
+__device__ __forceinline__ void store_c(const float (&d)[128], bool odd, bf16* __restrict__ C, int M, int N, int row0,
+                                        int col0) {
+    auto pair = [&](int n8, int h) { return __floats2bfloat162_rn(d[n8 * 4 + h * 2], d[n8 * 4 + h * 2 + 1]); };
     if ((N & 3) == 0) {
-        const bool odd = (col0 >> 1) & 1;  // tig & 1
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int r = row0 + 8 * h;
             bf16* crow = C + (long long)r * N;
 #pragma unroll
-            for (int m = 0; m < 16; ++m) {
-                const uint32_t xa = *reinterpret_cast<const uint32_t*>(&p[(2 * m) * 2 + h]);
-                const uint32_t xb = *reinterpret_cast<const uint32_t*>(&p[(2 * m + 1) * 2 + h]);
-                const uint32_t recv = swap[h * 16 + m];
+            for (int m = 0; m < 16; ++m) {  // n8 = 2m (a) and 2m+1 (b)
+                const __nv_bfloat162 pa = pair(2 * m, h), pb = pair(2 * m + 1, h);
+                const uint32_t xa = *reinterpret_cast<const uint32_t*>(&pa), xb = *reinterpret_cast<const uint32_t*>(&pb);
+                const uint32_t recv = __shfl_xor_sync(0xffffffffu, odd ? xa : xb, 1);
                 // even lane: columns 16m + 2tig .. +3 = (own a, partner's a); odd lane: columns
                 // 16m + 8 + 2(tig-1) .. +3 = (partner's b, own b)
                 const uint32_t lo = odd ? recv : xa, hi = odd ? xb : recv;
@@ -176,7 +156,7 @@ __device__ __forceinline__ void store_c(const __nv_bfloat162 (&p)[64], const uin
 #pragma unroll
         for (int n8 = 0; n8 < 32; ++n8) {
             const int cc = col0 + n8 * 8;
-            const __nv_bfloat162 v = p[n8 * 2 + h];
+            const __nv_bfloat162 v = pair(n8, h);
             if (pair_ok && cc + 1 < N) {
                 *reinterpret_cast<__nv_bfloat162*>(crow + cc) = v;
             } else {
@@ -398,6 +378,9 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
         }
     };
     issue_head();
+#ifdef AEGIS_TIMING  // experiment knob: per-tile cycle counts of consumer warp 0, in place of tile_sm
+    long long t_prev = clock64(), t_end = 0, t_p1 = 0;
+#endif
     for (;;) {
         if (head0 >= 0) {
             wgmma_wait<1>();  // k-block 0 has retired
@@ -411,6 +394,9 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
         }
         wgmma_wait<0>();
         if (leader) mbar_arrive(empty0 + 8 * prev);
+#ifdef AEGIS_TIMING
+        t_end = clock64();
+#endif
 
         // d[n8*4 + h*2 + j] sits at row bm*BM + c*64 + (cw&3)*16 + g + 8h, col bc*BN + n8*8 + 2*tig + j
         const int row0 = bm * BM + c * 64 + (cw & 3) * 16 + g;
@@ -432,14 +418,18 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
         }
 #endif
         // The epilogue runs in two phases around the next tile's first EARLY k-blocks. Phase 1
-        // reads the fp32 accumulator: row sums, the column partials of the thread's two rows and
-        // their first halving exchange, bf16 packing and the C stores. Then the next tile's first
-        // wgmma groups are issued into the same registers (scale-d 0), and phase 2 (the rest of
-        // the column reduction, the cross-warp exchange, the column-sum stores) runs while the
-        // tensor cores work. Registers bound the split: beside the in-flight accumulator (128)
-        // there is room for 32 column partials, not 64, nor for the packed C. Phase 1 is ordered
-        // to keep shuffles in flight together: all arithmetic on the accumulator first, then the
-        // C swap, row-sum and halving shuffles back to back, then what consumes them.
+        // reads the fp32 accumulator: the C stores (packed and swapped straight from it), then
+        // the row sums, the column partials of the thread's two rows and their first halving
+        // exchange. Then the next tile's first wgmma groups are issued into the same registers
+        // (scale-d 0), and phase 2 (the rest of the column reduction, the cross-warp exchange,
+        // the column-sum stores) runs while the tensor cores work. Registers bound the split:
+        // beside the in-flight accumulator (128) there is room for 32 column partials, not 64.
+        // Stores first: the checksum arithmetic then issues while they drain, where with the
+        // stores last (packed C held in registers) the checked kernel paid a point more at
+        // K = 3584 and two at K = 1024 (benchmarks/RESULTS.md, "Cycles per tile").
+#ifndef AEGIS_NO_CSTORE  // experiment knob: time the kernel without its C stores (C left unwritten)
+        store_c(d, tig & 1, C, M, N, row0, col0);
+#endif
 #ifdef AEGIS_ROWS
         // row sums: one per (row h, 128-column half), in-thread, then over the 4 lanes of the row
         float rs[4];
@@ -462,10 +452,6 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
 #ifdef AEGIS_BURN1
         burn<AEGIS_BURN1>(d[5], row_sums);
 #endif
-        __nv_bfloat162 cp[64];
-        pack_c(d, cp);  // the accumulator is dead from here
-        uint32_t swap[32];
-        c_swap(cp, tig & 1, swap);
 #ifdef AEGIS_ROWS
 #pragma unroll
         for (int i = 0; i < 4; ++i) rs[i] += __shfl_xor_sync(0xffffffffu, rs[i], 1);
@@ -476,9 +462,6 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
         // the 8 lanes that share a column reduce by a halving exchange: each step a lane sends half
         // of its partials to its partner and keeps the other half (32+16+8 shuffles, not 64x3)
         halve_exchange<32>(v, (g >> 2) & 1);  // partner: lane ^ 16; v[0..32) live from here
-#endif
-#ifndef AEGIS_NO_CSTORE  // experiment knob: time the kernel without its C stores (C left unwritten)
-        store_c(cp, swap, C, M, N, row0, col0);
 #endif
 #ifdef AEGIS_ROWS
 #pragma unroll
@@ -522,14 +505,36 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
         // The last tile ends here; the loop is peeled this way so that on every path into the
         // main loop the accumulator is in flight (a conditional issue makes ptxas serialise wgmma).
         const int nt = t + gridDim.x;
+#ifdef AEGIS_TIMING
+        t_p1 = clock64();
+        // slot 0: phase 1 | head issue << 16; slot 1: phase 2 | (main loop >> 3) << 16 (cycles)
+        auto record = [&](long long t_head, long long t_p2) {
+            const int ts = tr * tn128 + 2 * bc;
+            if (leader && tr * CTM < M && 2 * bc + 1 < tn128) {
+                tile_sm[ts] = (int)min(t_p1 - t_end, 65535LL) | ((int)min(t_head - t_p1, 32767LL) << 16);
+                tile_sm[ts + 1] = (int)min(t_p2 - t_head, 65535LL) | ((int)min((t_end - t_prev) >> 3, 32767LL) << 16);
+            }
+        };
+#endif
         if (nt >= n_tiles) {
             phase2();
+#ifdef AEGIS_TIMING
+            record(t_p1, clock64());
+#endif
             break;
         }
         int nbm, nbc;
         tile_coords(nt, tiles_m, tiles_n, nbm, nbc);
         issue_head();
+#ifdef AEGIS_TIMING
+        const long long t_head = clock64();
+#endif
         phase2();
+#ifdef AEGIS_TIMING
+        const long long t_p2 = clock64();
+        record(t_head, t_p2);
+        t_prev = t_p2;
+#endif
         t = nt;
         bm = nbm;
         bc = nbc;
