@@ -160,7 +160,7 @@ def _run_with_progress(run, opts, inject: str | None, quiet: bool):
     on a terminal; the injection is announced when the work starts, after the run's own checks,
     so a refused run prints its one error line and nothing else."""
     banner = None
-    if inject:
+    if inject is not None:  # --inject '' (an unset $SPEC) is refused, not a silent run without faults
         from aegis_cli.inject import parse_spec
 
         parse_spec(inject)

@@ -75,6 +75,9 @@ def test_device_error_is_error_verdict_exit_3(capsys, monkeypatch):
         (["scan", "--inject", "nonsense"], "unknown fault model"),
         (["scan", "--inject", "bitflip:bit=99"], "bit=99"),
         (["scan", "--inject", "tile:mode=melt"], "mode must be one of"),
+        # an empty spec (an unset $SPEC in a script) ran without faults, no banner, HEALTHY, exit 0
+        (["scan", "--inject", ""], "empty fault spec"),
+        (["replay", "/nonexistent.aegis", "--inject", ""], "empty fault spec"),
         (["scan", "--workload", "no-such-model"], "unknown workload 'no-such-model'"),
         (["scan", "--workload", str(DATA / "bad_unknown_key.yaml")], "unknown key 'hiden'"),
         (["scan", "--workload", str(DATA / "bad_syntax.yaml")], "malformed YAML"),
