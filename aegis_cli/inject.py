@@ -141,6 +141,10 @@ def _validate(text: str, f: FaultSpec) -> None:
         _check_float(text, "value", p["value"], -3e38, 3e38)
     if "mask" in p:
         _check_int(text, "mask", p["mask"], lo=1)
+        width = 32 if f.target == "acc" else 16  # fp32 accumulator; bf16 output and operands
+        if int(p["mask"], 0) >> width:  # bits the element lacks: dropped, so 0x10000 on a bf16 flipped nothing
+            raise InjectSpecError(f"--inject {text!r}: mask={p['mask']} has bits above bit {width - 1}; "
+                                  f"target={f.target} elements have {width}")
     if "bit" in p and p["bit"] not in BIT_CLASSES:
         _check_int(text, "bit", p["bit"])
         top = 63 if f.model == "memflip" else 31

@@ -15,7 +15,8 @@ from aegis_cli.inject import FaultPlan, parse_spec
         "bitflip",
         "bitflip:bit=sign,target=acc,count=3",
         "bitflip:bit=7,target=out,row=1,col=2",
-        "mask:mask=0x00ff0000,target=b",
+        "mask:mask=0x00ff,target=b",
+        "mask:mask=0xffffffff",
         "stuck-lane:mask=0x400000,stride=32,offset=5",
         "replace:span=64,value=random,target=a",
         "replace:span=random,value=copy,target=out",
@@ -47,6 +48,11 @@ def test_valid_specs_parse(spec):
         ("stuck-lane:mask=0x1,stride=99999999999999999999", "stride=99999999999999999999 must lie in"),  # was a TypeError
         ("tile:mode=zero,sm=4294967299", "sm=4294967299 must lie in"),  # would have wrapped to SM 3 in the kernel
         ("mask:mask=0x10000000000000000", "must lie in [1, 0xffffffffffffffff]"),
+        # bits beyond the element were dropped: the fault flipped nothing and the scan said HEALTHY
+        ("mask:mask=0x10000,target=out", "mask=0x10000 has bits above bit 15; target=out elements have 16"),
+        ("stuck-lane:mask=0xffff0000,target=out", "has bits above bit 15"),
+        ("mask:mask=0x1ffff,target=a", "has bits above bit 15"),
+        ("mask:mask=0x100000001", "has bits above bit 31; target=acc elements have 32"),
         ("tile:mode=zero,tile=1.\u00b2", "tile=ROW.COL"),  # a Unicode digit: isdigit() but not int()
         ("bitflip:prob=2", "prob=2 must lie in"),
         ("perturb:rate=0.1", "perturb needs r="),
