@@ -224,7 +224,8 @@ def scan(devices, workload, seed, case, reruns, inject, save_vtasks, probes, gol
     _emit(rep.to_dict(), fmt, output, _verdict_table)
     for spec in rep.never_fired or []:
         err_console.print(f"[bold yellow]Warning:[/] injected fault {escape(spec)!r} never fired (its device=/op= matched nothing "
-                          "this run checked): the verdicts above are no self-test of it", highlight=False, soft_wrap=True)
+                          "this run checked, or it changed no element there): the verdicts above are no self-test of it",
+                          highlight=False, soft_wrap=True)
     if save_vtasks:
         from aegis_cli.capture import save_scan_vtasks
 

@@ -180,6 +180,10 @@ def apply_acc(plan: FaultPlan, ctx: LaunchContext, acc: torch.Tensor, a_mk: torc
             record(plan, f, ctx, acc.shape, np.arange(i * n, (i + 1) * n), row=i, mode=f.get("mode", "zero"))
         elif f.model == "tile":
             mode = f.get("mode", "zero")
+            if mode == "shift" and tm % max(m, 1) == 0:
+                # M divides the tile height: the block one tile down (wrapping) is this one, so
+                # nothing would change. Not injected and not recorded, as on CUDA (cuda._tile_fault)
+                continue
             tiles = tiles_for(f, ctx, (-(-m // tm), -(-n // tn)), rng)
             for ti, tj in tiles:
                 rs, cs = slice(ti * tm, min(m, (ti + 1) * tm)), slice(tj * tn, min(n, (tj + 1) * tn))

@@ -235,8 +235,9 @@ class FaultPlan:
     # by it, so a shared fault lands in the same place on every device whichever other devices'
     # faults were dropped from this one's plan
     slots: list[int] | None = None
-    # slots of the faults that fired at least once; one set shared by every for_device() copy
-    # (dataclasses.replace keeps the reference), so the scan can say which never did
+    # slots of the faults that changed at least one element or tile somewhere (record()); one set
+    # shared by every for_device() copy (dataclasses.replace keeps the reference), so the scan can
+    # say which never did
     fired: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
@@ -261,7 +262,8 @@ class FaultPlan:
                 raise InjectSpecError(f"--inject {str(f)!r}: device={dev} is not scanned (scanned: {', '.join(scanned)})")
 
     def never_fired(self) -> list[str]:
-        """The faults that applied to no launch or stored tensor (an ``op=`` matching nothing)."""
+        """The faults that changed nothing anywhere: an ``op=`` matching nothing, or one that
+        touched no element where it applied (``sm=`` naming an SM that ran no tile, ``rate=0``)."""
         return [str(f) for s, f in zip(self.slots, self.faults, strict=True) if s not in self.fired]
 
     def needs_clean_median(self) -> bool:
@@ -289,11 +291,14 @@ class FaultPlan:
             site = _SCALE_SUFFIX.sub("", ctx.op)
             pos_rng = np.random.default_rng([f.seed, i, zlib.crc32(site.encode())])
             fired.append((f, pos_rng))
-            self.fired.add(i)
         return fired
 
     def record(self, f: FaultSpec, ctx: LaunchContext, **what) -> None:
         self.injected.append({"fault": str(f), "op": ctx.op, "launch": self.launches, **what})
+        # fired: it changed something; an active fault that hit no element or tile (sm=20 on 16
+        # SMs, rate=0, a lane past the tensor) left the scan HEALTHY with no never-fired warning
+        if what.get("elements", what.get("n_tiles", 1)):
+            self.fired.add(next(s for s, g in zip(self.slots, self.faults, strict=True) if g is f))
 
 
 def recent_injections(plan: FaultPlan | None, n: int = 4) -> list[dict]:

@@ -173,3 +173,35 @@ def test_below_noise_faults_are_not_flagged_as_faulty():
     ev, plan = run_fault("bitflip:bit=0,seed=1")
     assert plan.injected  # it was applied
     assert not ev
+
+
+@pytest.mark.parametrize("spec", ["tile:mode=zero,sm=7",  # TINY has 2×2 tiles on simulated SMs 0…3
+                                  "perturb:r=1e5,rate=0",
+                                  "stuck-lane:mask=0x400000,stride=0x100000000,offset=0xfffffff"])  # past the 160×256 output
+def test_fault_that_changes_nothing_is_reported_never_fired(spec):
+    """A fault active on every case that touched no element left the scan HEALTHY, exit 0, with
+    no never-fired warning: a self-test that tested nothing and said so nowhere."""
+    from aegis_cli.scan import ScanOptions, run_scan
+
+    real = "bitflip:bit=exp"
+    rep = run_scan(ScanOptions(workload=TINY, probes=("gemm",), reruns=1, inject=f"{spec}; {real}"))
+    assert rep.never_fired == [str(FaultPlan.parse(spec).faults[0])]
+    assert rep.devices[0].verdict is Verdict.FAULTY  # the other fault did fire
+
+
+@pytest.mark.parametrize(("m", "shifted"), [(64, False), (128, False), (160, True), (256, True)])
+def test_cpu_shift_with_nothing_to_shift_is_not_recorded(m, shifted):
+    """On the CPU a shift reads the A block 128 rows down, wrapping: with M dividing 128 that is
+    the same block, so the output did not change, yet the fault was recorded as injected."""
+    import torch
+
+    from aegis_cli.backends.base import GemmOperands, Layout
+
+    gen = torch.Generator().manual_seed(m)
+    a, b = torch.randn(m, 96, generator=gen).to(torch.bfloat16), torch.randn(160, 96, generator=gen).to(torch.bfloat16)
+    ops = GemmOperands(a, b, Layout.FWD)
+    plan = FaultPlan.parse("tile:mode=shift,tile=0.0")
+    res = CpuDevice().checked_gemm(ops, plan, op="w/op/fwd/normal/x/s+0+0")
+    changed = not torch.equal(res.c.view(torch.int16), CpuDevice().checked_gemm(ops).c.view(torch.int16))
+    assert changed is shifted
+    assert bool(plan.injected) is shifted and (plan.never_fired() == []) is shifted

@@ -145,3 +145,22 @@ def test_cuda_stuck_lanes_pack_into_lane_slots_or_edits():
     assert params.n_edits == 2
     with pytest.raises(InjectSpecError, match="at most 4 dense stuck-lane"):
         cuda._acc_faults(FaultPlan.parse("; ".join([*dense, "stuck-lane:mask=0x1,stride=64,offset=9"])), ctx, ops, (2, 2))
+
+
+def test_cuda_tile_faults_that_change_nothing_are_never_fired():
+    """Host side of CUDA tile faults: a shift with one row of CTA tiles is not injected and an
+    SM-pinned fault whose SM ran no tile hits nothing; both must be named as never fired."""
+    import torch
+
+    from aegis_cli.backends import cuda
+    from aegis_cli.backends.base import GemmOperands, Layout
+    from aegis_cli.inject import LaunchContext
+
+    m, n, k = 128, 512, 64  # 2×4 checksum tiles, one row of 128-row CTA tiles
+    ops = GemmOperands(torch.ones(m, k, dtype=torch.bfloat16), torch.ones(n, k, dtype=torch.bfloat16), Layout.FWD)
+    ctx = LaunchContext("cuda:0", "t", (64, 128))
+    plan = FaultPlan.parse("tile:mode=shift,tile=0.0; tile:mode=zero,sm=9; tile:mode=stuck,tile=1.3")
+    acc = cuda._acc_faults(plan, ctx, ops, (2, 2))
+    for record in acc.after:  # what checked_gemm does once the launch reported each tile's SM
+        record(np.arange(8, dtype=np.int32).reshape(2, 4))
+    assert plan.never_fired() == ["tile:mode=shift,tile=0.0", "tile:mode=zero,sm=9"]

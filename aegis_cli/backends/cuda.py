@@ -277,7 +277,7 @@ def _tile_fault(acc: _AccFaults, plan: FaultPlan, f: FaultSpec, rng: np.random.G
     if mode == "shift" and -(-tiles[0] // cta[0]) < 2:
         # the kernels read the A block of the next CTA tile (128 rows down, wrapping): with one
         # row of CTA tiles that is the same block, so nothing would change. Not injected, and
-        # not recorded as injected (the CPU model shifts by one 64-row tile instead)
+        # not recorded as injected (the CPU model shifts by one 128-row CPU tile instead)
         return
     if mode == "stuck":
         acc.tile_value = float(f.get("value", "1.0"))
