@@ -171,6 +171,13 @@ def _run_with_progress(run, opts, inject: str | None, quiet: bool):
         return run(opts, _progress_callback(progress if show else None, banner))
 
 
+def _warn_never_fired(rep) -> None:
+    for spec in rep.never_fired or []:
+        err_console.print(f"[bold yellow]Warning:[/] injected fault {escape(spec)!r} never fired (its device=/op= matched nothing "
+                          "this run checked, or it changed no element there): the verdicts above are no self-test of it",
+                          highlight=False, soft_wrap=True)
+
+
 def _progress_callback(progress: Progress | None, banner: str | None = None):
     task = {}
 
@@ -222,10 +229,7 @@ def scan(devices, workload, seed, case, reruns, inject, save_vtasks, probes, gol
     rep = _run_with_progress(run_scan, opts, inject, quiet)
     # the report first: a bundle that cannot be saved must not cost the scan's verdict
     _emit(rep.to_dict(), fmt, output, _verdict_table)
-    for spec in rep.never_fired or []:
-        err_console.print(f"[bold yellow]Warning:[/] injected fault {escape(spec)!r} never fired (its device=/op= matched nothing "
-                          "this run checked, or it changed no element there): the verdicts above are no self-test of it",
-                          highlight=False, soft_wrap=True)
+    _warn_never_fired(rep)
     if save_vtasks:
         from aegis_cli.capture import save_scan_vtasks
 
@@ -334,6 +338,7 @@ def replay(bundles, devices, repeat, scales, inject, max_bundle_size, fmt, outpu
                          max_bundle_bytes=max_bundle_size, command_line=["aegis", *sys.argv[1:]])
     rep = _run_with_progress(run_replay, opts, inject, quiet)
     _emit(rep.to_dict(), fmt, output, _replay_table)
+    _warn_never_fired(rep)
     sys.exit(rep.exit_code)
 # ==== end of aegis replay =====================================================================
 

@@ -511,6 +511,8 @@ def run_replay(opts: ReplayOptions, progress: Progress | None = None) -> Report:
     plan = FaultPlan.parse(opts.inject) if opts.inject else None
     bundles = load_bundles(opts.bundles, opts.max_bundle_bytes)
     devices = resolve_devices(opts.devices)
+    if plan is not None:  # as scan: a fault for a device not replayed on would never fire
+        plan.check_devices([d.identity.id for d in devices])
     check_memory(bundles, devices)
     total = sum(len(b.vtasks) for b in bundles)
     threshold = "per vTask: the τ in force at capture, never below the calibrated floor or the device's accumulation bound"
@@ -523,6 +525,8 @@ def run_replay(opts: ReplayOptions, progress: Progress | None = None) -> Report:
     for device in devices:
         fault = plan.for_device(device.identity.id) if plan else None
         report.devices.append(replay_device(device, bundles, opts, fault, progress))
+    if plan is not None:
+        report.never_fired = plan.never_fired()
     report.finish()
     return report
 

@@ -274,6 +274,19 @@ def test_bad_options_exit_3(captured, capsys):
     assert run_cli(["replay"]) == 3
 
 
+def test_injection_that_cannot_fire_in_a_replay_is_refused_or_reported(captured, tmp_path, capsys):
+    """A replay --inject aimed at a device not replayed on, or whose op= matches no vTask, changed
+    nothing and the replay said HEALTHY, exit 0: scan refuses the first and warns of the second."""
+    assert run_cli(["replay", str(captured), "--device", "cpu:0", "-q", "--inject", FAULT + ",device=cpu:3"]) == 3
+    err = capsys.readouterr().err
+    assert "device=cpu:3 is not scanned (scanned: cpu:0)" in err and len(err.strip().splitlines()) == 1
+    code, doc = replay_json(captured, tmp_path, "--repeat", "1", "--inject", FAULT + ",op=no-such-op")
+    assert code == 0 and doc["injected_never_fired"] == [FAULT + ",op=no-such-op"]
+    assert "never fired" in capsys.readouterr().err
+    code, doc = replay_json(captured, tmp_path, "--repeat", "1", "--inject", FAULT)
+    assert code == 2 and doc["injected_never_fired"] == []
+
+
 def test_table_and_machine_formats(captured, capsys):
     assert run_cli(["replay", str(captured), "--device", "cpu", "--repeat", "1", "-q"]) == 0
     out = capsys.readouterr().out
