@@ -184,6 +184,10 @@ def apply_acc(plan: FaultPlan, ctx: LaunchContext, acc: torch.Tensor, a_mk: torc
                 # M divides the tile height: the block one tile down (wrapping) is this one, so
                 # nothing would change. Not injected and not recorded, as on CUDA (cuda._tile_fault)
                 continue
+            if mode == "skipk":  # the k-block number modulo the k-blocks, as the CUDA kernels take it
+                kblocks = max(1, -(-a_mk.shape[1] // KSTEP))
+                kb = (f.as_int("kstep") if f.get("kstep") else int(rng.integers(0, kblocks))) % kblocks
+                ks = slice(kb * KSTEP, (kb + 1) * KSTEP)
             tiles = tiles_for(f, ctx, (-(-m // tm), -(-n // tn)), rng)
             for ti, tj in tiles:
                 rs, cs = slice(ti * tm, min(m, (ti + 1) * tm)), slice(tj * tn, min(n, (tj + 1) * tn))
@@ -195,12 +199,10 @@ def apply_acc(plan: FaultPlan, ctx: LaunchContext, acc: torch.Tensor, a_mk: torc
                     rows = (torch.arange(rs.start, rs.stop) + tm) % m
                     acc[rs, cs] = a_mk[rows].float() @ b_kn[:, cs].float()
                 else:  # skipk: one k-block never accumulated
-                    k = a_mk.shape[1]
-                    kb = f.as_int("kstep") if f.get("kstep") else int(rng.integers(0, -(-k // KSTEP)))
-                    ks = slice(kb * KSTEP % max(k, 1), min(k, kb * KSTEP % max(k, 1) + KSTEP))
                     acc[rs, cs] -= a_mk[rs, ks].float() @ b_kn[ks, cs].float()
             plan.record(f, ctx, target="acc", mode=mode, tiles=[list(t) for t in tiles[:MAX_RECORDED]], n_tiles=len(tiles),
-                        sms=sorted({int(ctx.tile_sm[t]) for t in tiles})[:MAX_RECORDED] if ctx.tile_sm is not None else None)
+                        sms=sorted({int(ctx.tile_sm[t]) for t in tiles})[:MAX_RECORDED] if ctx.tile_sm is not None else None,
+                        **({"kstep": kb} if mode == "skipk" else {}))
 
 
 def apply_out(plan: FaultPlan, ctx: LaunchContext, c: torch.Tensor) -> None:

@@ -205,3 +205,25 @@ def test_cpu_shift_with_nothing_to_shift_is_not_recorded(m, shifted):
     changed = not torch.equal(res.c.view(torch.int16), CpuDevice().checked_gemm(ops).c.view(torch.int16))
     assert changed is shifted
     assert bool(plan.injected) is shifted and (plan.never_fired() == []) is shifted
+
+
+@pytest.mark.parametrize(("k", "kstep", "dropped"), [(96, 2, (0, 64)), (96, 1, (64, 96)), (200, 5, (64, 128))])
+def test_cpu_skipk_drops_the_k_block_cuda_drops(k, kstep, dropped):
+    """kstep is a k-block number taken modulo the k-blocks, as in the CUDA kernels: on the CPU
+    kstep=2 with K=96 dropped k 32…95, not a k-step at all (CUDA drops block 0, k 0…63)."""
+    import numpy as np
+    import torch
+
+    from aegis_cli import corrupt
+    from aegis_cli.inject import LaunchContext
+
+    gen = torch.Generator().manual_seed(k)
+    a, b = torch.randn(96, k, generator=gen).to(torch.bfloat16), torch.randn(k, 160, generator=gen).to(torch.bfloat16)
+    acc = a.float() @ b.float()
+    plan = FaultPlan.parse(f"tile:mode=skipk,kstep={kstep},tile=0.0")
+    corrupt.apply_acc(plan, LaunchContext("cpu:0", "t", (128, 128), np.zeros((1, 2), dtype=np.int32)), acc, a, b)
+    lo, hi = dropped
+    expect = a.float() @ b.float()
+    expect[:, :128] -= a[:, lo:hi].float() @ b[lo:hi, :128].float()
+    assert torch.equal(acc, expect)
+    assert plan.injected[0]["kstep"] == lo // 64
