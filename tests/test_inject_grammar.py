@@ -164,3 +164,32 @@ def test_cuda_tile_faults_that_change_nothing_are_never_fired():
     for record in acc.after:  # what checked_gemm does once the launch reported each tile's SM
         record(np.arange(8, dtype=np.int32).reshape(2, 4))
     assert plan.never_fired() == ["tile:mode=shift,tile=0.0", "tile:mode=zero,sm=9"]
+
+
+@pytest.mark.parametrize(("spec", "what"), [
+    ("tile:mode=zero,sm=3; tile:mode=zero,sm=5", "one SM-pinned tile fault per launch"),
+    ("tile:mode=zero,sm=3; tile:mode=stuck,sm=3", "one SM-pinned tile fault per launch"),
+    ("tile:mode=stuck,value=2,tile=0.0; tile:mode=stuck,value=7,tile=1.1", "one stuck tile value per launch"),
+    ("tile:mode=skipk,kstep=0,tile=0.0; tile:mode=skipk,kstep=1,tile=1.1", "one skipped k-step per launch"),
+    ("tile:mode=zero,tile=0.0; tile:mode=stuck,tile=0.0", "one mode for tile 0.0 per launch"),
+])
+def test_cuda_tile_faults_the_kernels_cannot_take_together_are_refused(spec, what):
+    """The kernels' parameter block has one SM pin, one stuck value, one k-step and one mode per
+    tile: a second, different one silently replaced the first, which was still recorded as
+    injected (two SM-pinned faults corrupted only the last SM's tiles)."""
+    import torch
+
+    from aegis_cli.backends import cuda
+    from aegis_cli.backends.base import GemmOperands, Layout
+    from aegis_cli.inject import LaunchContext
+
+    m, n, k = 256, 256, 128
+    ops = GemmOperands(torch.ones(m, k, dtype=torch.bfloat16), torch.ones(n, k, dtype=torch.bfloat16), Layout.FWD)
+    ctx = LaunchContext("cuda:0", "t", (64, 128))
+    with pytest.raises(InjectSpecError, match=what):
+        cuda._acc_faults(FaultPlan.parse(spec), ctx, ops, (2, 2))
+    # the same pin, value or k-step twice, or two tiles apart, are one kernel setting each
+    same = "tile:mode=zero,sm=3; tile:mode=zero,sm=3; tile:mode=stuck,value=2,tile=0.0; tile:mode=stuck,value=2.0,tile=1.1"
+    acc = cuda._acc_faults(FaultPlan.parse(same + "; tile:mode=skipk,kstep=1,tile=2.0; tile:mode=skipk,kstep=3,tile=2.1"), ctx, ops, (2, 2))
+    params, _keep = cuda._inject_params(acc, m, n, (64, 128), torch.device("cpu"))
+    assert (params.sm_target, params.sm_mode, params.tile_value, params.kstep) == (3, cuda.TILE_CODES["zero"], 2.0, 1)

@@ -162,8 +162,8 @@ class _AccFaults:
     tile_mode: np.ndarray | None = None
     sm_target: int = -1
     sm_mode: int = 0
-    tile_value: float = 1.0
-    kstep: int = 0
+    tile_value: float | None = None  # one stuck value, one SM pin and one k-step per launch (InjectParams)
+    kstep: int | None = None
     lanes: list[tuple[int, int, int]] = field(default_factory=list)  # (stride, offset, mask) per stuck lane
     after: list = field(default_factory=list)  # callables(tile_sm ndarray) recording tile faults
 
@@ -279,13 +279,22 @@ def _tile_fault(acc: _AccFaults, plan: FaultPlan, f: FaultSpec, rng: np.random.G
         # row of CTA tiles that is the same block, so nothing would change. Not injected, and
         # not recorded as injected (the CPU model shifts by one 128-row CPU tile instead)
         return
+    # the kernels take one of each per launch: a second, different one overwrote the first, which
+    # was still recorded as injected (two SM-pinned faults corrupted only the last SM's tiles)
+    def one(what: str, have, want):
+        if have is not None and have != want:
+            raise InjectSpecError(f"the CUDA kernels take one {what} per launch; {f} asks for another")
+        return want
+
     if mode == "stuck":
-        acc.tile_value = float(f.get("value", "1.0"))
+        value = float(np.float32(f.get("value", "1.0")))
+        acc.tile_value = one("stuck tile value", acc.tile_value, value)
     if mode == "skipk":
         kblocks = max(1, -(-k // KSTEP))
-        acc.kstep = (f.as_int("kstep") if f.get("kstep") else int(rng.integers(0, kblocks))) % kblocks
+        acc.kstep = one("skipped k-step", acc.kstep, (f.as_int("kstep") if f.get("kstep") else int(rng.integers(0, kblocks))) % kblocks)
     if f.get("sm") is not None:  # which tiles land on the SM is known only after the launch
-        acc.sm_target, acc.sm_mode = f.as_int("sm"), code
+        pin = one("SM-pinned tile fault", (acc.sm_target, acc.sm_mode) if acc.sm_target >= 0 else None, (f.as_int("sm"), code))
+        acc.sm_target, acc.sm_mode = pin
         chosen = None
     else:
         chosen = corrupt.tiles_for(f, ctx, tiles, rng)
@@ -296,7 +305,7 @@ def _tile_fault(acc: _AccFaults, plan: FaultPlan, f: FaultSpec, rng: np.random.G
         if acc.tile_mode is None:
             acc.tile_mode = np.zeros(tiles[0] * tiles[1], dtype=np.int8)
         for i, j in chosen:
-            acc.tile_mode[i * tiles[1] + j] = code
+            acc.tile_mode[i * tiles[1] + j] = one(f"mode for tile {i}.{j}", acc.tile_mode[i * tiles[1] + j] or None, code)
     sm = acc.sm_target if chosen is None else None
 
     def record(tile_sm: np.ndarray, chosen=chosen) -> None:
@@ -313,8 +322,8 @@ def _inject_params(acc: _AccFaults, m: int, n: int, tile: tuple[int, int], devic
     tm, tn = tile
     tiles_n = -(-n // tn)
     n_tiles = -(-m // tm) * tiles_n
-    p = _Inject(sm_target=acc.sm_target, sm_mode=acc.sm_mode, tile_value=acc.tile_value, kstep=acc.kstep,
-                n_lanes=len(acc.lanes))
+    p = _Inject(sm_target=acc.sm_target, sm_mode=acc.sm_mode, tile_value=1.0 if acc.tile_value is None else acc.tile_value,
+                kstep=acc.kstep or 0, n_lanes=len(acc.lanes))
     for i, (stride, offset, mask) in enumerate(acc.lanes):
         p.lane_stride[i], p.lane_offset[i], p.lane_mask[i] = stride, offset, mask
     keep: list[torch.Tensor] = []
