@@ -166,6 +166,8 @@ def _validate(text: str, f: FaultSpec) -> None:
             raise InjectSpecError(f"--inject {text!r}: span must be one of {', '.join(SPANS)}")
         if p.get("value", "flip") not in VALUES:
             raise InjectSpecError(f"--inject {text!r}: value must be one of {', '.join(VALUES)}")
+        if p.get("span") == "random" and ("row" in p or "col" in p):  # its start is drawn over the whole tensor
+            raise InjectSpecError(f"--inject {text!r}: span=random draws its own start; row= and col= pin spans 1, 16 and 64 only")
     if f.model in ("mask", "stuck-lane") and "mask" not in p:
         raise InjectSpecError(f"--inject {text!r}: {f.model} needs mask=0x…")
     if f.model == "perturb" and "r" not in p:

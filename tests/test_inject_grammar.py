@@ -60,6 +60,8 @@ def test_valid_specs_parse(spec):
         ("tile:mode=zero,tile=1", "tile=ROW.COL"),
         ("tile:mode=zero,tile=0.0,sm=1", "at most one of"),
         ("replace:span=7", "span must be one of"),
+        ("replace:span=random,row=3", "span=random draws its own start"),  # row=3 was ignored: it landed anywhere
+        ("replace:span=random,col=0,target=out", "span=random draws its own start"),
         ("stuck-lane:mask=0x1,target=a", "target=a not valid"),
         ("row:mode=shift", "row mode must be"),
         ("bitflip:row=x", "is not an integer"),
