@@ -303,7 +303,18 @@ class FaultPlan:
             self.fired.add(next(s for s, g in zip(self.slots, self.faults, strict=True) if g is f))
 
 
-def recent_injections(plan: FaultPlan | None, n: int = 4) -> list[dict]:
-    """The last ``n`` injection records of ``plan`` (none without a plan), for evidence."""
-    return list(plan.injected[-n:]) if plan is not None else []
+def recent_injections(plan: FaultPlan | None, n: int = 4, case: str | None = None) -> list[dict]:
+    """The last ``n`` injection records of ``plan`` (none without a plan), for evidence. With
+    ``case``, only those of its shape group at any scale (a pow2 check compares with the base
+    scale's run): the plan's last records may be another case's, which the evidence would name."""
+    if plan is None:
+        return []
+    site = _SCALE_SUFFIX.sub("", case) if case is not None else None
+    out = []
+    for r in reversed(plan.injected):  # newest first: the case's own records are the latest
+        if len(out) == n:
+            break
+        if site is None or _SCALE_SUFFIX.sub("", r["op"]) == site:
+            out.append(r)
+    return out[::-1]
 

@@ -227,3 +227,17 @@ def test_cpu_skipk_drops_the_k_block_cuda_drops(k, kstep, dropped):
     expect[:, :128] -= a[:, lo:hi].float() @ b[lo:hi, :128].float()
     assert torch.equal(acc, expect)
     assert plan.injected[0]["kstep"] == lo // 64
+
+
+def test_evidence_names_only_its_own_cases_injections():
+    """A flagged case's evidence listed the plan's last four injection records, mostly other
+    cases' (another distribution, another op) when an intermittent fault skipped its last runs."""
+    import re
+
+    from aegis_cli.scan import ScanOptions, run_scan
+
+    group = lambda cid: re.sub(r"/s[+-]\d+[+-]\d+$", "", cid)
+    rep = run_scan(ScanOptions(probes=("gemm",), reruns=2, inject="bitflip:bit=exp,prob=0.3,op=mlp_down"))
+    ev = rep.devices[0].evidence
+    assert ev and all(e.injected for e in ev)
+    assert all({group(r["op"]) for r in e.injected} == {group(e.case_id)} for e in ev)

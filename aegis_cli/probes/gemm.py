@@ -324,7 +324,7 @@ class GemmProbe:
                           scale=[ea, eb], seed=case.seed, elements=sig.elements, samples=sig.samples, tiles=sig.tiles,
                           sms=sig.sms, localised=sig.localised, reruns=self.reruns, reproduced=seen[sig.check],
                           distinct_outputs=len(prints), kernel=res.kernel,
-                          injected=recent_injections(self.fault))
+                          injected=recent_injections(self.fault, case=case.case_id(ea, eb)))
             if sig.check in CHECKSUM_CHECKS:
                 ev.threshold, ev.max_value = tau, sig.max_value
                 ev.margin = sig.max_value / tau if math.isfinite(sig.max_value) else math.inf
