@@ -210,6 +210,10 @@ def run_scan(opts: ScanOptions, progress: Progress | None = None) -> Report:
     if set(probes) <= set(NODE_PROBES) and len(devices) < 2:
         raise ConfigError(f"{', '.join(probes)} compares devices with each other; with one device it checks nothing")
     check_memory(opts, devices)
+    if "crossdevice" in probes:  # a case id it never gives, or nothing to compare: refuse before any work
+        from aegis_cli.probes.crossdevice import selection
+
+        selection(devices, ProbeContext(opts=opts, fault=None, progress=lambda *a, **k: None))
     if opts.keep_flagged:  # the caller saves the flagged cases as vTasks: refuse what it could not save
         from aegis_cli.capture import check_savable
 

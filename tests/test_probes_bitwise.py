@@ -9,6 +9,8 @@ from aegis_cli.backends.cpu import CpuDevice
 from aegis_cli.errors import ConfigError, InjectSpecError
 from aegis_cli.inject import FaultPlan, parse_spec
 from aegis_cli.probes import ProbeContext
+from aegis_cli.probes._common import COMPUTATIONS, CPU_SIZES, NONDETERMINISTIC
+from aegis_cli.probes.crossdevice import case_ids
 from aegis_cli.scan import ScanOptions, run_scan
 
 
@@ -178,6 +180,48 @@ def test_crossdevice_clean_and_single_device():
     # alone, on one device, it would check nothing and still say HEALTHY
     with pytest.raises(ConfigError, match="with one device it checks nothing"):
         run_scan(ScanOptions(devices="cpu:0", probes=("crossdevice",)))
+
+
+@pytest.mark.parametrize("case", ["crossdevice/matmul/zzz", "crossdevice/matmul", "crossdevice/matmul/c/extra",
+                                  "crossdevice/matmul/row_sums", "crossdevice/matmul/input:q", "crossdevice/nope/c"])
+def test_crossdevice_case_that_the_probe_never_gives_is_refused(monkeypatch, case):
+    """A wrong output part used to run that computation's comparison and say HEALTHY."""
+    monkeypatch.setenv("AEGIS_CPU_DEVICES", "2")
+    with pytest.raises(ConfigError, match="crossdevice probe has no"):
+        run_scan(ScanOptions(devices="cpu", case=case))
+
+
+def test_crossdevice_case_reruns_the_flagged_output(monkeypatch):
+    monkeypatch.setenv("AEGIS_CPU_DEVICES", "3")
+    spec = "memflip:device=cpu:1,op=crossdevice/checked_gemm"
+    first = run_scan(ScanOptions(devices="cpu", probes=("crossdevice",), inject=spec))
+    (ev,) = first.devices[1].evidence
+    assert ev.case_id in case_ids("checked_gemm")
+    again = run_scan(ScanOptions(devices="cpu", inject=spec, case=ev.case_id))
+    assert [e.case_id for e in again.devices[1].evidence] == [ev.case_id]
+    assert again.devices[0].probe_stats["crossdevice"]["groups"][0]["computations"] == ["checked_gemm"]
+    assert run_scan(ScanOptions(devices="cpu", case="crossdevice/matmul/input:b")).devices[0].verdict.value == "HEALTHY"
+
+
+@pytest.mark.parametrize("name", sorted(COMPUTATIONS))
+def test_computation_names_are_what_it_produces(name):
+    """The case ids the crossdevice probe accepts come from these declared names."""
+    dev, comp = CpuDevice(), COMPUTATIONS[name]
+    x = comp.inputs(dev, CPU_SIZES, 0)
+    assert (tuple(x), tuple(comp.run(dev, x, None, name))) == comp.names
+
+
+def test_crossdevice_refuses_a_selection_it_would_skip_entirely(monkeypatch):
+    """Computations that differ run to run on the backend are skipped; with nothing else
+    selected the probe compared nothing and said HEALTHY."""
+    monkeypatch.setenv("AEGIS_CPU_DEVICES", "2")
+    monkeypatch.setitem(NONDETERMINISTIC, "cpu", {"sdpa_bwd"})
+    for opts in (ScanOptions(devices="cpu", probes=("gemm", "crossdevice"), probe_options={"crossdevice.only": "sdpa_bwd"}),
+                 ScanOptions(devices="cpu", case="crossdevice/sdpa_bwd/dq")):
+        with pytest.raises(ConfigError, match="would compare nothing"):
+            run_scan(opts, lambda event, **info: pytest.fail("refused only after work began") if event == "start" else None)
+    rep = run_scan(ScanOptions(devices="cpu", probes=("crossdevice",), probe_options={"crossdevice.only": "sdpa_bwd,gelu"}))
+    assert rep.devices[0].probe_stats["crossdevice"]["groups"][0]["computations"] == ["gelu"]
 
 
 def test_inject_grammar_for_stored_faults():

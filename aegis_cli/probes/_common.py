@@ -76,6 +76,7 @@ class Computation:
     inputs: Callable[[Device, Sizes, int], dict[str, torch.Tensor]]
     run: Callable[..., dict[str, torch.Tensor]]  # run(device, inputs, fault, op) -> outputs
     shape: Callable[[Sizes], dict]
+    names: tuple[tuple[str, ...], tuple[str, ...]]  # (its inputs, its outputs), as the probes key them
     vendor: bool = True  # runs a library kernel (torch/cuBLAS/cuDNN), not ours
 
     def held(self, device: Device, x: dict[str, torch.Tensor], fault: FaultPlan | None, op: str) -> dict[str, torch.Tensor]:
@@ -150,15 +151,17 @@ _gemm_shape = lambda s: dict(zip("mnk", s.gemm, strict=True))
 _attn_shape = lambda s: dict(zip(("batch", "heads", "seq", "head_dim"), s.attn, strict=True))
 _rows_shape = lambda s: {"tokens": s.rows[0], "hidden": s.rows[1]}
 
+_GEMM_IN, _ATTN_IN, _ROWS_IN = ("a", "b"), ("q", "k", "v", "do"), ("x", "w")
 COMPUTATIONS: dict[str, Computation] = {c.name: c for c in (
-    Computation("checked_gemm", _gemm_inputs, _checked_gemm, _gemm_shape, vendor=False),
-    Computation("matmul", _gemm_inputs, _matmul, _gemm_shape),
-    Computation("sdpa_fwd", _attn_inputs, _sdpa_fwd, _attn_shape),
-    Computation("sdpa_bwd", _attn_inputs, _sdpa_bwd, _attn_shape),
-    Computation("sdpa_bwd_det", _attn_inputs, _sdpa_bwd_det, _attn_shape),
-    Computation("rmsnorm", _rows_inputs, _rmsnorm, _rows_shape),
-    Computation("gelu", _rows_inputs, _gelu, _rows_shape),
-    Computation("silu", _rows_inputs, _silu, _rows_shape),
+    Computation("checked_gemm", _gemm_inputs, _checked_gemm, _gemm_shape, (_GEMM_IN, ("c", "row_sums", "col_sums")),
+                vendor=False),
+    Computation("matmul", _gemm_inputs, _matmul, _gemm_shape, (_GEMM_IN, ("c",))),
+    Computation("sdpa_fwd", _attn_inputs, _sdpa_fwd, _attn_shape, (_ATTN_IN, ("o",))),
+    Computation("sdpa_bwd", _attn_inputs, _sdpa_bwd, _attn_shape, (_ATTN_IN, ("dq", "dk", "dv"))),
+    Computation("sdpa_bwd_det", _attn_inputs, _sdpa_bwd_det, _attn_shape, (_ATTN_IN, ("dq", "dk", "dv"))),
+    Computation("rmsnorm", _rows_inputs, _rmsnorm, _rows_shape, (_ROWS_IN, ("y",))),
+    Computation("gelu", _rows_inputs, _gelu, _rows_shape, (_ROWS_IN, ("y",))),
+    Computation("silu", _rows_inputs, _silu, _rows_shape, (_ROWS_IN, ("y",))),
 )}
 
 

@@ -44,6 +44,46 @@ REFEREE_POSITIONS = 64
 OPTIONS = {"only": (computation_list(allow_empty=False), DEFAULT, "comma-separated computations to compare across devices")}
 
 
+def _groups(devices: list[Device]) -> dict[tuple[str, str], list[Device]]:
+    """Devices by (backend, model): only devices of one group are compared with each other."""
+    groups: dict[tuple[str, str], list[Device]] = {}
+    for d in devices:
+        groups.setdefault((d.identity.backend, d.identity.name), []).append(d)
+    return groups
+
+
+def case_ids(name: str) -> list[str]:
+    """The case ids the probe gives ``name``'s evidence: one per input and output."""
+    inputs, outputs = COMPUTATIONS[name].names
+    return [f"crossdevice/{name}/{k}" for k in (*(f"input:{i}" for i in inputs), *outputs)]
+
+
+def selection(devices: list[Device], ctx: ProbeContext) -> list[str]:
+    """The computations to compare: ``only``, or the one of ``--case crossdevice/NAME/KEY``.
+    ConfigError, before any work, for a case id the probe never gives (a wrong KEY used to run
+    NAME's comparison and say HEALTHY about it) or when a group of devices would compare
+    nothing (every name differs run to run on its backend), which would read as HEALTHY."""
+    from aegis_cli.errors import ConfigError
+
+    names = [n.strip() for n in ctx.option("crossdevice", "only").split(",") if n.strip()]
+    case = ctx.opts.case
+    if case is not None and case.startswith("crossdevice/"):
+        name = case.split("/")[1]
+        if name not in COMPUTATIONS:
+            raise ConfigError(f"case {case!r}: the crossdevice probe has no computation {name!r} "
+                              f"(known: {', '.join(COMPUTATIONS)})")
+        if case not in case_ids(name):
+            raise ConfigError(f"case {case!r}: the crossdevice probe has no such case (its cases for {name}: "
+                              f"{', '.join(case_ids(name))})")
+        names = [name]
+    for (backend, model), members in _groups(devices).items():
+        if len(members) >= 2 and not any(all(assumed_deterministic(d, n) for d in members) for n in names):
+            raise ConfigError(f"crossdevice: {', '.join(names)} differ(s) run to run on a healthy {backend} device, so the "
+                              f"probe skips it and would compare nothing on the {model} devices; choose others "
+                              "(crossdevice.only)")
+    return names
+
+
 def _run_device(device: Device, names: list[str], ctx: ProbeContext, fault) -> dict[str, dict[str, torch.Tensor]]:
     out: dict[str, dict[str, torch.Tensor]] = {}
     for name in names:
@@ -115,18 +155,8 @@ def _evidence(name: str, key: str, culprit: str, ref_dev: str, results: dict, se
 def crossdevice_probe(devices: list[Device], ctx: ProbeContext) -> dict[str, list[Evidence]]:
     """Same seeded workload on every device; the odd one out is flagged."""
     t0 = time.perf_counter()
-    names = [n.strip() for n in ctx.option("crossdevice", "only").split(",") if n.strip()]
-    part = ctx.case_part("crossdevice")
-    if part is not None:
-        names = [part]  # --case crossdevice/NAME/OUTPUT
-    unknown = [n for n in names if n not in COMPUTATIONS]
-    if unknown:
-        from aegis_cli.errors import ConfigError
-
-        raise ConfigError(f"crossdevice.only: unknown computation(s) {', '.join(unknown)} (known: {', '.join(COMPUTATIONS)})")
-    groups: dict[tuple[str, str], list[Device]] = {}
-    for d in devices:
-        groups.setdefault((d.identity.backend, d.identity.name), []).append(d)
+    names = selection(devices, ctx)  # run_scan checked it before any probe ran
+    groups = _groups(devices)
     evidence: dict[str, list[Evidence]] = {d.identity.id: [] for d in devices}
     summary: list[dict] = []
     for (_backend, model), members in groups.items():
