@@ -142,6 +142,27 @@ def test_memflip_bit_beyond_the_element_counts_on_in_memory(bit):
     assert s["offset"] == 777776 and int(s["xor"], 16) == 1 << bit and s["flipped_bits"] == 1
 
 
+def test_memory_flips_in_several_chunks_reproduce_once_per_reread():
+    """The third read is one re-run: it counted the chunks still changed ("3 of 1 re-runs")."""
+    from aegis_cli.probes.memory import memory_probe
+
+    c = ctx("memflip:seed=1;memflip:seed=2;memflip:seed=3", memory__mb=16)
+    (ev,) = memory_probe(CpuDevice(0), c)
+    assert len({t[0] for t in ev.tiles}) >= 2  # several chunks changed
+    assert (ev.reproduced, ev.reruns) == (1, 1) and ev.to_dict()["reproduction"] == "reproduced in 1 of 1 re-runs"
+
+
+def test_memory_probe_that_could_allocate_nothing_is_an_error(monkeypatch):
+    """When no memory can be allocated (another process fills the GPU) the probe checked
+    nothing: it said HEALTHY with 0 bytes covered."""
+    from aegis_cli.probes import memory
+
+    monkeypatch.setattr(memory._Region, "allocate", lambda self, target: None)  # every allocation failed
+    rep = run_scan(ScanOptions(devices="cpu:0", probes=("memory",)))
+    d = rep.devices[0]
+    assert d.verdict.value == "ERROR" and "no memory could be allocated" in d.error
+
+
 def test_memory_summary_counts_every_changed_block():
     from aegis_cli.probes.memory import BLOCK, memory_probe
 
