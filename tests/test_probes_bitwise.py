@@ -152,6 +152,35 @@ def test_memory_flips_in_several_chunks_reproduce_once_per_reread():
     assert (ev.reproduced, ev.reruns) == (1, 1) and ev.to_dict()["reproduction"] == "reproduced in 1 of 1 re-runs"
 
 
+def test_memory_finds_a_bit_stuck_from_the_write(monkeypatch):
+    """A cell that never holds what is written (stuck at 1) reads the same wrong bits when the
+    patterns are fingerprinted and after the hold: only the pattern itself shows it. The
+    probe compared fingerprint with fingerprint and said HEALTHY."""
+    from aegis_cli.probes import memory
+
+    stuck, chunks = 777777, []  # a byte of chunk 0 (walking ones: 0x00 there), bit 4 stuck at 1
+    allocate, fill = memory._Region.allocate, memory.fill
+
+    def allocate_and_note(self, target):
+        allocate(self, target)
+        chunks[:] = self.chunks
+
+    def fill_with_a_stuck_cell(piece, pattern, seed, gen):
+        fill(piece, pattern, seed, gen)
+        off = stuck - (piece.data_ptr() - chunks[0].data_ptr())
+        if piece.untyped_storage().data_ptr() == chunks[0].untyped_storage().data_ptr() and 0 <= off < piece.numel():
+            piece[off] |= 0x10
+
+    monkeypatch.setattr(memory._Region, "allocate", allocate_and_note)
+    monkeypatch.setattr(memory, "fill", fill_with_a_stuck_cell)
+    c = ctx(memory__mb=8)
+    (ev,) = memory.memory_probe(CpuDevice(0), c)
+    (s,) = ev.samples
+    assert ev.severity.value == "FAULTY" and ev.reproduced == 1 and "right after the write" in ev.summary
+    assert (s["chunk"], s["offset"], s["wrong_since"]) == (0, stuck // 8 * 8, "write")
+    assert int(s["xor"], 16) == 0x10 << (8 * (stuck % 8)) and s["pattern"] == "walking_ones"
+
+
 def test_memory_probe_that_could_allocate_nothing_is_an_error(monkeypatch):
     """When no memory can be allocated (another process fills the GPU) the probe checked
     nothing: it said HEALTHY with 0 bytes covered."""

@@ -4,10 +4,13 @@ hold it while compute runs, re-read and compare (DESIGN §1: HBM flips without E
 Chunks (1 GiB on GPUs) are allocated until ``fraction`` of the free memory is covered and
 filled, in pieces of a few MiB each seeded apart, with a pattern per chunk (rotated each
 pass): walking ones and walking zeros (64-bit words), random bytes, and training-like bf16
-and fp32 normal values. Each chunk's block fingerprints (64 KiB blocks, on the device) are
-taken after the write; matmuls run for ``hold`` seconds; the fingerprints are taken again.
+and fp32 normal values. Each piece is read back against its pattern regenerated in a scratch
+buffer (cells wrong from the start: stuck bits, failed writes). Each chunk's block fingerprints
+(64 KiB blocks, on the device) are taken after the write; matmuls run for ``hold`` seconds; the
+fingerprints are taken again.
 
-  memory.bitflip   a block's fingerprint changed between write and re-read. The block's
+  memory.bitflip   a block read back wrong right after the write, or its fingerprint changed
+                   between write and re-read. The block's
                    piece is regenerated from its seed and compared word by word: device
                    address, offset, expected/actual 64-bit words, XOR mask, flipped bits.
                    FAULTY. A third read says whether the flip stays in storage.
@@ -86,6 +89,7 @@ class _Region:
         self.dev, self.chunk, self.piece, self.seed, self.pass_no = dev, chunk, piece, seed, pass_no
         self.chunks: list[torch.Tensor] = []
         self.gen = torch.Generator(device=dev)
+        self.wrong: dict[int, list[int]] = {}  # chunk → blocks that read back wrong right after the write
 
     def pattern(self, i: int) -> str:
         return PATTERNS[(i + self.pass_no) % len(PATTERNS)]
@@ -107,9 +111,23 @@ class _Region:
                 self.chunk = max(self.piece, self.chunk // 2)  # fragmented: try smaller chunks
 
     def write(self) -> None:
+        """Fill every piece and read it back against the pattern regenerated in a scratch
+        buffer: a cell that holds wrong bits from the start (stuck, or a failed write) is
+        fingerprinted wrong before the hold too, so only this read finds it."""
+        scratch = torch.empty(self.piece, dtype=torch.uint8, device=self.dev)
+        wpb = BLOCK // 8  # 64-bit words per block
         for i, c in enumerate(self.chunks):
             for p, start in enumerate(range(0, c.numel(), self.piece)):
-                fill(c[start : start + self.piece], self.pattern(i), self.piece_seed(i, p), self.gen)
+                piece = c[start : start + self.piece]
+                want = scratch[: piece.numel()]
+                fill(piece, self.pattern(i), self.piece_seed(i, p), self.gen)
+                fill(want, self.pattern(i), self.piece_seed(i, p), self.gen)
+                if torch.equal(piece, want):
+                    continue
+                ne = piece.view(torch.int64) != want.view(torch.int64)  # pieces are whole 512-byte multiples
+                nb = -(-ne.numel() // wpb)
+                ne = torch.nn.functional.pad(ne, (0, nb * wpb - ne.numel())).view(nb, wpb).any(1)
+                self.wrong.setdefault(i, []).extend(start // BLOCK + b for b in ne.nonzero().flatten().tolist())
 
     def expected_block(self, i: int, block: int) -> torch.Tensor:
         """The bytes block ``block`` of chunk ``i`` should hold, regenerated from its seed."""
@@ -140,13 +158,14 @@ def _hold(dev: torch.device, seconds: float, backend: str) -> dict:
     return {"matmuls": count, "size": n, "seconds": round(time.perf_counter() - t0, 3)}
 
 
-def _compare(region: _Region, before: list[torch.Tensor], ctx_device: str) -> tuple[int, list[dict], dict]:
-    """Blocks whose fingerprints changed → (differing words, samples, per-chunk blocks)."""
+def _compare(region: _Region, before: list[torch.Tensor], ctx_device: str) -> tuple[int, list[dict], dict, int]:
+    """Blocks whose fingerprints changed or that were wrong right after the write → (differing
+    words, samples, per-chunk blocks, examined blocks wrong since the write that still are)."""
     words_bad, samples, where = 0, [], {}
-    examined = 0
+    examined = stuck = 0
     for i, c in enumerate(region.chunks):
         after = block_prints(c)
-        bad = (after != before[i]).nonzero().flatten().tolist()
+        bad = sorted({*(after != before[i]).nonzero().flatten().tolist(), *region.wrong.get(i, [])})
         if not bad:
             continue
         where[i] = bad  # all of them: the summary counts them; evidence lists the first 16
@@ -158,16 +177,18 @@ def _compare(region: _Region, before: list[torch.Tensor], ctx_device: str) -> tu
             got = c[blk * BLOCK : blk * BLOCK + want.size * 8].view(torch.int64).cpu().numpy().view(np.uint64)
             diff = np.flatnonzero(want != got)
             words_bad += int(diff.size)
+            since = "write" if blk in region.wrong.get(i, ()) else "hold"
+            stuck += since == "write" and diff.size > 0
             if not diff.size and len(samples) < MAX_SAMPLES:
                 samples.append({"chunk": i, "block": blk, "pattern": region.pattern(i),
                                 "note": "fingerprint changed but the data now matches the pattern (transient read error)"})
             for w in diff[: max(0, MAX_SAMPLES - len(samples))]:
                 off = blk * BLOCK + int(w) * 8
                 x = int(want[w] ^ got[w])
-                samples.append({"chunk": i, "block": blk, "pattern": region.pattern(i), "offset": off,
+                samples.append({"chunk": i, "block": blk, "pattern": region.pattern(i), "wrong_since": since, "offset": off,
                                 "address": f"0x{c.data_ptr() + off:x}", "expected": f"0x{int(want[w]):016x}",
                                 "actual": f"0x{int(got[w]):016x}", "xor": f"0x{x:016x}", "flipped_bits": bin(x).count("1")})
-    return words_bad, samples, where
+    return words_bad, samples, where, stuck
 
 
 def cpu_buffer_bytes(ctx: ProbeContext) -> int:
@@ -249,16 +270,19 @@ def memory_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
             stored_faults(ctx.fault, device, op, {f"chunk{i:04d}": c for i, c in enumerate(region.chunks)})
             held = _hold(dev, hold, backend)
             tr = time.perf_counter()
-            words_bad, samples, where = _compare(region, before, device.identity.id)
+            words_bad, samples, where, stuck = _compare(region, before, device.identity.id)
             tr = time.perf_counter() - tr
             if where:
-                # one third read: reproduced 1 of 1 if any changed block still differs (a count of
-                # chunks here read "reproduced in 3 of 1 re-runs")
-                again = int(any(bool((block_prints(region.chunks[i]) != before[i]).any()) for i in where))
+                # one third read: reproduced 1 of 1 if a changed block still differs or a block wrong
+                # since the write still is (a count of chunks here read "reproduced in 3 of 1 re-runs")
+                again = int(bool(stuck) or any(bool((block_prints(region.chunks[i]) != before[i]).any()) for i in where))
                 n_blocks = sum(len(v) for v in where.values())
+                n_write = sum(len(v) for v in region.wrong.values())
+                when = (f"wrong right after the write ({n_write} of them: stuck bits or failed writes) or changed "
+                        "between write and re-read" if n_write else "changed between write and re-read")
                 ev = Evidence(
                     check="memory.bitflip", severity=Verdict.FAULTY, case_id=f"memory/pass{pass_no}",
-                    summary=(f"memory.bitflip: {n_blocks} block(s) of {BLOCK >> 10} KiB changed between write and re-read "
+                    summary=(f"memory.bitflip: {n_blocks} block(s) of {BLOCK >> 10} KiB {when} "
                              f"({words_bad} differing 64-bit word(s) in the blocks examined) after {held['seconds']:.1f} s "
                              f"held; chunks {sorted(where)[:8]}"),
                     op="memory", shape={"bytes": covered}, dist=",".join(PATTERNS), seed=ctx.opts.seed, max_value=1.0,
