@@ -274,6 +274,20 @@ def test_crossdevice_refuses_a_selection_it_would_skip_entirely(monkeypatch):
     assert rep.devices[0].probe_stats["crossdevice"]["groups"][0]["computations"] == ["gelu"]
 
 
+def test_crossdevice_alone_over_devices_of_different_models_is_refused():
+    """Two devices, no two of one model: the probe compared nothing and said HEALTHY."""
+    import dataclasses
+
+    from aegis_cli.probes.crossdevice import selection
+
+    d0, d1 = CpuDevice(0), CpuDevice(1)
+    d1.identity = dataclasses.replace(d1.identity, name="another model")
+    with pytest.raises(ConfigError, match="no two of the scanned devices are of one model"):
+        selection([d0, d1], ProbeContext(opts=ScanOptions(probes=("crossdevice",)), fault=None, progress=lambda *a, **k: None))
+    assert selection([d0, d1], ProbeContext(opts=ScanOptions(probes=("gemm", "crossdevice")), fault=None,
+                                            progress=lambda *a, **k: None))  # others run: it may compare nothing
+
+
 def test_inject_grammar_for_stored_faults():
     assert parse_spec("memflip")[0].target == "mem" and parse_spec("swap:count=2")[0].target == "mem"
     assert parse_spec("memflip:bit=63,index=5")[0].get("bit") == "63"

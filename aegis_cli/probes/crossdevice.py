@@ -61,8 +61,9 @@ def case_ids(name: str) -> list[str]:
 def selection(devices: list[Device], ctx: ProbeContext) -> list[str]:
     """The computations to compare: ``only``, or the one of ``--case crossdevice/NAME/KEY``.
     ConfigError, before any work, for a case id the probe never gives (a wrong KEY used to run
-    NAME's comparison and say HEALTHY about it) or when a group of devices would compare
-    nothing (every name differs run to run on its backend), which would read as HEALTHY."""
+    NAME's comparison and say HEALTHY about it), when a group of devices would compare nothing
+    (every name differs run to run on its backend), or, run alone, when no two devices are of
+    one model: each would read as HEALTHY."""
     from aegis_cli.errors import ConfigError
 
     names = [n.strip() for n in ctx.option("crossdevice", "only").split(",") if n.strip()]
@@ -76,7 +77,11 @@ def selection(devices: list[Device], ctx: ProbeContext) -> list[str]:
             raise ConfigError(f"case {case!r}: the crossdevice probe has no such case (its cases for {name}: "
                               f"{', '.join(case_ids(name))})")
         names = [name]
-    for (backend, model), members in _groups(devices).items():
+    groups = _groups(devices)
+    if set(ctx.opts.probes) <= {"crossdevice"} and all(len(m) < 2 for m in groups.values()):
+        raise ConfigError("crossdevice compares devices of one model with each other; no two of the scanned devices "
+                          f"are of one model ({', '.join(m for _, m in groups)}), so alone it checks nothing")
+    for (backend, model), members in groups.items():
         if len(members) >= 2 and not any(all(assumed_deterministic(d, n) for d in members) for n in names):
             raise ConfigError(f"crossdevice: {', '.join(names)} differ(s) run to run on a healthy {backend} device, so the "
                               f"probe skips it and would compare nothing on the {model} devices; choose others "
