@@ -180,9 +180,9 @@ def apply_acc(plan: FaultPlan, ctx: LaunchContext, acc: torch.Tensor, a_mk: torc
             record(plan, f, ctx, acc.shape, np.arange(i * n, (i + 1) * n), row=i, mode=f.get("mode", "zero"))
         elif f.model == "tile":
             mode = f.get("mode", "zero")
-            if mode == "shift" and tm % max(m, 1) == 0:
-                # M divides the tile height: the block one tile down (wrapping) is this one, so
-                # nothing would change. Not injected and not recorded, as on CUDA (cuda._tile_fault)
+            if mode == "shift" and m <= tm:
+                # one row of tiles: "one tile further down" wraps back into the same tile, no
+                # wrong-address read at all; as on CUDA, not injected and not recorded
                 continue
             if mode == "skipk":  # the k-block number modulo the k-blocks, as the CUDA kernels take it
                 kblocks = max(1, -(-a_mk.shape[1] // KSTEP))

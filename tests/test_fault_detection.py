@@ -137,6 +137,19 @@ def test_tile_faults_name_the_tile(mode):
         assert [1, 0] in e.tiles
 
 
+def test_shift_with_one_row_of_tiles_is_not_claimed():
+    """With M ≤ 128 the A block "one tile further down" wraps to the tile's own: a shift would
+    change nothing, so it is neither injected nor recorded as injected (as on CUDA): a self-test
+    must not count a miss for a fault that never changed a bit."""
+    dev = CpuDevice()
+    ops = GemmCase(WL.name, WL.gemms()[0], "normal", 5).operands(dev)
+    small = type(ops)(ops.a[:128].contiguous(), ops.b, ops.layout)  # fwd: A is (M, K)
+    plan = FaultPlan.parse("tile:mode=shift,tile=0.0")
+    res = dev.checked_gemm(small, plan, op="shift")
+    assert not plan.injected
+    assert res.c.equal(dev.checked_gemm(small).c)
+
+
 def test_sm_pinned_fault_names_that_sm():
     ev, plan = run_fault("tile:mode=zero,sm=2")
     assert worst(e.severity for e in ev) is Verdict.FAULTY
