@@ -486,7 +486,7 @@ def history(config_path, db, ident, since, fmt, retire):
 @click.option("--output", "-o", default=None, metavar="PATH", callback=_writable,
               help="Write the fleet report here (atomically) instead of stdout.")
 def report_cmd(files, fmt, output):
-    """Merge per-node JSON reports (scan or sweep) into one fleet table; compares fingerprints across devices."""
+    """Merge per-node JSON reports (scan or sweep) into one fleet table; compares the fingerprints of sweeps across devices."""
     from aegis_cli.fleet.merge import merge
 
     doc = merge(list(files))

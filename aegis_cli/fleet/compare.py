@@ -84,7 +84,8 @@ def compare(devices: list[dict]) -> dict:
                           "is as likely as a hardware one; replay the cases on a known-good device",
             ODD_ONE_OUT: "the flagged device's results differ from the majority of identical devices",
             CONSISTENT: "every compared device produced the same bits",
-            NOT_COMPARED: "fewer than two comparable devices (same model, software and workload)"}[outcome]
+            NOT_COMPARED: "fewer than two comparable devices (same model, software, workload and seed, "
+                          "with the fingerprints of a sweep: scan reports carry none)"}[outcome]
     return {"outcome": outcome, "note": note, "groups": out_groups, "odd": list(odd.values()),
             "inconclusive_cases": inconclusive[:50], "noise_outliers": outliers}
 
