@@ -203,7 +203,7 @@ def _progress_callback(progress: Progress | None, banner: str | None = None):
 @click.option("--reruns", default=SCAN_RERUNS, show_default=True, type=int, help="Re-runs of a flagged case to confirm it (1…1000).")
 @click.option("--inject", default=None, metavar="SPEC", help="Inject faults on purpose (self-test); see docs/fault-injection.md.")
 @click.option("--save-vtasks", "save_vtasks", default=None, metavar="PATH", callback=_writable,
-              help="Save every flagged case as vTasks in a bundle.")
+              help="Save every flagged GEMM case as vTasks in a bundle (aegis replay).")
 @click.option("--format", "fmt", type=click.Choice(report_mod.FORMATS), default="table", show_default=True)
 @click.option("--output", "-o", default=None, metavar="PATH", callback=_writable,
               help="Write the report here (atomically) instead of stdout.")
@@ -212,7 +212,7 @@ def _progress_callback(progress: Progress | None, banner: str | None = None):
 @click.option("--probe-option", "probe_options", multiple=True, metavar="PROBE.KEY=VALUE",
               help="Probe setting, repeatable, e.g. memory.mode=full (docs/probes.md).")
 @click.option("--threshold", default=None, type=float, help="Floor of the normalised checksum threshold τ (default 1e-6; see docs/calibration.md).")
-@click.option("--confirm-margin", default=None, type=float, help="How far over τ a reproducible flag must be to count as FAULTY.")
+@click.option("--confirm-margin", default=None, type=float, help="How far over τ a reproducible flag must be to count as FAULTY, below it SUSPECT (default 1).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def scan(devices, workload, seed, case, reruns, inject, save_vtasks, probes, golden, probe_options, threshold, confirm_margin, fmt, output, quiet):
     """Scan this node's devices with checked training-shaped GEMMs and print a verdict per device."""
