@@ -269,6 +269,17 @@ def test_config_errors_name_file_and_line(tmp_path):
         load_config(p)
 
 
+@pytest.mark.parametrize("probes, message", [
+    (["gemm", "bogus"], "unknown probe"),  # a typo must not record ERROR for every GPU of the fleet
+    (["crossdevice"], "node probe"),  # workers scan one device each: it would check nothing, yet HEALTHY
+    (["golden"], "golden"),  # a sweep has no golden file to compare against
+    ([], "no probes"),
+])
+def test_sweep_probes_are_checked_when_the_config_loads(tmp_path, probes, message):
+    with pytest.raises(ConfigError, match=rf"sweep\.yaml: .*{message}"):
+        load_config(write_config(tmp_path, probes=probes))
+
+
 def test_scan_rejects_worker_hooks():
     p = subprocess.run(aegis("scan", "--device", "cpu", "--inject", "hang:seconds=1"), env=env(1), capture_output=True, text=True, timeout=60)
     assert p.returncode == 3 and "test hook of sweep workers" in p.stderr

@@ -115,12 +115,33 @@ class SweepConfig:
         check_reruns(self.reruns, "reruns")
 
         check_seed(self.seed)
+        self._check_probes()
         if self.max_parallel < 0 or self.fingerprint_cases < 0:
             raise ConfigError("max_parallel and fingerprint_cases must be ≥ 0")
         if self.inject:
             from aegis_cli.inject import parse_spec
 
             parse_spec(self.inject, worker=True)
+
+    def _check_probes(self) -> None:
+        """Refuse, before any worker starts, probes a worker cannot run: otherwise every device
+        would record ERROR (a typo) or HEALTHY with nothing checked (a node probe)."""
+        from aegis_cli.probes import NODE_PROBES, PROBES, load_all
+
+        load_all()
+        runnable = sorted(p for p in PROBES if p != "golden")
+        if not self.probes:
+            raise ConfigError(f"probes is empty: no probes to run, so HEALTHY would mean nothing was checked "
+                              f"(a sweep runs {', '.join(runnable)})")
+        for p in self.probes:
+            if p in NODE_PROBES:
+                raise ConfigError(f"probes: {p} is a node probe, and each sweep worker scans one device; "
+                                  f"a sweep compares devices through fingerprint_cases instead")
+            if p == "golden":
+                raise ConfigError("probes: golden compares against a golden file, which a sweep does not take "
+                                  "(aegis scan --golden FILE)")
+            if p not in PROBES:
+                raise ConfigError(f"probes: unknown probe {p!r} (a sweep runs {', '.join(runnable)})")
 
 
 def load_config(path: str | os.PathLike) -> SweepConfig:
