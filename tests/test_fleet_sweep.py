@@ -280,6 +280,15 @@ def test_sweep_probes_are_checked_when_the_config_loads(tmp_path, probes, messag
         load_config(write_config(tmp_path, probes=probes))
 
 
+def test_sweep_workload_is_checked_when_the_config_loads(tmp_path):
+    """A misspelt workload is one config error, not ERROR recorded in the history of every device."""
+    with pytest.raises(ConfigError, match=r"sweep\.yaml: workload: unknown workload 'llama3-80b'"):
+        load_config(write_config(tmp_path, workload="llama3-80b"))
+    (tmp_path / "bad.yaml").write_text("name: bad\nmodle: {}\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: line 2: unknown key 'modle'"):
+        load_config(write_config(tmp_path, workload="bad.yaml"))
+
+
 def test_scan_rejects_worker_hooks():
     p = subprocess.run(aegis("scan", "--device", "cpu", "--inject", "hang:seconds=1"), env=env(1), capture_output=True, text=True, timeout=60)
     assert p.returncode == 3 and "test hook of sweep workers" in p.stderr

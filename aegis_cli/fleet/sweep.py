@@ -165,6 +165,13 @@ def load_config(path: str | os.PathLike) -> SweepConfig:
     cfg.distributed.fleet_report = rel(cfg.distributed.fleet_report)
     if cfg.workload and (cfg.workload.endswith((".yaml", ".yml"))) and not os.path.isabs(cfg.workload):
         cfg.workload = str(base / cfg.workload)
+    if cfg.workload:  # a typo here would otherwise be ERROR in the history of every device
+        from aegis_cli import workloads
+
+        try:
+            workloads.load(cfg.workload)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: workload: {exc}") from None
     cfg.source = str(path)
     return cfg
 
