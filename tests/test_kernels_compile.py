@@ -16,7 +16,7 @@ from aegis_cli.backends import loader
 NVCC = shutil.which("nvcc")
 KERNELS = sorted(p.name for p in loader.kernel_dir().glob("*.cu"))
 VARIANTS = {"gemm_mma.cu": ("", "-DAEGIS_INJECT", "-DAEGIS_NOSUMS"),
-            "gemm_wgmma.cu": ("", "-DAEGIS_INJECT", "-DAEGIS_NOSUMS")}
+            "gemm_wgmma.cu": ("", "-DAEGIS_INJECT", "-DAEGIS_NOSUMS", "-DAEGIS_TIMING")}
 CASES = [(k, v) for k in KERNELS for v in VARIANTS.get(k, ("",))]
 
 
