@@ -12,14 +12,13 @@ of each CTA (start-up, no next head) are left out.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from gemm import N_SETS, _input_sets, _parse_variant, _variant_launches
+from gemm import N_SETS, _input_sets, _parse_variant, _variant_launches, write_rows
 
 from aegis_cli.backends.base import Layout
 
@@ -93,9 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device", file=sys.stderr)
         return 3
     rows = run(args.size or [(8192, 8192, 3584)], args.ctas, args.compare)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump({"device": torch.cuda.get_device_name(0), "rows": rows}, fh, indent=1)
+    write_rows(args.json, rows)
     return 0
 
 

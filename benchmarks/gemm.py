@@ -374,10 +374,15 @@ def main(argv: list[str] | None = None) -> int:
         rows = run(args.reps, args.kernel, args.square, args.baseline)
         if args.repeat_square:
             rows += [dict(r, name=r["name"] + "(repeat)") for r in run(args.reps, args.kernel, True, args.baseline)]
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump({"device": torch.cuda.get_device_name(0), "rows": rows}, fh, indent=1)
+    write_rows(args.json, rows)
     return 0
+
+
+def write_rows(path: str | None, rows: list[dict]) -> None:
+    """The benchmark rows as JSON at ``path`` (nothing without one), with the device name."""
+    if path:
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump({"device": torch.cuda.get_device_name(0), "rows": rows}, fh, indent=1)
 
 
 if __name__ == "__main__":
