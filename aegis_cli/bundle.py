@@ -200,7 +200,7 @@ def read_bundle(path: str | os.PathLike, limits: Limits | None = None) -> Bundle
     if not stat.S_ISREG(st.st_mode):
         raise ck.fail("is not a regular file")
     if st.st_size > limits.max_bytes:
-        raise ck.fail(f"file is {st.st_size} bytes, over the limit of {limits.max_bytes} (AEGIS_BUNDLE_MAX_BYTES)")
+        raise ck.fail(f"file is {st.st_size} bytes, over the limit of {limits.max_bytes} ({limits.source})")
     try:  # the size it has, not the limit: a raised limit must not allocate that much
         with open(path, "rb") as fh:
             data = fh.read(st.st_size + 1)

@@ -140,6 +140,15 @@ def apply_operands(plan: FaultPlan, ctx: LaunchContext, a_mk: torch.Tensor, b_kn
     return a_mk, b_kn
 
 
+def perturb_draw(plan: FaultPlan, f: FaultSpec, rng: np.random.Generator, numel: int) -> tuple[np.ndarray, np.ndarray]:
+    """The accumulator elements a perturb fault hits on this launch, and their signs (both
+    backends): a fresh draw per launch (a transient-rate fault), seeded through ``rng`` by the
+    fault's place in the spec, so two perturb faults with one seed do not hit the same elements."""
+    prng = np.random.default_rng([int(rng.integers(1 << 62)), plan.launches, 0x9E7])
+    hit = np.flatnonzero(prng.random(numel) < float(f.get("rate", "2e-4")))
+    return hit, prng.choice([-1.0, 1.0], hit.size)
+
+
 def tiles_for(f: FaultSpec, ctx: LaunchContext, tiles: tuple[int, int], rng: np.random.Generator) -> list[tuple[int, int]]:
     tm_n, tn_n = tiles
     total = tm_n * tn_n
@@ -166,11 +175,8 @@ def apply_acc(plan: FaultPlan, ctx: LaunchContext, acc: torch.Tensor, a_mk: torc
         elif f.model == "perturb":
             if ctx.clean_median is None:
                 raise RuntimeError("perturb fault needs the clean median checksum difference")
-            rate, r = float(f.get("rate", "2e-4")), float(f.get("r"))
-            # per launch: a fresh draw of which elements are hit (a transient-rate fault)
-            prng = np.random.default_rng([f.seed, plan.launches, 0x9E7])
-            hit = np.flatnonzero(prng.random(m * n) < rate)
-            signs = prng.choice([-1.0, 1.0], hit.size)
+            r = float(f.get("r"))
+            hit, signs = perturb_draw(plan, f, rng, m * n)
             delta = torch.from_numpy(signs * r * ctx.clean_median).to(acc.dtype)
             acc.reshape(-1)[torch.from_numpy(hit)] += delta
             record(plan, f, ctx, acc.shape, hit, magnitude=r * ctx.clean_median)

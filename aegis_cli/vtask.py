@@ -49,6 +49,7 @@ class Limits:
     max_header: int = 32 << 20  # safetensors header (JSON), manifest included
     max_vtasks: int = 100_000
     max_tensors: int = 500_000
+    source: str = "the default; --max-bundle-size or AEGIS_BUNDLE_MAX_BYTES raise it"  # of max_bytes, for messages
 
     @classmethod
     def from_env(cls, max_bytes: int | None = None) -> Limits:
@@ -64,7 +65,7 @@ class Limits:
                 raise BundleError(f"AEGIS_BUNDLE_MAX_BYTES={env!r} is not an integer") from None
         if max_bytes is not None and not 16 <= max_bytes <= MAX_BYTES_LIMIT:
             raise BundleError(f"{given} is out of range: a bundle size limit lies in 16…{MAX_BYTES_LIMIT} bytes")
-        return cls(max_bytes=max_bytes) if max_bytes is not None else cls()
+        return cls(max_bytes=max_bytes, source=given.partition(" ")[0].partition("=")[0]) if max_bytes is not None else cls()
 
 
 # -- the model -----------------------------------------------------------------------------

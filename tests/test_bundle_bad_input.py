@@ -186,7 +186,15 @@ def test_file_over_the_configured_limit(tmp_path, capsys):
     good = tmp_path / "good.aegis"
     size = len(_valid(good))
     code, out, err = run_cli(["replay", str(good), "--device", "cpu", "--max-bundle-size", "1000", "-o", str(tmp_path / "r")], capsys)
-    assert_rejected(code, out, err, good, f"file is {size} bytes, over the limit of 1000", tmp_path / "r")
+    assert_rejected(code, out, err, good, f"file is {size} bytes, over the limit of 1000 (--max-bundle-size)", tmp_path / "r")
+
+
+def test_file_over_the_limit_names_where_the_limit_came_from(tmp_path, capsys, monkeypatch):
+    good = tmp_path / "good.aegis"
+    size = len(_valid(good))
+    monkeypatch.setenv("AEGIS_BUNDLE_MAX_BYTES", "1000")
+    code, out, err = run_cli(["replay", str(good), "--device", "cpu", "-o", str(tmp_path / "r")], capsys)
+    assert_rejected(code, out, err, good, f"file is {size} bytes, over the limit of 1000 (AEGIS_BUNDLE_MAX_BYTES)", tmp_path / "r")
 
 
 def test_header_over_its_limit_is_refused_before_parsing(tmp_path):

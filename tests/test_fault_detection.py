@@ -166,6 +166,14 @@ def test_every_nth_tile_and_row_faults():
     assert {s["row"] for e in ev if e.check == "gemm.row_checksum" for s in e.samples} == {17}
 
 
+def test_two_perturb_faults_with_one_seed_hit_different_elements():
+    # the draw was seeded by (seed, launch) alone: a repeated fault added to the same elements
+    _, plan = run_fault("perturb:r=1e5,rate=2e-3,seed=4;perturb:r=1e5,rate=2e-3,seed=4", reruns=1)
+    first = [r for r in plan.injected if r["launch"] == plan.injected[0]["launch"]]
+    assert len(first) == 2 and all(r["elements"] > 0 for r in first)
+    assert first[0]["positions"] != first[1]["positions"]
+
+
 def test_perturbation_far_above_noise_is_faulty():
     ev, _ = run_fault("perturb:r=1e5,rate=2e-3,seed=4")
     assert worst(e.severity for e in ev) is Verdict.FAULTY

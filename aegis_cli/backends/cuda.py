@@ -253,10 +253,9 @@ def _acc_faults(plan: FaultPlan, ctx: LaunchContext, ops: GemmOperands, cta: tup
         elif f.model == "perturb":
             if ctx.clean_median is None:
                 raise DeviceError("perturb fault needs the clean median checksum difference")
-            rate, r = float(f.get("rate", "2e-4")), float(f.get("r"))
-            prng = np.random.default_rng([f.seed, plan.launches, 0x9E7])  # as corrupt.apply_acc
-            hit = np.flatnonzero(prng.random(m * n) < rate)
-            delta = (prng.choice([-1.0, 1.0], hit.size) * r * ctx.clean_median).astype(np.float32)
+            r = float(f.get("r"))
+            hit, signs = corrupt.perturb_draw(plan, f, rng, m * n)
+            delta = (signs * r * ctx.clean_median).astype(np.float32)
             acc.add(hit, EDIT_ADD, delta.view(np.uint32))
             corrupt.record(plan, f, ctx, (m, n), hit, magnitude=r * ctx.clean_median)
         elif f.model == "row":
