@@ -1,4 +1,4 @@
-// gemm_wgmma.cu — Hopper checked GEMM: TMA + mbarrier pipeline + wgmma (v2, sm_90a).
+// gemm_wgmma.cu — Hopper checked GEMM: TMA + mbarrier pipeline + wgmma (v3, sm_90a).
 //
 // Same contract as gemm_mma.cu (bf16 in, fp32 accumulate, bf16 out, fp32-accumulator
 // row/column checksums per 64x128 checksum tile in a fixed order, SM id per tile), built
@@ -16,15 +16,17 @@
 // the wgmma transpose bit, so no layout needs a transpose pass.
 // Epilogue (per consumer; no barrier shared between the two), in two phases around the next
 // tile's first EARLY k-blocks, which are issued in between so the tensor cores have work
-// while the latency-bound part runs: phase 1 reads the accumulator (row sums in-thread and
-// over the 4 lanes of a row; column partials of the thread's two rows and the first step of
-// their halving exchange over the 8 row-lanes; bf16 packing; C stores as whole 32-byte
-// sectors after a pair swap); phase 2 finishes the column reduction over the row-lanes and
-// then over the warpgroup's 4 warps in warp order through shared memory (double-buffered by
-// tile parity, bank-rotated: one barrier per tile). Each checksum slot has one owner; no
-// atomics. -DAEGIS_INJECT and -DAEGIS_NOSUMS as in gemm_mma.cu.
-// v2 (this file's history: v1 ran the whole epilogue between main loops and stored C as
-// 4-byte pairs): checked GEMM from 0.93-0.98x to 0.99-1.05x cuBLAS on the H200's large shapes.
+// while the latency-bound part runs: phase 1 reads the accumulator (C stores first, packed and
+// pair-swapped straight from it into whole 32-byte sectors; then row sums in-thread and over
+// the 4 lanes of a row, column partials of the thread's two rows and the first step of their
+// halving exchange over the 8 row-lanes); phase 2 finishes the column reduction over the
+// row-lanes and then over the warpgroup's 4 warps in warp order through shared memory
+// (double-buffered by tile parity, bank-rotated: one barrier per tile). Each checksum slot has
+// one owner; no atomics. -DAEGIS_INJECT and -DAEGIS_NOSUMS as in gemm_mma.cu.
+// History: v1 ran the whole epilogue between main loops and stored C as 4-byte pairs; v2 split
+// it around the next k-blocks with whole-sector stores (checked GEMM 0.93-0.98x -> 0.99-1.05x
+// cuBLAS on the H200's large shapes); v3 (this) issues the C stores before the checksum work
+// (checksum cost at K = 3584 2.5 -> 1.7 %, same bits).
 #include "common.cuh"
 
 #define BM 128
