@@ -389,6 +389,26 @@ def test_mig_slices_are_keyed_by_their_own_uuid(monkeypatch):
     assert cuda._identity(0).uuid == "GPU-whole" and "parent_uuid" not in cuda._identity(0).extra
 
 
+def test_mig_slices_are_not_named_as_the_whole_gpu(monkeypatch):
+    """The name keys golden records, fleet fingerprint classes and cross-device groups. NVML's name
+    under MIG is the parent's: a slice (fewer SMs, so torch's RNG and cuBLAS give other bits) matched
+    whole-GPU records and was called FAULTY against them."""
+    import types
+
+    from aegis_cli.backends import cuda
+
+    props = types.SimpleNamespace(pci_domain_id=0, pci_bus_id=6, pci_device_id=0, uuid="1a2b3c4d-0000-1111-2222-333344445555",
+                                  name="NVIDIA H200", major=9, minor=0, multi_processor_count=16, total_memory=18 << 30)
+    monkeypatch.setattr(cuda.torch.cuda, "get_device_properties", lambda i: props)
+    monkeypatch.setattr(cuda, "_nvml_identity", lambda i, pci: {"uuid": "GPU-parent", "name": "NVIDIA H200", "mig": True})
+    assert cuda._identity(0).name == "NVIDIA H200 MIG 16 SMs"  # CUDA's name need not say MIG
+    props.name = "NVIDIA H200 MIG 1g.18gb"
+    assert cuda._identity(0).name == "NVIDIA H200 MIG 1g.18gb"
+    monkeypatch.setattr(cuda, "_nvml_identity", lambda i, pci: {"uuid": "GPU-whole", "name": "NVIDIA H200"})
+    props.name, props.multi_processor_count = "NVIDIA H200", 132
+    assert cuda._identity(0).name == "NVIDIA H200"
+
+
 def test_csv_keeps_an_infinite_margin(capsys):
     code, out, _ = run_cli(capsys, "scan", "-q", "--workload", TINY, "--probes", "gemm", "--reruns", "1", "--format", "csv",
                            "--inject", "tile:mode=stuck,value=3e38")

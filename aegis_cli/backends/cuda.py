@@ -388,17 +388,15 @@ def _identity(index: int) -> DeviceIdentity:
     nv = _nvml_identity(index, pci)
     extra = {"cc": f"{props.major}.{props.minor}", "sms": str(props.multi_processor_count),
              "memory_gib": f"{props.total_memory / 2**30:.1f}", "identity_source": "nvml" if nv else "torch"}
+    uuid, name = nv.get("uuid") or f"GPU-{props.uuid}", nv.get("name") or props.name
     if nv.get("mig"):
         # a MIG slice: NVML's handle by bus id is the parent GPU, whose UUID every slice would share
-        # (one history for all of them); the slice's own UUID keys it, the parent's is kept beside
-        uuid = f"MIG-{props.uuid}"
+        # (one history for all of them) and whose name keys golden records and fingerprint classes of
+        # the whole GPU (more SMs: torch's RNG and cuBLAS give other bits). The slice's own keep it apart
+        uuid, name = f"MIG-{props.uuid}", props.name if "MIG" in props.name else f"{props.name} MIG {props.multi_processor_count} SMs"
         extra["parent_uuid"] = nv.get("uuid") or ""
-    else:
-        uuid = nv.get("uuid") or f"GPU-{props.uuid}"
-    return DeviceIdentity(
-        backend="cuda", index=index, name=nv.get("name") or props.name, uuid=uuid, host=node_name(),
-        serial=nv.get("serial"), pci_bus_id=nv.get("pci_bus_id") or pci, driver=nv.get("driver"), extra=extra,
-    )
+    return DeviceIdentity(backend="cuda", index=index, name=name, uuid=uuid, host=node_name(), serial=nv.get("serial"),
+                          pci_bus_id=nv.get("pci_bus_id") or pci, driver=nv.get("driver"), extra=extra)
 
 
 class CudaDevice(Device):
