@@ -25,7 +25,9 @@ def _handle(nv, identity: DeviceIdentity):
     if identity.pci_bus_id:
         with contextlib.suppress(Exception):
             return nv.nvmlDeviceGetHandleByPciBusId_v2(identity.pci_bus_id)
-    return nv.nvmlDeviceGetHandleByIndex(identity.index)
+    # not by index: NVML counts every GPU in the node, CUDA only the visible ones, so the same
+    # index can be another card, whose counters would then be blamed on this one
+    raise LookupError("NVML knows neither its UUID nor its PCI bus id")
 
 
 def snapshot(identity: DeviceIdentity) -> dict:
@@ -83,7 +85,7 @@ def delta(before: dict, after: dict) -> dict:
     out = {}
     for key in COUNTERS:
         b, a = before.get(key), after.get(key)
-        if isinstance(b, int) and isinstance(a, int) and a != b:
+        if isinstance(b, int) and isinstance(a, int) and a > b:  # a reset counter is no new error
             out[key] = a - b
     for key in FLAGS:
         if after.get(key) and not before.get(key):

@@ -482,3 +482,51 @@ def test_cpu_uuid_tells_cloned_hosts_apart(tmp_path, monkeypatch):
     assert ids["node-a"] != ids["node-b"] and all(len(v) == 32 for v in ids.values())
     # no machine-id file: the hostname alone still gives a stable id
     assert cpu._machine_id.__wrapped__((str(tmp_path / "absent"),)) == cpu._machine_id.__wrapped__((str(tmp_path / "absent"),))
+
+
+def _fake_nvml(known: dict[str, str]):
+    """A pynvml stand-in that knows GPUs by PCI bus id or UUID (``known``: key → handle) and,
+    like NVML, counts every GPU of the node by index: index 0 is always some other card."""
+    import types
+
+    def lookup(key):
+        if key not in known:
+            raise RuntimeError("NVML_ERROR_NOT_FOUND")
+        return known[key]
+
+    return types.SimpleNamespace(
+        nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetHandleByPciBusId_v2=lookup,
+        nvmlDeviceGetHandleByUUID=lookup, nvmlDeviceGetHandleByIndex=lambda i: "other-card",
+        nvmlDeviceGetName=lambda h: f"name of {h}", nvmlDeviceGetUUID=lambda h: f"GPU-{h}",
+        nvmlDeviceGetSerial=lambda h: f"serial of {h}", nvmlSystemGetDriverVersion=lambda: "580",
+        nvmlDeviceGetMigMode=lambda h: (0, 0), nvmlDeviceGetPciInfo=lambda h: types.SimpleNamespace(busId=b"0000:06:00.0"))
+
+
+def test_nvml_identity_never_falls_back_to_another_cards_index(monkeypatch):
+    """CUDA's index is not NVML's (CUDA_VISIBLE_DEVICES, fastest-first order): when the bus id is
+    unknown to NVML the UUID finds the card, and when neither is known the identity comes from
+    torch alone, not from whatever NVML numbers like this one (its history, its serial)."""
+    import sys
+
+    from aegis_cli.backends import cuda
+
+    monkeypatch.setitem(sys.modules, "pynvml", _fake_nvml({"GPU-abc": "this-card"}))
+    assert cuda._nvml_identity("0000:06:00.0", "GPU-abc")["uuid"] == "GPU-this-card"
+    monkeypatch.setitem(sys.modules, "pynvml", _fake_nvml({}))
+    assert cuda._nvml_identity("0000:06:00.0", "GPU-abc") == {}
+
+
+def test_nvml_counters_are_never_read_from_another_card_and_a_reset_is_no_error(monkeypatch):
+    import sys
+
+    from aegis_cli import nvml
+    from aegis_cli.backends.base import DeviceIdentity
+
+    monkeypatch.setitem(sys.modules, "pynvml", _fake_nvml({}))
+    ident = DeviceIdentity(backend="cuda", index=0, name="NVIDIA H200", uuid="GPU-abc", host="h", pci_bus_id="0000:06:00.0")
+    snap = nvml.snapshot(ident)
+    assert snap["available"] is False and "neither its UUID nor its PCI bus id" in snap["reason"]
+    # volatile counters restart at 0 after a GPU reset: that is not a new error
+    before = {"available": True, "ecc_volatile_uncorrected": 5, "ecc_aggregate_uncorrected": 7}
+    after = {"available": True, "ecc_volatile_uncorrected": 0, "ecc_aggregate_uncorrected": 8}
+    assert nvml.delta(before, after) == {"ecc_aggregate_uncorrected": 1}

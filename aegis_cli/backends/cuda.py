@@ -346,8 +346,10 @@ def _inject_params(acc: _AccFaults, m: int, n: int, tile: tuple[int, int], devic
 
 
 # ---------------------------------------------------------------------------- device
-def _nvml_identity(index: int, pci: str) -> dict:
-    """Name, UUID, serial, bus id and driver from NVML, matched by PCI bus id; {} if NVML is unusable."""
+def _nvml_identity(pci: str, uuid: str) -> dict:
+    """Name, UUID, serial, bus id and driver from NVML, matched by PCI bus id, else by CUDA's UUID;
+    {} if NVML is unusable or knows neither. Never by index: NVML counts every GPU in the node,
+    CUDA only the visible ones (fastest first), so the same index can be another card."""
     try:
         import pynvml
 
@@ -356,10 +358,13 @@ def _nvml_identity(index: int, pci: str) -> dict:
         return {}
     out: dict = {}
     try:
-        try:
-            h = pynvml.nvmlDeviceGetHandleByPciBusId_v2(pci)
-        except Exception:
-            h = pynvml.nvmlDeviceGetHandleByIndex(index)
+        h = None
+        for lookup, key in ((pynvml.nvmlDeviceGetHandleByPciBusId_v2, pci), (pynvml.nvmlDeviceGetHandleByUUID, uuid)):
+            with contextlib.suppress(Exception):
+                h = lookup(key)
+                break
+        if h is None:
+            return {}
 
         def get(fn, *args):
             try:
@@ -385,7 +390,7 @@ def _nvml_identity(index: int, pci: str) -> dict:
 def _identity(index: int) -> DeviceIdentity:
     props = torch.cuda.get_device_properties(index)
     pci = f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
-    nv = _nvml_identity(index, pci)
+    nv = _nvml_identity(pci, f"GPU-{props.uuid}")
     extra = {"cc": f"{props.major}.{props.minor}", "sms": str(props.multi_processor_count),
              "memory_gib": f"{props.total_memory / 2**30:.1f}", "identity_source": "nvml" if nv else "torch"}
     uuid, name = nv.get("uuid") or f"GPU-{props.uuid}", nv.get("name") or props.name
