@@ -530,3 +530,19 @@ def test_nvml_counters_are_never_read_from_another_card_and_a_reset_is_no_error(
     before = {"available": True, "ecc_volatile_uncorrected": 5, "ecc_aggregate_uncorrected": 7}
     after = {"available": True, "ecc_volatile_uncorrected": 0, "ecc_aggregate_uncorrected": 8}
     assert nvml.delta(before, after) == {"ecc_aggregate_uncorrected": 1}
+
+
+def test_identity_without_pci_properties_from_torch(monkeypatch):
+    """torch before the PCI fields of device properties: the identity still resolves (NVML by
+    UUID), instead of an internal error on every GPU scan."""
+    import types
+
+    from aegis_cli.backends import cuda
+
+    props = types.SimpleNamespace(uuid="1a2b", name="NVIDIA H100", major=9, minor=0, multi_processor_count=132,
+                                  total_memory=80 << 30)
+    monkeypatch.setattr(cuda.torch.cuda, "get_device_properties", lambda i: props)
+    seen = []
+    monkeypatch.setattr(cuda, "_nvml_identity", lambda pci, uuid: seen.append((pci, uuid)) or {"uuid": "GPU-1a2b"})
+    ident = cuda._identity(0)
+    assert seen == [("", "GPU-1a2b")] and ident.uuid == "GPU-1a2b" and ident.pci_bus_id is None

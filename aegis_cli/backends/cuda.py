@@ -389,7 +389,8 @@ def _nvml_identity(pci: str, uuid: str) -> dict:
 
 def _identity(index: int) -> DeviceIdentity:
     props = torch.cuda.get_device_properties(index)
-    pci = f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
+    pci = (f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
+           if hasattr(props, "pci_domain_id") else "")  # older torch: NVML finds the card by UUID
     nv = _nvml_identity(pci, f"GPU-{props.uuid}")
     extra = {"cc": f"{props.major}.{props.minor}", "sms": str(props.multi_processor_count),
              "memory_gib": f"{props.total_memory / 2**30:.1f}", "identity_source": "nvml" if nv else "torch"}
@@ -401,7 +402,7 @@ def _identity(index: int) -> DeviceIdentity:
         uuid, name = f"MIG-{props.uuid}", props.name if "MIG" in props.name else f"{props.name} MIG {props.multi_processor_count} SMs"
         extra["parent_uuid"] = nv.get("uuid") or ""
     return DeviceIdentity(backend="cuda", index=index, name=name, uuid=uuid, host=node_name(), serial=nv.get("serial"),
-                          pci_bus_id=nv.get("pci_bus_id") or pci, driver=nv.get("driver"), extra=extra)
+                          pci_bus_id=nv.get("pci_bus_id") or pci or None, driver=nv.get("driver"), extra=extra)
 
 
 class CudaDevice(Device):
