@@ -90,3 +90,13 @@ def test_report_merges_node_reports(tmp_path):
     assert p.returncode == 3 and f"Error: {bad}: not a JSON report" in p.stderr
     p = subprocess.run(aegis("report", *paths, "--format", "csv"), env=env(1), capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and p.stdout.count("\n") == 7 and "n3,cuda:1" in p.stdout
+
+
+def test_compare_blames_only_the_odd_gpu_when_every_task_sees_cuda0():
+    # srun --gpus-per-task=1: each of a node's tasks sweeps "cuda:0", a different physical GPU
+    devs = [dev("n1", 0, {"x": "2" if r == 3 else "1"}) for r in range(4)]
+    for r, d in enumerate(devs):
+        d["device"]["uuid"] = f"GPU-{r}"
+    c = compare(devs)
+    assert c["outcome"] == ODD_ONE_OUT and [o["device"] for o in c["odd"]] == ["n1/cuda:0/GPU-3"]
+    assert [d["verdict"] for d in apply(devs, c)] == ["HEALTHY", "HEALTHY", "HEALTHY", "FAULTY"]

@@ -41,16 +41,25 @@ def device_key(d: dict) -> str:
     return f"{d['device'].get('host', '?')}/{d['device']['id']}"
 
 
+def device_keys(devices: list[dict]) -> list[str]:
+    """One distinct key per device: host/id, with the UUID added where host/id is shared. Under
+    ``srun --gpus-per-task=1`` every task of a node sees its GPU as cuda:0; one key for all of
+    them would flag every GPU of the node for the one that differs."""
+    plain = [device_key(d) for d in devices]
+    shared = {k for k, n in Counter(plain).items() if n > 1}
+    return [f"{k}/{d['device']['uuid']}" if k in shared else k for k, d in zip(plain, devices, strict=True)]
+
+
 def compare(devices: list[dict]) -> dict:
     """Compare the fingerprints carried by device reports; returns the comparison record."""
-    groups: dict[str, list[dict]] = {}
-    for d in devices:
+    groups: dict[str, list[tuple[str, dict]]] = {}
+    for k, d in zip(device_keys(devices), devices, strict=True):
         fp = (d.get("probes") or {}).get(PROBE_KEY)
         if fp and fp.get("fingerprints"):
-            groups.setdefault(fp["class"], []).append(d)
+            groups.setdefault(fp["class"], []).append((k, d))
     out_groups, odd, inconclusive, outliers = [], {}, [], []
-    for cls, members in groups.items():
-        keys = [device_key(m) for m in members]
+    for cls, keyed in groups.items():
+        keys, members = [k for k, _ in keyed], [m for _, m in keyed]
         g = {"class": cls, "devices": keys, "name": members[0]["device"].get("name"), "cases": 0, "outcome": NOT_COMPARED}
         out_groups.append(g)
         if len(members) < 2:
@@ -96,9 +105,8 @@ def apply(devices: list[dict], comparison: dict) -> list[dict]:
     odd = {o["device"]: o for o in comparison["odd"]}
     noisy = {o["device"]: o for o in comparison["noise_outliers"]}
     out = []
-    for d in devices:
+    for k, d in zip(device_keys(devices), devices, strict=True):
         d = dict(d)
-        k = device_key(d)
         d["local_verdict"] = d.get("local_verdict", d["verdict"])
         ev = list(d.get("evidence") or [])
         if k in odd:
