@@ -493,3 +493,26 @@ def test_workers_run_the_sweeps_aegis_and_leave_no_temp_folder(tmp_path):
     assert p.returncode == 0, p.stderr
     assert [d["verdict"] for d in json.loads(p.stdout)["devices"]] == ["HEALTHY", "HEALTHY"]
     assert list(tmpdir.iterdir()) == []
+
+
+@pytest.mark.parametrize("over, clash", [
+    ({"distributed": {"fleet_report": "history.sqlite"}}, r"distributed\.fleet_report: .*history\.sqlite is also the sweep's history\.path"),
+    ({"exports": {"report": "quarantine.tsv"}}, r"exports\.quarantine_list: .*quarantine\.tsv is also the sweep's exports\.report"),
+])
+def test_exports_that_clash_are_refused_before_any_work(tmp_path, over, clash):
+    from aegis_cli.fleet.sweep import run_sweep
+
+    cfg = load_config(write_config(tmp_path, **over))
+    with pytest.raises(ConfigError, match=clash):
+        run_sweep(cfg, environ={})
+    assert not (tmp_path / "history.sqlite").exists()
+
+
+def test_unwritable_fleet_report_fails_before_any_work(tmp_path):
+    from aegis_cli.errors import OutputError
+    from aegis_cli.fleet.sweep import run_sweep
+
+    cfg = load_config(write_config(tmp_path, distributed={"fleet_report": "nodir/fleet.json"}))
+    with pytest.raises(OutputError, match="nodir"):
+        run_sweep(cfg, environ={})
+    assert not (tmp_path / "history.sqlite").exists()

@@ -445,11 +445,17 @@ def run_sweep(cfg: SweepConfig, log: Log | None = None, *, environ: dict[str, st
 
     # an export path that cannot be written fails the sweep now, not after every device ran
     own = {os.path.realpath(cfg.history.path): "history.path", os.path.realpath(cfg.lock_file): "lock_file"}
-    for path in (cfg.exports.report, cfg.exports.quarantine_list, cfg.exports.prometheus_textfile):
+    for key, path in (("exports.report", cfg.exports.report), ("exports.quarantine_list", cfg.exports.quarantine_list),
+                      ("exports.prometheus_textfile", cfg.exports.prometheus_textfile),
+                      ("distributed.fleet_report", cfg.distributed.fleet_report)):
         if path:
-            if os.path.realpath(path) in own:  # an export written over the history would destroy it
-                raise ConfigError(f"exports: {path} is also the sweep's {own[os.path.realpath(path)]}")
+            real = os.path.realpath(path)
+            # written over the history it would destroy it; over another export, a scheduler
+            # would read a report or metrics as its quarantine list
+            if real in own:
+                raise ConfigError(f"{key}: {path} is also the sweep's {own[real]}")
             report_mod.check_writable(path)
+            own[real] = key
 
     if cfg.distributed.mode == "auto" and distributed.launched(environ):
         return distributed.run_distributed(cfg, log, environ, stop)
