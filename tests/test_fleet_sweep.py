@@ -390,6 +390,18 @@ def test_readmit_tells_how_many_of_the_nodes_gpus_are_still_quarantined(tmp_path
     assert a.event == "readmit" and a.argv == ["resume", "n1", "1"]  # the example scripts keep the node drained
 
 
+def test_readmit_counts_quarantined_gpus_of_the_node_this_doc_does_not_hold(tmp_path):
+    # a distributed rank records only its own device: GPU-b, quarantined on the same node, must
+    # still keep the node drained (it counted 0, and the resume script resumed the node)
+    cfg = write_config(tmp_path, actions={"on_readmit": ["resume", "{host_short}", "{host_quarantined}"]},
+                       policy={"probation_sweeps": 1, "readmit_faulty": True})
+    _apply(tmp_path, cfg, {"GPU-a": "FAULTY", "GPU-b": "FAULTY"})
+    states, acts = _apply(tmp_path, cfg, {"GPU-a": "HEALTHY"})
+    assert states["GPU-a"].state == "ACTIVE"
+    (a,) = acts
+    assert a.event == "readmit" and a.argv == ["resume", "n1", "1"]
+
+
 def test_failed_action_is_logged_as_an_error(tmp_path):
     logs: list = []
     cfg = write_config(tmp_path, actions={"enabled": True, "on_quarantine": [sys.executable, "-c", "import sys; sys.exit('drain failed')"]})

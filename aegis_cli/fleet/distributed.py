@@ -155,7 +155,8 @@ def run_distributed(cfg, log, env: Mapping[str, str], stop=None):
         doc = sweep_doc(cfg, [fleet_devices[rank]], started, extra)
         fleet_code = compare.fleet_exit(fleet_devices, comparison["outcome"])
         with History(cfg.history.path, busy_timeout=cfg.history.busy_timeout_seconds) as hist:
-            states, acts = apply_policy(cfg, hist, doc, log, rank=rank, world_size=world, export=False)
+            # the node's other ranks record first: {host_quarantined} counts their devices
+            states, acts = apply_policy(cfg, hist, doc, log, rank=rank, world_size=world, export=False, recorded=dist.barrier)
         dist.barrier()
         if local_rank == 0:
             host = node_name()

@@ -382,9 +382,11 @@ def sweep_doc(cfg: SweepConfig, devices: list[dict], started: float, extra: dict
 
 
 def apply_policy(cfg: SweepConfig, hist: History, doc: dict, log: Log, *, rank: int | None = None,
-                 world_size: int | None = None, export: bool = True) -> tuple[dict[str, DeviceState], list[ActionRecord]]:
+                 world_size: int | None = None, export: bool = True,
+                 recorded: Callable[[], None] | None = None) -> tuple[dict[str, DeviceState], list[ActionRecord]]:
     """Record ``doc`` (one transaction), evaluate the policy, run the actions of devices
-    whose state changed, and (``export``) write the exports."""
+    whose state changed, and (``export``) write the exports. ``recorded`` runs once ``doc`` is
+    recorded (a distributed sweep waits there for the node's other ranks)."""
     uuids = [d["device"]["uuid"] for d in doc["devices"]]
     # what was last announced (the actions table), not the old results re-read under today's
     # config: a changed policy that moves a device must still run its action
@@ -393,6 +395,8 @@ def apply_policy(cfg: SweepConfig, hist: History, doc: dict, log: Log, *, rank: 
     was_q = {u: announced[u][0] == "quarantine" if u in announced else (u in before and before[u].quarantined) for u in uuids}
     sweep_id = hist.record_sweep(doc, rank=rank, world_size=world_size)
     log("history_recorded", sweep_id=sweep_id, devices=len(doc["devices"]), path=cfg.history.path)
+    if recorded:
+        recorded()
     states = evaluate_all(hist.results(uuids), cfg.policy)
     by_uuid = {d["device"]["uuid"]: d["device"] for d in doc["devices"]}
     events = transitions(was_q, states)
@@ -400,9 +404,16 @@ def apply_policy(cfg: SweepConfig, hist: History, doc: dict, log: Log, *, rank: 
         log(f"device_{ev}", level="warning", uuid=uuid, device=by_uuid[uuid].get("id"), state=states[uuid].state,
             reason=states[uuid].reason)
 
+    node: dict[str, dict[str, DeviceState]] = {}
+
     def host_quarantined(u: str) -> int:  # other devices of u's node not (yet) back in service
+        # from the history, not this doc: a distributed rank's doc holds its own device only, and a
+        # quarantined GPU this sweep did not see still keeps the node drained
         host = by_uuid[u].get("host")
-        return sum(1 for v, d in by_uuid.items() if v != u and d.get("host") == host and v in states and states[v].quarantined)
+        if host not in node:
+            mine = [d["uuid"] for d in hist.devices() if d["last_host"] == host]
+            node[host] = drop_retired(evaluate_all(hist.results(mine), cfg.policy), hist.retired())
+        return sum(1 for v, s in node[host].items() if v != u and s.quarantined)
 
     acts = run_actions(cfg.actions, [({**by_uuid[u], "host_quarantined": host_quarantined(u)}, states[u], ev)
                                      for u, ev in events.items()])
