@@ -168,6 +168,15 @@ def test_policy_suspects_within_window_then_probation():
     assert st.state == ACTIVE  # re-admitted; earlier SUSPECTs no longer count
 
 
+def test_policy_counts_a_faulty_result_towards_suspect_count():
+    # with one FAULTY tolerated (faulty_count 2), FAULTY + 2 SUSPECT must quarantine as 3 SUSPECT do:
+    # turning a SUSPECT into a FAULTY result kept the device in service
+    cfg = PolicyConfig(faulty_count=2, suspect_count=3)
+    st = evaluate("U", rows("FAULTY", "SUSPECT", "SUSPECT"), cfg)
+    assert st.state == QUARANTINED and st.reason.startswith("SUSPECT 2×, FAULTY 1×") and not st.permanent
+    assert evaluate("U", rows("SUSPECT", "FAULTY", "HEALTHY"), cfg).state == ACTIVE
+
+
 def test_wilson_bounds_and_rate_text():
     assert wilson(0, 0) == (0.0, 1.0)
     lo, hi = wilson(3, 40)

@@ -5,6 +5,7 @@ since its last bad one). Walking its results oldest first:
 
   ACTIVE      → QUARANTINED  when FAULTY results within ``window_days`` reach ``faulty_count``
                              or SUSPECT results within ``window_days`` reach ``suspect_count``
+                             (FAULTY ones count there too: never less than a SUSPECT)
                              (ERROR counts as SUSPECT only with ``error_counts_as_suspect``)
   QUARANTINED → PROBATION    on a HEALTHY result; another SUSPECT/FAULTY restarts the count. Not
                              when the quarantine came from a FAULTY result and ``readmit_faulty``
@@ -118,9 +119,9 @@ def evaluate(uuid: str, rows: list[ResultRow], cfg: PolicyConfig) -> DeviceState
             if faulty >= cfg.faulty_count:
                 st.state, st.since, st.permanent = QUARANTINED, r.ts, not cfg.readmit_faulty
                 st.reason = f"FAULTY {faulty}× {when}".strip() + checks
-            elif suspect >= cfg.suspect_count:
+            elif len(recent) >= cfg.suspect_count:  # a FAULTY result counts at least as a SUSPECT one
                 st.state, st.since = QUARANTINED, r.ts
-                what = f"SUSPECT {suspect - errors}×, ERROR {errors}×" if errors else f"SUSPECT {suspect}×"
+                what = ", ".join(f"{v} {n}×" for v, n in (("SUSPECT", suspect - errors), ("FAULTY", faulty), ("ERROR", errors)) if n)
                 st.reason = f"{what} {when}".strip() + checks
             st.clean_streak = 0
             continue
