@@ -7,6 +7,7 @@ import csv
 import io
 import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -278,6 +279,20 @@ def test_config_errors_name_file_and_line(tmp_path):
 def test_sweep_probes_are_checked_when_the_config_loads(tmp_path, probes, message):
     with pytest.raises(ConfigError, match=rf"sweep\.yaml: .*{message}"):
         load_config(write_config(tmp_path, probes=probes))
+
+
+@pytest.mark.parametrize("over, name", [
+    ({"policy": {"window_days": float("nan")}}, "policy.window_days"),  # NaN: no FAULTY result was ever "within" it
+    ({"device_timeout_seconds": float("nan")}, "device_timeout_seconds"),  # every worker timed out at once: all ERROR
+    ({"budget_seconds": float("inf")}, "budget_seconds"),
+    ({"history": {"busy_timeout_seconds": float("nan")}}, "history.busy_timeout_seconds"),  # a locked database: retried forever
+    ({"history": {"busy_timeout_seconds": -1}}, "history.busy_timeout_seconds"),
+    ({"actions": {"timeout_seconds": float("inf")}}, "actions.timeout_seconds"),
+    ({"distributed": {"timeout_seconds": -5}}, "distributed.timeout_seconds"),
+])
+def test_non_finite_or_negative_durations_are_config_errors(tmp_path, over, name):
+    with pytest.raises(ConfigError, match=rf"sweep\.yaml: (line \d+: )?{re.escape(name)} must be a finite number"):
+        load_config(write_config(tmp_path, **over))
 
 
 def test_sweep_workload_is_checked_when_the_config_loads(tmp_path):

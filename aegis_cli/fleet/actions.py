@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from aegis_cli.backends.base import node_name
 from aegis_cli.errors import ConfigError
-from aegis_cli.fleet.policy import ACTIVE, DeviceState, wilson
+from aegis_cli.fleet.policy import ACTIVE, DeviceState, check_positive, wilson
 from aegis_cli.report import VERDICT_CODE, atomic_write
 
 PLACEHOLDERS = {
@@ -45,8 +45,7 @@ class ActionsConfig:
                     if fname not in PLACEHOLDERS or spec or conv:
                         raise ConfigError(f"actions.{key}: unknown placeholder {{{fname}}} in {arg!r} "
                                           f"(known: {', '.join('{' + p + '}' for p in PLACEHOLDERS)})")
-        if self.timeout_seconds <= 0:
-            raise ConfigError(f"actions.timeout_seconds must be > 0, got {self.timeout_seconds}")
+        check_positive("actions.timeout_seconds", self.timeout_seconds)
 
 
 @dataclass

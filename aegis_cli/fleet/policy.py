@@ -31,6 +31,14 @@ ACTIVE, QUARANTINED, PROBATION = "ACTIVE", "QUARANTINED", "PROBATION"
 DAY = 86400.0
 
 
+def check_positive(name: str, value: float, *, zero_ok: bool = False) -> None:
+    """Refuse NaN, infinity and values ≤ 0 (< 0 with ``zero_ok``). A NaN passed every ``<= 0``
+    check and then made every comparison false: window_days .nan never quarantined anything,
+    device_timeout_seconds .nan timed every worker out at once."""
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        raise ConfigError(f"{name} must be a finite number {'≥' if zero_ok else '>'} 0, got {value}")
+
+
 @dataclass(kw_only=True)
 class PolicyConfig:
     faulty_count: int = 1  # FAULTY results within the window that quarantine a device
@@ -44,8 +52,7 @@ class PolicyConfig:
         for name in ("faulty_count", "suspect_count", "probation_sweeps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"policy.{name} must be ≥ 1, got {getattr(self, name)}")
-        if self.window_days <= 0:
-            raise ConfigError(f"policy.window_days must be > 0, got {self.window_days}")
+        check_positive("policy.window_days", self.window_days)
 
 
 @dataclass

@@ -34,7 +34,7 @@ from aegis_cli.errors import AegisError, ConfigError
 from aegis_cli.fleet.actions import ActionRecord, ActionsConfig, prometheus_text, run_actions, transitions, write_quarantine_list
 from aegis_cli.fleet.history import History, ResultRow
 from aegis_cli.fleet.lock import SweepLock
-from aegis_cli.fleet.policy import DAY, DeviceState, PolicyConfig, drop_retired, evaluate_all
+from aegis_cli.fleet.policy import DAY, DeviceState, PolicyConfig, check_positive, drop_retired, evaluate_all
 from aegis_cli.verdict import Verdict, overall_exit
 
 Log = Callable[..., None]  # log(event, level="info", **fields)
@@ -63,6 +63,9 @@ class HistoryConfig:
     path: str = "/var/lib/aegis/history.sqlite"
     busy_timeout_seconds: float = 30.0
 
+    def __post_init__(self) -> None:
+        check_positive("history.busy_timeout_seconds", self.busy_timeout_seconds, zero_ok=True)
+
 
 @dataclass(kw_only=True)
 class ExportsConfig:
@@ -83,6 +86,7 @@ class DistributedConfig:
             raise ConfigError(f"distributed.mode must be auto or off, got {self.mode!r}")
         if self.backend not in ("auto", "nccl", "gloo"):
             raise ConfigError(f"distributed.backend must be auto, nccl or gloo, got {self.backend!r}")
+        check_positive("distributed.timeout_seconds", self.timeout_seconds)
 
 
 @dataclass(kw_only=True)
@@ -107,8 +111,8 @@ class SweepConfig:
     source: str = ""
 
     def __post_init__(self) -> None:
-        if self.budget_seconds <= 0 or self.device_timeout_seconds <= 0:
-            raise ConfigError("budget_seconds and device_timeout_seconds must be > 0")
+        check_positive("budget_seconds", self.budget_seconds)
+        check_positive("device_timeout_seconds", self.device_timeout_seconds)
         from aegis_cli.probes.gemm import check_seed
         from aegis_cli.scan import check_reruns
 
