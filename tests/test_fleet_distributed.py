@@ -100,3 +100,28 @@ def test_compare_blames_only_the_odd_gpu_when_every_task_sees_cuda0():
     c = compare(devs)
     assert c["outcome"] == ODD_ONE_OUT and [o["device"] for o in c["odd"]] == ["n1/cuda:0/GPU-3"]
     assert [d["verdict"] for d in apply(devs, c)] == ["HEALTHY", "HEALTHY", "HEALTHY", "FAULTY"]
+
+
+def test_a_rank_that_stops_is_one_clear_error_on_the_others(tmp_path):
+    # rank 1 is stopped by SIGTERM while its worker hangs: rank 0's all-gather breaks, which it
+    # reported as "internal error: RuntimeError … (a bug in aegis …)"
+    import signal
+
+    cfg = write_config(tmp_path, devices="auto", inject="hang:seconds=120,device=cpu:1", distributed={"timeout_seconds": 60})
+    port, world = free_port(), 2
+    procs = [subprocess.Popen(aegis("sweep", "--config", str(cfg)), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              env=env(1, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+             for r in range(world)]
+    try:
+        for line in procs[1].stderr:  # its worker has started: the sweep's SIGTERM handler is in place
+            if "event=device_start" in line:
+                break
+        procs[1].send_signal(signal.SIGTERM)
+        _, err0 = procs[0].communicate(timeout=120)
+        procs[1].communicate(timeout=60)
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode == 3 and procs[1].returncode == 3
+    assert "another rank probably stopped" in err0 and "internal error" not in err0, err0[-800:]

@@ -57,8 +57,31 @@ def ranks(env: Mapping[str, str]) -> tuple[int, int, int, int]:
     return rank, world, local, local_world
 
 
+@contextlib.contextmanager
+def _collective(what: str):
+    """A collective breaks when another rank stopped (its own error, SIGTERM): say that in one
+    line, not as an internal error of this rank."""
+    try:
+        yield
+    except RuntimeError as exc:  # torch.distributed.DistError and the backends' errors
+        detail = " ".join(str(exc).split())[:200]
+        raise DeviceError(f"distributed sweep: {what} failed; another rank probably stopped (see its log): {detail}") from None
+
+
+def _barrier(what: str) -> None:
+    import torch.distributed as dist
+
+    with _collective(what):
+        dist.barrier()
+
+
 def _all_gather_json(obj, device) -> list:
     """All-gather a JSON-able object from every rank as uint8 tensors on ``device``."""
+    with _collective("exchanging reports"):
+        return _gather(obj, device)
+
+
+def _gather(obj, device) -> list:
     import torch
     import torch.distributed as dist
 
@@ -156,8 +179,9 @@ def run_distributed(cfg, log, env: Mapping[str, str], stop=None):
         fleet_code = compare.fleet_exit(fleet_devices, comparison["outcome"])
         with History(cfg.history.path, busy_timeout=cfg.history.busy_timeout_seconds) as hist:
             # the node's other ranks record first: {host_quarantined} counts their devices
-            states, acts = apply_policy(cfg, hist, doc, log, rank=rank, world_size=world, export=False, recorded=dist.barrier)
-        dist.barrier()
+            states, acts = apply_policy(cfg, hist, doc, log, rank=rank, world_size=world, export=False,
+                                        recorded=lambda: _barrier("waiting for the other ranks to record"))
+        _barrier("waiting for every rank's policy")
         if local_rank == 0:
             host = node_name()
             node_doc = sweep_doc(cfg, [d for d in fleet_devices if d["device"].get("host") == host], started, extra)
@@ -171,7 +195,7 @@ def run_distributed(cfg, log, env: Mapping[str, str], stop=None):
             if path:
                 report_mod.atomic_write(path, report_mod.render(fleet, "json"))
                 log("fleet_report", path=path, outcome=comparison["outcome"], exit_code=fleet["exit_code"])
-        dist.barrier()
+        _barrier("waiting for the fleet report")
     except AegisError:
         raise
     finally:
