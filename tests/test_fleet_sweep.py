@@ -395,6 +395,20 @@ def test_policy_change_still_runs_the_readmit_action(tmp_path):
     assert acts[0].argv == ["true", "0"]
 
 
+def test_quarantine_action_runs_after_a_sweep_killed_before_its_actions(tmp_path):
+    # the killed sweep's transaction landed (FAULTY recorded) but its drain never ran: the next
+    # sweep read the device as already quarantined and never announced it
+    cfg = write_config(tmp_path, actions={"on_quarantine": ["drain", "{uuid}"]})
+    from tests.test_fleet_history import doc
+
+    with History(load_config(cfg).history.path) as h:
+        h.record_sweep(doc({"GPU-a": "FAULTY"}))
+    states, acts = _apply(tmp_path, cfg, {"GPU-a": "FAULTY"})
+    assert states["GPU-a"].state == "QUARANTINED" and [(a.event, a.argv) for a in acts] == [("quarantine", ["drain", "GPU-a"])]
+    _, acts = _apply(tmp_path, cfg, {"GPU-a": "FAULTY"})
+    assert acts == []  # announced once
+
+
 def test_readmit_tells_how_many_of_the_nodes_gpus_are_still_quarantined(tmp_path):
     cfg = write_config(tmp_path, actions={"on_readmit": ["resume", "{host_short}", "{host_quarantined}"]},
                        policy={"probation_sweeps": 1, "readmit_faulty": True})

@@ -393,10 +393,11 @@ def apply_policy(cfg: SweepConfig, hist: History, doc: dict, log: Log, *, rank: 
     recorded (a distributed sweep waits there for the node's other ranks)."""
     uuids = [d["device"]["uuid"] for d in doc["devices"]]
     # what was last announced (the actions table), not the old results re-read under today's
-    # config: a changed policy that moves a device must still run its action
+    # config: a changed policy that moves a device must still run its action. Never announced is
+    # not quarantined: a sweep killed between recording its results and running its actions left
+    # a quarantined device whose drain command then never ran
     announced = hist.last_events(uuids)
-    before = evaluate_all(hist.results(uuids), cfg.policy)
-    was_q = {u: announced[u][0] == "quarantine" if u in announced else (u in before and before[u].quarantined) for u in uuids}
+    was_q = {u: u in announced and announced[u][0] == "quarantine" for u in uuids}
     sweep_id = hist.record_sweep(doc, rank=rank, world_size=world_size)
     log("history_recorded", sweep_id=sweep_id, devices=len(doc["devices"]), path=cfg.history.path)
     if recorded:
