@@ -125,3 +125,15 @@ def test_a_rank_that_stops_is_one_clear_error_on_the_others(tmp_path):
             p.kill()
     assert procs[0].returncode == 3 and procs[1].returncode == 3
     assert "another rank probably stopped" in err0 and "internal error" not in err0, err0[-800:]
+
+
+def test_report_merges_reports_that_name_no_host(tmp_path):
+    # "host": null passes the checks (a host is optional); it crashed the merge's sort by host
+    paths = []
+    for i, host in enumerate((None, "n2")):
+        rep = {"schema_version": "1.0", "kind": "scan", "host": host,
+               "devices": [{"device": {"id": "cuda:0", "uuid": f"GPU-{i}"}, "verdict": "HEALTHY"}]}
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(rep))
+    fleet = merge([str(p) for p in paths])
+    assert [d["device"]["host"] for d in fleet["devices"]] == ["?", "n2"] and fleet["exit_code"] == 0

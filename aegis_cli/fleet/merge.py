@@ -94,7 +94,8 @@ def merge(paths: list[str]) -> dict:
                 continue
             seen.add(uuid)
             d = dict(d)
-            d["device"] = {**d["device"], "host": d["device"].get("host") or doc.get("host", "?")}
+            # "host": null is a valid report (no host known): never None here, the table sorts by host
+            d["device"] = {**d["device"], "host": d["device"].get("host") or doc.get("host") or "?"}
             d["verdict"] = d.get("local_verdict", d["verdict"])  # re-compare from the devices' own verdicts
             d["evidence"] = [e for e in d.get("evidence") or [] if not str(e.get("check", "")).startswith("fleet.")]
             d["source"] = path
