@@ -8,6 +8,9 @@ import socket
 import subprocess
 import time
 
+import pytest
+
+from aegis_cli.errors import ConfigError
 from aegis_cli.fleet.compare import CONSISTENT, INCONCLUSIVE, ODD_ONE_OUT, PROBE_KEY, apply, compare, fleet_exit
 from aegis_cli.fleet.merge import merge
 from tests.fleet_helpers import aegis, env, write_config
@@ -137,3 +140,17 @@ def test_report_merges_reports_that_name_no_host(tmp_path):
         paths[-1].write_text(json.dumps(rep))
     fleet = merge([str(p) for p in paths])
     assert [d["device"]["host"] for d in fleet["devices"]] == ["?", "n2"] and fleet["exit_code"] == 0
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"seed": [1]}, "seed must be an integer"),
+    ({"injected": [{"model": "bitflip"}]}, "injected must be a list of strings"),
+    ({"injected": ["bitflip", 1]}, "injected must be a list of strings"),
+])
+def test_report_refuses_header_fields_of_the_wrong_type(tmp_path, extra, message):
+    rep = {"schema_version": "1.0", "kind": "scan", "host": "n1", **extra,
+           "devices": [{"device": {"id": "cuda:0", "uuid": "GPU-0"}, "verdict": "HEALTHY"}]}
+    p = tmp_path / "r.json"
+    p.write_text(json.dumps(rep))
+    with pytest.raises(ConfigError, match=rf"r\.json: {message}"):
+        merge([str(p), str(p)])

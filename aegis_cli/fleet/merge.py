@@ -36,8 +36,12 @@ def load_report(path: str) -> dict:
     for key in ("host", "started", "finished"):
         if doc.get(key) is not None and not isinstance(doc[key], str):
             raise ConfigError(f"{path}: {key} must be a string, got {type(doc[key]).__name__}")
-    if not isinstance(doc.get("injected") or [], list):
-        raise ConfigError(f"{path}: injected must be a list")
+    injected = doc.get("injected") or []
+    if not isinstance(injected, list) or not all(isinstance(i, str) for i in injected):  # merged as a sorted set
+        raise ConfigError(f"{path}: injected must be a list of strings")
+    seed = doc.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):  # compared across the reports
+        raise ConfigError(f"{path}: seed must be an integer, got {type(seed).__name__}")
     for i, d in enumerate(doc["devices"]):
         _check_device(path, i, d)
     return doc
