@@ -154,3 +154,19 @@ def test_report_refuses_header_fields_of_the_wrong_type(tmp_path, extra, message
     p.write_text(json.dumps(rep))
     with pytest.raises(ConfigError, match=rf"r\.json: {message}"):
         merge([str(p), str(p)])
+
+
+def test_report_renders_minimal_device_entries_in_every_format(tmp_path):
+    # name, workload, timings and an evidence's check/case_id are optional in a report: the
+    # table, CSV and Prometheus output crashed on them (KeyError: 'name', 'check')
+    rep = {"schema_version": "1.0", "kind": "scan", "host": "n1",
+           "devices": [{"device": {"id": "cuda:0", "uuid": "GPU-0"}, "verdict": "FAULTY", "evidence": [{"severity": "FAULTY"}]}]}
+    p = tmp_path / "r.json"
+    p.write_text(json.dumps(rep))
+    for fmt, expect in (("table", "cuda:0"), ("csv", "n1,cuda:0,GPU-0,,FAULTY"), ("prom", 'uuid="GPU-0",name="",host="n1"')):
+        out = subprocess.run(aegis("report", str(p), "--format", fmt), env=env(1), capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and expect in out.stdout, (fmt, out.stderr[-400:])
+    rep["devices"][0]["error"] = 5
+    p.write_text(json.dumps(rep))
+    with pytest.raises(ConfigError, match=r"devices\[0\]: error must be a string"):
+        merge([str(p)])

@@ -70,6 +70,16 @@ def _check_device(path: str, i: int, d) -> None:
     for e in evidence:
         if "severity" in e and e["severity"] not in _VERDICTS:
             raise ConfigError(f"{where}: evidence severity {e['severity']!r} is not a verdict")
+        for key in ("check", "case_id", "summary"):  # shown in the table and the CSV
+            if e.get(key) is not None and not isinstance(e[key], str):
+                raise ConfigError(f"{where}: evidence {key} must be a string")
+    for key in ("error", "workload"):
+        if d.get(key) is not None and not isinstance(d[key], str):
+            raise ConfigError(f"{where}: {key} must be a string")
+    timings = d.get("timings") or {}
+    if (not isinstance(d.get("stats") or {}, dict) or not isinstance(timings, dict)
+            or not isinstance(timings.get("seconds", 0) or 0, (int, float))):
+        raise ConfigError(f"{where}: stats and timings must be objects, timings.seconds a number")
     probes = d.get("probes") or {}
     noise = d.get("noise") or {}
     if not isinstance(probes, dict) or not isinstance(noise, dict):
@@ -97,11 +107,15 @@ def merge(paths: list[str]) -> dict:
             if uuid in seen:
                 continue
             seen.add(uuid)
-            d = dict(d)
+            # what the table, CSV and Prometheus output read, for entries that leave it out (all optional)
+            d = {**d, "workload": d.get("workload") or "", "error": d.get("error"), "stats": d.get("stats"),
+                 "timings": {"seconds": None, **(d.get("timings") or {})}}
             # "host": null is a valid report (no host known): never None here, the table sorts by host
-            d["device"] = {**d["device"], "host": d["device"].get("host") or doc.get("host") or "?"}
+            d["device"] = {**d["device"], "name": d["device"].get("name") or "",
+                           "host": d["device"].get("host") or doc.get("host") or "?"}
             d["verdict"] = d.get("local_verdict", d["verdict"])  # re-compare from the devices' own verdicts
-            d["evidence"] = [e for e in d.get("evidence") or [] if not str(e.get("check", "")).startswith("fleet.")]
+            d["evidence"] = [{"check": "", "case_id": "", "summary": "", **e} for e in d.get("evidence") or []
+                             if not str(e.get("check", "")).startswith("fleet.")]
             d["source"] = path
             devices.append(d)
     devices.sort(key=lambda d: (d["device"].get("host", ""), d["device"]["id"]))
