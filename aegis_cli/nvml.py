@@ -22,9 +22,9 @@ def _handle(nv, identity: DeviceIdentity):
     if identity.uuid and identity.uuid.startswith(("GPU-", "MIG-")):
         with contextlib.suppress(Exception):
             return nv.nvmlDeviceGetHandleByUUID(identity.uuid)
-    if identity.pci_bus_id:
+    for lookup in ("nvmlDeviceGetHandleByPciBusId_v2", "nvmlDeviceGetHandleByPciBusId"):  # not every pynvml has _v2
         with contextlib.suppress(Exception):
-            return nv.nvmlDeviceGetHandleByPciBusId_v2(identity.pci_bus_id)
+            return getattr(nv, lookup)(identity.pci_bus_id)
     # not by index: NVML counts every GPU in the node, CUDA only the visible ones, so the same
     # index can be another card, whose counters would then be blamed on this one
     raise LookupError("NVML knows neither its UUID nor its PCI bus id")

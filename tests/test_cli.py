@@ -512,6 +512,11 @@ def test_nvml_identity_never_falls_back_to_another_cards_index(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "pynvml", _fake_nvml({"GPU-abc": "this-card"}))
     assert cuda._nvml_identity("0000:06:00.0", "GPU-abc")["uuid"] == "GPU-this-card"
+    fake = _fake_nvml({"0000:06:00.0": "by-bus"})
+    fake.nvmlDeviceGetHandleByPciBusId = fake.nvmlDeviceGetHandleByPciBusId_v2
+    del fake.nvmlDeviceGetHandleByPciBusId_v2  # pynvml without _v2 (the H200 image's)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    assert cuda._nvml_identity("0000:06:00.0", "GPU-abc")["uuid"] == "GPU-by-bus"
     monkeypatch.setitem(sys.modules, "pynvml", _fake_nvml({}))
     assert cuda._nvml_identity("0000:06:00.0", "GPU-abc") == {}
 

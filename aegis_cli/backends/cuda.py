@@ -359,9 +359,9 @@ def _nvml_identity(pci: str, uuid: str) -> dict:
     out: dict = {}
     try:
         h = None
-        for lookup, key in ((pynvml.nvmlDeviceGetHandleByPciBusId_v2, pci), (pynvml.nvmlDeviceGetHandleByUUID, uuid)):
+        for lookup, key in (("ByPciBusId_v2", pci), ("ByPciBusId", pci), ("ByUUID", uuid)):  # not every pynvml has _v2
             with contextlib.suppress(Exception):
-                h = lookup(key)
+                h = getattr(pynvml, f"nvmlDeviceGetHandle{lookup}")(key)
                 break
         if h is None:
             return {}
