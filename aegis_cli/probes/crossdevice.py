@@ -67,9 +67,8 @@ def selection(devices: list[Device], ctx: ProbeContext) -> list[str]:
     from aegis_cli.errors import ConfigError
 
     names = [n.strip() for n in ctx.option("crossdevice", "only").split(",") if n.strip()]
-    case = ctx.opts.case
-    if case is not None and case.startswith("crossdevice/"):
-        name = case.split("/")[1]
+    name, case = ctx.case_part("crossdevice"), ctx.opts.case
+    if name is not None:
         if name not in COMPUTATIONS:
             raise ConfigError(f"case {case!r}: the crossdevice probe has no computation {name!r} "
                               f"(known: {', '.join(COMPUTATIONS)})")
