@@ -154,8 +154,9 @@ def check_memory(opts: ScanOptions, devices: list[Device]) -> None:
     if "memory" in opts.probes:
         from aegis_cli.probes.memory import check_fits
 
+        ctx = ProbeContext(opts=opts, fault=None, progress=lambda *a, **k: None)
         for d in devices:
-            check_fits(d, ProbeContext(opts=opts, fault=None, progress=lambda *a, **k: None))
+            check_fits(d, ctx)
     if "gemm" not in opts.probes:
         return
     for d in devices:
