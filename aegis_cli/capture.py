@@ -121,6 +121,7 @@ def check_savable(opts: ScanOptions, devices: list) -> None:
     from aegis_cli.scan import plan_cases, workload_for
     from aegis_cli.vtask import TAU_RANGE
 
+    check = max(GEMM_CHECKS, key=len)  # the longest of the ids capture_gemm_vtasks gives a case
     for d in devices:
         wl = workload_for(opts, d)
         for case in plan_cases(wl, opts.seed, opts.case):
@@ -129,14 +130,13 @@ def check_savable(opts: ScanOptions, devices: list) -> None:
             if not TAU_RANGE[0] <= tau <= TAU_RANGE[1]:
                 raise ConfigError(f"--save-vtasks: τ = {tau:g} for {d.identity.id} at K = {s.k} is outside what a bundle "
                                   f"records ({TAU_RANGE[0]:g}…{TAU_RANGE[1]:g}); choose --threshold within it")
+            spec = GemmSpec(layout=s.layout, m=s.m, n=s.n, k=s.k, tile=tuple(d.tile))
             for ea, eb in wl.scan.scales:
                 cid = case.case_id(ea, eb)
-                check = max(GEMM_CHECKS, key=len)  # the longest of the ids capture_gemm_vtasks gives this case
                 vid = f"{d.identity.id}/{cid}/{check}"
                 if not ID_RE.fullmatch(vid):
                     raise ConfigError(f"--save-vtasks: workload {wl.name!r} gives vTask ids like {vid[:120]!r} that a bundle "
                                       f"cannot hold (1–256 characters from A-Za-z0-9._:/+=@-); rename the workload or its ops")
-                spec = GemmSpec(layout=s.layout, m=s.m, n=s.n, k=s.k, tile=tuple(d.tile))
                 problem = entry_problem(VTask(id=vid, check=check, op=s.op, gemm=spec, tensors={}, tau=tau, scale=(ea, eb),
                                               confirm_margin=opts.thresholds.confirm_margin, case_id=cid, seed=case.seed,
                                               dist=case.dist))
