@@ -149,6 +149,13 @@ def perturb_draw(plan: FaultPlan, f: FaultSpec, rng: np.random.Generator, numel:
     return hit, prng.choice([-1.0, 1.0], hit.size)
 
 
+def skipped_kblock(f: FaultSpec, k: int, rng: np.random.Generator) -> int:
+    """The k-block a skipk tile fault drops (both backends): ``kstep=``, else drawn, modulo the
+    k-blocks of a K-deep product, as the CUDA kernels take it."""
+    kblocks = max(1, -(-k // KSTEP))
+    return (f.as_int("kstep") if f.get("kstep") else int(rng.integers(0, kblocks))) % kblocks
+
+
 def tiles_for(f: FaultSpec, ctx: LaunchContext, tiles: tuple[int, int], rng: np.random.Generator) -> list[tuple[int, int]]:
     tm_n, tn_n = tiles
     total = tm_n * tn_n
@@ -190,9 +197,8 @@ def apply_acc(plan: FaultPlan, ctx: LaunchContext, acc: torch.Tensor, a_mk: torc
                 # one row of tiles: "one tile further down" wraps back into the same tile, no
                 # wrong-address read at all; as on CUDA, not injected and not recorded
                 continue
-            if mode == "skipk":  # the k-block number modulo the k-blocks, as the CUDA kernels take it
-                kblocks = max(1, -(-a_mk.shape[1] // KSTEP))
-                kb = (f.as_int("kstep") if f.get("kstep") else int(rng.integers(0, kblocks))) % kblocks
+            if mode == "skipk":
+                kb = skipped_kblock(f, a_mk.shape[1], rng)
                 ks = slice(kb * KSTEP, (kb + 1) * KSTEP)
             tiles = tiles_for(f, ctx, (-(-m // tm), -(-n // tn)), rng)
             for ti, tj in tiles:

@@ -36,7 +36,7 @@ from aegis_cli import corrupt, fingerprint, numerics
 from aegis_cli.backends import loader
 from aegis_cli.backends.base import Backend, Device, DeviceIdentity, GemmOperands, GemmResult, Layout, ReferenceChecksums, node_name
 from aegis_cli.errors import ConfigError, DeviceError, InjectSpecError
-from aegis_cli.inject import KSTEP, FaultPlan, FaultSpec, LaunchContext
+from aegis_cli.inject import FaultPlan, FaultSpec, LaunchContext
 
 CHECK_TILE = (64, 128)  # checksum tile of both kernels
 CTA_TILES = {"wgmma": (2, 2), "mma": (2, 1)}  # checksum tiles per CTA tile (128x256, 128x128)
@@ -289,8 +289,7 @@ def _tile_fault(acc: _AccFaults, plan: FaultPlan, f: FaultSpec, rng: np.random.G
         value = float(np.float32(f.get("value", "1.0")))
         acc.tile_value = one("stuck tile value", acc.tile_value, value)
     if mode == "skipk":
-        kblocks = max(1, -(-k // KSTEP))
-        acc.kstep = one("skipped k-step", acc.kstep, (f.as_int("kstep") if f.get("kstep") else int(rng.integers(0, kblocks))) % kblocks)
+        acc.kstep = one("skipped k-step", acc.kstep, corrupt.skipped_kblock(f, k, rng))
     if f.get("sm") is not None:  # which tiles land on the SM is known only after the launch
         pin = one("SM-pinned tile fault", (acc.sm_target, acc.sm_mode) if acc.sm_target >= 0 else None, (f.as_int("sm"), code))
         acc.sm_target, acc.sm_mode = pin
