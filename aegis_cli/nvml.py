@@ -18,13 +18,21 @@ COUNTERS = ("ecc_volatile_corrected", "ecc_volatile_uncorrected", "ecc_aggregate
 FLAGS = ("retired_pages_pending", "remap_pending", "remap_failure")
 
 
+def handle_by_bus_id(nv, pci: str | None):
+    """The NVML handle of the GPU at PCI bus id ``pci``, or None where NVML knows no such card."""
+    for lookup in ("nvmlDeviceGetHandleByPciBusId_v2", "nvmlDeviceGetHandleByPciBusId"):  # not every pynvml has _v2
+        with contextlib.suppress(Exception):
+            return getattr(nv, lookup)(pci)
+    return None
+
+
 def _handle(nv, identity: DeviceIdentity):
     if identity.uuid and identity.uuid.startswith(("GPU-", "MIG-")):
         with contextlib.suppress(Exception):
             return nv.nvmlDeviceGetHandleByUUID(identity.uuid)
-    for lookup in ("nvmlDeviceGetHandleByPciBusId_v2", "nvmlDeviceGetHandleByPciBusId"):  # not every pynvml has _v2
-        with contextlib.suppress(Exception):
-            return getattr(nv, lookup)(identity.pci_bus_id)
+    h = handle_by_bus_id(nv, identity.pci_bus_id)
+    if h is not None:
+        return h
     # not by index: NVML counts every GPU in the node, CUDA only the visible ones, so the same
     # index can be another card, whose counters would then be blamed on this one
     raise LookupError("NVML knows neither its UUID nor its PCI bus id")

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from aegis_cli import corrupt, fingerprint, numerics
+from aegis_cli import corrupt, fingerprint, numerics, nvml
 from aegis_cli.backends import loader
 from aegis_cli.backends.base import Backend, Device, DeviceIdentity, GemmOperands, GemmResult, Layout, ReferenceChecksums, node_name
 from aegis_cli.errors import ConfigError, DeviceError, InjectSpecError
@@ -357,11 +357,10 @@ def _nvml_identity(pci: str, uuid: str) -> dict:
         return {}
     out: dict = {}
     try:
-        h = None
-        for lookup, key in (("ByPciBusId_v2", pci), ("ByPciBusId", pci), ("ByUUID", uuid)):  # not every pynvml has _v2
+        h = nvml.handle_by_bus_id(pynvml, pci)
+        if h is None:
             with contextlib.suppress(Exception):
-                h = getattr(pynvml, f"nvmlDeviceGetHandle{lookup}")(key)
-                break
+                h = pynvml.nvmlDeviceGetHandleByUUID(uuid)
         if h is None:
             return {}
 
