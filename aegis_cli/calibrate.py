@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from aegis_cli import numerics
-from aegis_cli.backends.base import Device, GemmOperands, Layout
-from aegis_cli.inject import FaultPlan
+from aegis_cli.backends.base import Device
+from aegis_cli.faults.spec import FaultPlan
+from aegis_cli.ops import numerics
+from aegis_cli.ops.gemm import GemmOperands, Layout
+from aegis_cli.ops.workloads import Workload
 from aegis_cli.probes.gemm import GemmCase, GemmProbe
-from aegis_cli.workloads import Workload
 
 
 @dataclass

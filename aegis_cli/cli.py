@@ -18,7 +18,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from aegis_cli import report as report_mod
-from aegis_cli.errors import AegisError, ExitCode
+from aegis_cli.ops import files, provenance
+from aegis_cli.ops.errors import AegisError, ExitCode
 from aegis_cli.probes import DEFAULT_PROBES
 
 SCAN_RERUNS = 5  # the --reruns default, left out of the re-run command
@@ -38,7 +39,7 @@ def _fail(message: str, code: int = ExitCode.UNKNOWN) -> None:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
-@click.version_option(report_mod.tool_version(), prog_name="aegis")
+@click.version_option(provenance.tool_version(), prog_name="aegis")
 def cli(debug: bool) -> None:
     """aegis: find GPUs that silently compute wrong numbers.
 
@@ -51,7 +52,7 @@ def _writable(_ctx, _param, path: str | None) -> str | None:
     """Option callback of every output path: checked while the command line is parsed, before
     any work, so a typo cannot cost a finished scan (report.check_writable)."""
     if path:
-        report_mod.check_writable(path)
+        files.check_writable(path)
     return path
 
 
@@ -60,11 +61,11 @@ def _emit(doc: dict, fmt: str, output: str | None, table_fn) -> None:
         console = Console(file=io.StringIO(), record=True, width=140) if output else Console()
         table_fn(console, doc)
         if output:
-            report_mod.atomic_write(output, console.export_text())
+            files.atomic_write(output, console.export_text())
         return
     text = report_mod.render(doc, fmt)
     if output:
-        report_mod.atomic_write(output, text)
+        files.atomic_write(output, text)
     else:
         click.echo(text, nl=False)
 
@@ -106,8 +107,8 @@ def _rerun_commands(doc: dict) -> list[str]:
     was judged: seed, device(s), workload, golden file, the case's probe options, thresholds
     (repr: ``:g`` rounded them), re-runs and injected faults; defaults left out. No --probes:
     --case runs the probe that owns the case and nothing else (scan.run_scan)."""
-    from aegis_cli.inject import parse_spec
-    from aegis_cli.numerics import Thresholds
+    from aegis_cli.faults.spec import parse_spec
+    from aegis_cli.ops.numerics import Thresholds
     from aegis_cli.probes import NODE_PROBES, case_probe, load_all
 
     load_all()
@@ -148,7 +149,7 @@ def _rerun_commands(doc: dict) -> list[str]:
 
 
 def _thresholds(tau: float | None, margin: float | None):
-    from aegis_cli.numerics import Thresholds
+    from aegis_cli.ops.numerics import Thresholds
 
     base = Thresholds()
     return Thresholds(tau=base.tau if tau is None else tau, tau_bf16=base.tau_bf16,
@@ -161,7 +162,7 @@ def _run_with_progress(run, opts, inject: str | None, quiet: bool):
     so a refused run prints its one error line and nothing else."""
     banner = None
     if inject is not None:  # --inject '' (an unset $SPEC) is refused, not a silent run without faults
-        from aegis_cli.inject import parse_spec
+        from aegis_cli.faults.spec import parse_spec
 
         parse_spec(inject)
         banner = f"[bold red]FAULT INJECTION ACTIVE:[/] {escape(inject)} — results below are a self-test, not a diagnosis"
@@ -231,7 +232,7 @@ def scan(devices, workload, seed, case, reruns, inject, save_vtasks, probes, gol
     _emit(rep.to_dict(), fmt, output, _verdict_table)
     _warn_never_fired(rep)
     if save_vtasks:
-        from aegis_cli.capture import save_scan_vtasks
+        from aegis_cli.vtask.capture import save_scan_vtasks
 
         try:
             n = save_scan_vtasks(rep, opts, save_vtasks)
@@ -332,7 +333,7 @@ def _replay_table(console: Console, doc: dict) -> None:
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def replay(bundles, devices, repeat, scales, inject, max_bundle_size, fmt, output, quiet):
     """Replay the vTasks of bundles (aegis scan --save-vtasks) and say where the fault lies."""
-    from aegis_cli.replay import ReplayOptions, parse_scales, run_replay
+    from aegis_cli.vtask.replay import ReplayOptions, parse_scales, run_replay
 
     opts = ReplayOptions(bundles=list(bundles), devices=devices, repeat=repeat, scales=parse_scales(scales), inject=inject,
                          max_bundle_bytes=max_bundle_size, command_line=["aegis", *sys.argv[1:]])
@@ -507,8 +508,8 @@ def golden() -> None:
 @click.option("--output", "-o", required=True, metavar="FILE", callback=_writable, help="Golden file to write (JSON, atomically).")
 def golden_record(devices, seed, output):
     """Record fingerprints of the canonical workloads, keyed by GPU model, driver, CUDA, torch and kernel hash."""
-    from aegis_cli import golden as golden_mod
     from aegis_cli.backends import resolve_devices
+    from aegis_cli.probes import golden_file as golden_mod
 
     doc = golden_mod.record(resolve_devices(devices), golden_mod.GOLDEN_SEED if seed is None else seed)
     golden_mod.save(doc, output)

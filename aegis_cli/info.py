@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from aegis_cli import workloads
 from aegis_cli.backends import get_backend, loader
-from aegis_cli.report import versions
+from aegis_cli.ops import paths, workloads
+from aegis_cli.ops.provenance import versions
 
 
 def gather() -> dict:
@@ -23,14 +23,14 @@ def gather() -> dict:
             entry["reason"] = str(exc)
         backends.append(entry)
     try:
-        kdir = str(loader.kernel_dir())
+        kdir = str(paths.kernel_dir())
     except FileNotFoundError as exc:
         kdir = f"missing ({exc})"
     return {
         "versions": versions(),
         "backends": backends,
         "devices": devices,
-        "paths": {"kernels": kdir, "workloads": str(workloads.catalog_dir()), "cupy kernel cache": loader.cache_dir()},
+        "paths": {"kernels": kdir, "workloads": str(paths.catalog_dir()), "cupy kernel cache": loader.cache_dir()},
         "workloads": workloads.available(),
         "probes": probes(),
         "kernel_hashes": loader.kernel_hashes(),

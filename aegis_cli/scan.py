@@ -11,15 +11,16 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from aegis_cli import numerics, workloads
 from aegis_cli.backends import resolve_devices
 from aegis_cli.backends.base import Device, memory_shortfall
-from aegis_cli.errors import AegisError, ConfigError, GoldenError
-from aegis_cli.inject import FaultPlan
+from aegis_cli.faults.spec import FaultPlan
+from aegis_cli.ops import numerics, workloads
+from aegis_cli.ops.case import check_seed
+from aegis_cli.ops.errors import AegisError, ConfigError, GoldenError
+from aegis_cli.ops.verdict import Evidence, Verdict, worst
 from aegis_cli.probes import DEFAULT_PROBES, NODE_PROBES, PROBES, ProbeContext, case_probe, load_all, parse_probe_options, register
-from aegis_cli.probes.gemm import GemmCase, GemmProbe, case_bytes, check_seed
+from aegis_cli.probes.gemm import GemmCase, GemmProbe, case_bytes
 from aegis_cli.report import DeviceReport, Report, new_report
-from aegis_cli.verdict import Evidence, Verdict, worst
 
 DEFAULT_CPU_WORKLOAD = "cpu-quick"
 DEFAULT_GPU_WORKLOAD = "llama3-70b"
@@ -216,11 +217,11 @@ def run_scan(opts: ScanOptions, progress: Progress | None = None) -> Report:
 
         selection(devices, ProbeContext(opts=opts, fault=None, progress=lambda *a, **k: None))
     if opts.keep_flagged:  # the caller saves the flagged cases as vTasks: refuse what it could not save
-        from aegis_cli.capture import check_savable
+        from aegis_cli.vtask.capture import check_savable
 
         check_savable(opts, devices)
     if opts.golden:
-        from aegis_cli import golden
+        from aegis_cli.probes import golden_file as golden
 
         golden.check_keys(golden.load(opts.golden), devices)  # refuse before any work
     report = new_report(opts)

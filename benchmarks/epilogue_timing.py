@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from gemm import N_SETS, _input_sets, _parse_variant, _variant_launches, write_rows
 
-from aegis_cli.backends.base import Layout
+from aegis_cli.ops.gemm import Layout
 
 VARIANTS = ("plain=nosums", "checked=")
 

@@ -28,9 +28,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from aegis_cli import fingerprint
+from aegis_cli.backends.fingerprint_cuda import gpu_block_tensor, gpu_fingerprint
 from aegis_cli.backends.loader import get_module, source_hash
-from aegis_cli.fingerprint_cuda import gpu_block_tensor, gpu_fingerprint
+from aegis_cli.ops import fingerprint
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64,
           "int8": torch.int8, "uint8": torch.uint8, "int32": torch.int32}

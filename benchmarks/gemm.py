@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from aegis_cli import workloads
-from aegis_cli.backends.base import Layout
+from aegis_cli.ops import workloads
+from aegis_cli.ops.gemm import Layout
 
 N_SETS = 3
 

@@ -56,9 +56,9 @@ def section_selfcheck(out: Path) -> dict:
     """Each kernel x layout on a ragged shape: error against fp64 and the worst checksum difference."""
     import torch
 
-    from aegis_cli import numerics
     from aegis_cli.backends import cuda
-    from aegis_cli.backends.base import GemmOperands, Layout
+    from aegis_cli.ops import numerics
+    from aegis_cli.ops.gemm import GemmOperands, Layout
 
     kernels = ["mma", "wgmma"] if torch.cuda.get_device_capability(0) == (9, 0) else ["mma"]
     summary = {}

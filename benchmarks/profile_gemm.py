@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     from gemm import parse_defines  # benchmarks/gemm.py, beside this script
 
     from aegis_cli.backends import cuda
-    from aegis_cli.backends.base import Layout
+    from aegis_cli.ops.gemm import Layout
 
     cuda.WGMMA_DEFINES.update(parse_defines(args.define))
     dev = cuda.CudaDevice(0, kernel=args.kernel)

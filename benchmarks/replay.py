@@ -16,11 +16,11 @@ import time
 
 import torch
 
-from aegis_cli import numerics
-from aegis_cli.backends.base import GemmOperands, Layout
-from aegis_cli.bundle import BundleWriter, read_bundle
-from aegis_cli.replay import DEFAULT_SCALES, ReplayOptions, run_replay
-from aegis_cli.vtask import GemmSpec, VTask
+from aegis_cli.ops import numerics
+from aegis_cli.ops.gemm import GemmOperands, Layout
+from aegis_cli.vtask.bundle import BundleWriter, read_bundle
+from aegis_cli.vtask.model import GemmSpec, VTask
+from aegis_cli.vtask.replay import DEFAULT_SCALES, ReplayOptions, run_replay
 
 
 def small_vtask(i: int, m: int, n: int, k: int) -> VTask:

@@ -23,8 +23,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from aegis_cli.fingerprint import device_fingerprint
-from aegis_cli.probes._common import GPU_SIZES, deterministic_algorithms
+from aegis_cli.ops.fingerprint import device_fingerprint
+from aegis_cli.probes.computations import GPU_SIZES, deterministic_algorithms
 
 
 def main() -> None:

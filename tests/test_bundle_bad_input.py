@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from aegis_cli import cli
-from aegis_cli.backends.base import GemmOperands, Layout
-from aegis_cli.bundle import BundleWriter, read_bundle
-from aegis_cli.errors import BundleError
-from aegis_cli.vtask import GemmSpec, Limits, VTask
+from aegis_cli.ops.errors import BundleError
+from aegis_cli.ops.gemm import GemmOperands, Layout
+from aegis_cli.vtask.bundle import BundleWriter, read_bundle
+from aegis_cli.vtask.model import GemmSpec, Limits, VTask
 from tests.test_vtask import make_vtask
 
 
@@ -369,7 +369,7 @@ def _shared_pair_bundle(path: Path, copies: int) -> None:
 def test_shared_tensors_are_checked_once(tmp_path, monkeypatch):
     """Finiteness and the overflow rule are properties of the stored tensors: a small bundle of
     many vTasks sharing them (hours to read, when checked per vTask) checks each tensor once."""
-    from aegis_cli import numerics
+    from aegis_cli.ops import numerics
 
     calls = {"abs_max_along": 0, "overflow_bound": 0}
 
@@ -394,7 +394,7 @@ def test_inputs_the_cheap_bounds_cannot_clear_get_the_spec_bound(tmp_path):
     """Per-tensor maxima only ever loosen the bound: a pair they cannot clear is judged by
     numerics.overflow_bound, so what the reader accepts does not change. Here every K has one
     huge A and one huge B (Σ_k max|A|·max|B| is K times too big), but never in the same output."""
-    from aegis_cli import numerics
+    from aegis_cli.ops import numerics
 
     k = 64
     h = (numerics.SUM_LIMIT / numerics.CHECKSUM_SPAN / 4) ** 0.5 * random.uniform(0.5, 1.0)

@@ -13,7 +13,7 @@ import pytest
 
 from aegis_cli import scan as scan_mod
 from aegis_cli.backends.cpu import CpuDevice
-from aegis_cli.errors import ExitCode
+from aegis_cli.ops.errors import ExitCode
 from tests.helpers import DATA, TINY, run_cli
 
 REPO = DATA.parent.parent
@@ -130,7 +130,7 @@ def test_fault_survives_a_later_probe_error(capsys, monkeypatch):
     """Confirmed corruption found by one probe is kept (FAULTY, exit 2, its evidence) when a later
     probe on the same device fails; the failure is recorded beside it."""
     from aegis_cli import probes
-    from aegis_cli.errors import DeviceError
+    from aegis_cli.ops.errors import DeviceError
 
     probes.load_all()
 
@@ -240,25 +240,24 @@ def test_installed_package_reads_its_own_kernels_and_workloads(tmp_path):
     (site / "kernels").mkdir()
     (site / "kernels" / "__init__.py").write_text("")
     (site / "workloads").mkdir()
-    code = ("from aegis_cli.backends import loader; from aegis_cli import workloads; "
-            "print(loader.kernel_dir()); print(workloads.catalog_dir()); print(sorted(loader.kernel_hashes()))")
+    code = ("from aegis_cli.backends import loader; from aegis_cli.ops import paths; "
+            "print(paths.kernel_dir()); print(paths.catalog_dir()); print(sorted(loader.kernel_hashes()))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
                        env={**os.environ, "PYTHONPATH": str(site)})
     assert r.returncode == 0, r.stderr
     kdir, wdir, names = r.stdout.strip().splitlines()
     assert kdir == str(site / "aegis_cli" / "_data" / "kernels") and wdir == str(site / "aegis_cli" / "_data" / "workloads")
     assert "gemm_wgmma.cu" in names
-    from aegis_cli import workloads
-    from aegis_cli.backends import loader
+    from aegis_cli.ops import paths
 
-    assert loader.kernel_dir() == REPO / "kernels" and workloads.catalog_dir() == REPO / "workloads"
+    assert paths.kernel_dir() == REPO / "kernels" and paths.catalog_dir() == REPO / "workloads"
 
 
 def test_memory_preflight_names_the_largest_gemm(monkeypatch, capsys):
     """The estimate is compared with what the device reports: a device 'smaller' than one
     TINY case refuses it (and names it), one large enough runs it."""
+    from aegis_cli.ops.workloads import load
     from aegis_cli.probes.gemm import case_bytes
-    from aegis_cli.workloads import load
 
     big = max(load(TINY).gemms(), key=lambda s: case_bytes(s.m, s.n, s.k))
     need = case_bytes(big.m, big.n, big.k)
@@ -274,8 +273,8 @@ def test_memory_preflight_names_the_largest_gemm(monkeypatch, capsys):
 def test_memory_preflight_tells_busy_from_too_small(monkeypatch, capsys):
     """Memory other processes hold is not the device's fault: a scan that would not fit in what
     is free now says so (and what to do) instead of running out half-way and calling it ERROR."""
+    from aegis_cli.ops.workloads import load
     from aegis_cli.probes.gemm import case_bytes
-    from aegis_cli.workloads import load
 
     big = max(load(TINY).gemms(), key=lambda s: case_bytes(s.m, s.n, s.k))
     need = case_bytes(big.m, big.n, big.k)
@@ -444,8 +443,8 @@ def test_shipped_catalog_wins_over_a_folder_of_that_name(capsys, tmp_path, monke
 
 
 def test_catalog_lists_without_repeats_and_names_unlike_probes(tmp_path):
-    from aegis_cli import workloads
-    from aegis_cli.errors import ConfigError
+    from aegis_cli.ops import workloads
+    from aegis_cli.ops.errors import ConfigError
 
     text = (DATA / "tiny.yaml").read_text()
     dup = tmp_path / "dup.yaml"
@@ -524,7 +523,7 @@ def test_nvml_identity_never_falls_back_to_another_cards_index(monkeypatch):
 def test_nvml_counters_are_never_read_from_another_card_and_a_reset_is_no_error(monkeypatch):
     import sys
 
-    from aegis_cli import nvml
+    from aegis_cli.backends import nvml
     from aegis_cli.backends.base import DeviceIdentity
 
     monkeypatch.setitem(sys.modules, "pynvml", _fake_nvml({}))

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from aegis_cli import numerics
-from aegis_cli.backends.base import GemmOperands, Layout
-from aegis_cli.inject import FaultPlan
+from aegis_cli.faults.spec import FaultPlan
+from aegis_cli.ops import numerics
+from aegis_cli.ops.gemm import GemmOperands, Layout
 
 pytestmark = pytest.mark.gpu
 TAU = numerics.Thresholds().tau
@@ -162,7 +162,7 @@ def test_shift_with_one_row_of_cta_tiles_is_not_claimed(dev):
 
 def test_dimensions_beyond_32_bit_indexing_are_refused(dev):
     from aegis_cli.backends.cuda import MAX_DIM
-    from aegis_cli.errors import ConfigError
+    from aegis_cli.ops.errors import ConfigError
 
     k = MAX_DIM + 64  # 4 GiB per operand, never filled: prepare refuses before any launch
     a = torch.empty((1, k), dtype=torch.bfloat16, device=dev.torch_device)
@@ -259,10 +259,10 @@ def test_memory_free_and_flagged_runs_kept_on_the_host(tmp_path):
     """The preflight's free memory is at most the total; flagged runs kept for --save-vtasks
     leave the GPU (a permanent fault would otherwise hold every case's C there), and saving
     them still finds their flagged rows against the on-device fp64 reference."""
-    from aegis_cli import capture
     from aegis_cli.backends.cuda import CudaDevice
-    from aegis_cli.bundle import read_bundle
     from aegis_cli.scan import ScanOptions, run_scan
+    from aegis_cli.vtask.bundle import read_bundle
+    from aegis_cli.vtask import capture
     from tests.helpers import TINY
 
     d = CudaDevice(0)
@@ -286,13 +286,13 @@ def test_gpu_capture_is_recognised_as_the_scans_draw_on_gpu_and_cpu(tmp_path):
     the same bits, on the CPU), and a flipped input bit must not."""
     import dataclasses
 
-    from aegis_cli import capture
     from aegis_cli.backends import resolve_devices
+    from aegis_cli.ops.verdict import Evidence, Verdict
+    from aegis_cli.ops.workloads import load
     from aegis_cli.probes.gemm import ProbeStats, scaled
-    from aegis_cli.replay import ReplayOptions, _VTaskReplay
     from aegis_cli.scan import plan_cases
-    from aegis_cli.verdict import Evidence, Verdict
-    from aegis_cli.workloads import load
+    from aegis_cli.vtask import capture
+    from aegis_cli.vtask.replay import ReplayOptions, _VTaskReplay
 
     dev = resolve_devices("cuda:0")[0]
     case = plan_cases(load("cpu-quick"), 7)[3]

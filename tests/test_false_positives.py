@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from aegis_cli import workloads
 from aegis_cli.backends.cpu import CpuDevice
 from aegis_cli.calibrate import clean_distribution
-from aegis_cli.numerics import Thresholds
+from aegis_cli.ops import workloads
+from aegis_cli.ops.numerics import Thresholds
 
 
 def test_no_false_positives_and_margin_at_least_10(record_property):

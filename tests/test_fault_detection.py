@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from aegis_cli import numerics, workloads
 from aegis_cli.backends.cpu import CpuDevice
-from aegis_cli.inject import FaultPlan
-from aegis_cli.numerics import Thresholds
+from aegis_cli.faults.spec import FaultPlan
+from aegis_cli.ops import numerics, workloads
+from aegis_cli.ops.numerics import Thresholds
+from aegis_cli.ops.verdict import Verdict, worst
 from aegis_cli.probes.gemm import GemmCase, GemmProbe
-from aegis_cli.verdict import Verdict, worst
 from tests.helpers import TINY
 
 WL = workloads.load(TINY)  # mlp_down fwd: M=160, N=256, K=512 → 2×2 tiles of 128
@@ -216,7 +216,7 @@ def test_cpu_shift_with_nothing_to_shift_is_not_recorded(m, shifted):
     the same block, so the output did not change, yet the fault was recorded as injected."""
     import torch
 
-    from aegis_cli.backends.base import GemmOperands, Layout
+    from aegis_cli.ops.gemm import GemmOperands, Layout
 
     gen = torch.Generator().manual_seed(m)
     a, b = torch.randn(m, 96, generator=gen).to(torch.bfloat16), torch.randn(160, 96, generator=gen).to(torch.bfloat16)
@@ -235,8 +235,8 @@ def test_cpu_skipk_drops_the_k_block_cuda_drops(k, kstep, dropped):
     import numpy as np
     import torch
 
-    from aegis_cli import corrupt
-    from aegis_cli.inject import LaunchContext
+    from aegis_cli.faults import tensor as corrupt
+    from aegis_cli.faults.spec import LaunchContext
 
     gen = torch.Generator().manual_seed(k)
     a, b = torch.randn(96, k, generator=gen).to(torch.bfloat16), torch.randn(k, 160, generator=gen).to(torch.bfloat16)

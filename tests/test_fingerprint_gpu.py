@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from aegis_cli import fingerprint
-from aegis_cli.inject import FaultPlan
+from aegis_cli.faults.spec import FaultPlan
+from aegis_cli.ops import fingerprint
 from aegis_cli.probes import ProbeContext
 from aegis_cli.scan import ScanOptions
 
@@ -29,7 +29,7 @@ def _random(n: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_gpu_fingerprint_equals_cpu(dtype):
-    from aegis_cli.fingerprint_cuda import gpu_block_fingerprints, gpu_fingerprint
+    from aegis_cli.backends.fingerprint_cuda import gpu_block_fingerprints, gpu_fingerprint
 
     for i, n in enumerate(SIZES):
         t = _random(n, dtype, 100 + i)
@@ -39,7 +39,7 @@ def test_gpu_fingerprint_equals_cpu(dtype):
 
 
 def test_gpu_fingerprint_of_views_and_unaligned_storage():
-    from aegis_cli.fingerprint_cuda import gpu_fingerprint
+    from aegis_cli.backends.fingerprint_cuda import gpu_fingerprint
 
     base = _random(1 << 20, torch.bfloat16, 7)
     for t in (base[1:], base[3:1001], base.view(1024, 1024).t(), base.view(1024, 1024)[:, 5:77]):
@@ -47,7 +47,7 @@ def test_gpu_fingerprint_of_views_and_unaligned_storage():
 
 
 def test_gpu_fingerprint_sees_single_flip_and_swap():
-    from aegis_cli.fingerprint_cuda import gpu_block_fingerprints, gpu_fingerprint
+    from aegis_cli.backends.fingerprint_cuda import gpu_block_fingerprints, gpu_fingerprint
 
     t = _random(1 << 22, torch.bfloat16, 9)
     h = gpu_fingerprint(t)

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from aegis_cli.errors import ConfigError
 from aegis_cli.fleet.compare import CONSISTENT, INCONCLUSIVE, ODD_ONE_OUT, PROBE_KEY, apply, compare, fleet_exit
 from aegis_cli.fleet.merge import merge
+from aegis_cli.ops.errors import ConfigError
 from tests.fleet_helpers import aegis, env, write_config
 
 

@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from aegis_cli.errors import HistoryError
 from aegis_cli.fleet import history as hist_mod
 from aegis_cli.fleet.history import History, ResultRow
 from aegis_cli.fleet.policy import ACTIVE, PROBATION, QUARANTINED, PolicyConfig, evaluate, parse_since, rate_text, wilson
+from aegis_cli.ops.errors import HistoryError
 
 
 def doc(verdicts: dict[str, str]) -> dict:

@@ -17,9 +17,9 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from aegis_cli.errors import ConfigError
 from aegis_cli.fleet.history import History, ResultRow
 from aegis_cli.fleet.sweep import load_config, plan_devices
+from aegis_cli.ops.errors import ConfigError
 from tests.fleet_helpers import aegis, env, start_sweep, wait_for, write_config
 
 
@@ -310,7 +310,7 @@ def test_scan_rejects_worker_hooks():
 
 
 def test_locked_database_is_a_clear_error(tmp_path):
-    from aegis_cli.errors import HistoryError
+    from aegis_cli.ops.errors import HistoryError
 
     db = tmp_path / "h.sqlite"
     History(db).close()
@@ -327,8 +327,8 @@ def test_locked_database_is_a_clear_error(tmp_path):
 @pytest.mark.parametrize("content", [b"SQLite format 3\x00" + b"\x01" * 200, b"# my notes\nkeep me\n", b'{"pid": 1}\n'])
 def test_lock_file_pointing_at_another_file_never_truncates_it(tmp_path, content):
     """A lock_file typo (the history database, a report, notes) used to truncate that file."""
-    from aegis_cli.errors import LockError
     from aegis_cli.fleet.lock import SweepLock
+    from aegis_cli.ops.errors import LockError
 
     victim = tmp_path / "victim"
     victim.write_bytes(content)
@@ -550,8 +550,8 @@ def test_exports_that_clash_are_refused_before_any_work(tmp_path, over, clash):
 
 
 def test_unwritable_fleet_report_fails_before_any_work(tmp_path):
-    from aegis_cli.errors import OutputError
     from aegis_cli.fleet.sweep import run_sweep
+    from aegis_cli.ops.errors import OutputError
 
     cfg = load_config(write_config(tmp_path, distributed={"fleet_report": "nodir/fleet.json"}))
     with pytest.raises(OutputError, match="nodir"):

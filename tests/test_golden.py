@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from aegis_cli import golden
 from aegis_cli.backends.cpu import CpuDevice
 from aegis_cli.cli import main
-from aegis_cli.errors import GoldenError
+from aegis_cli.ops.errors import GoldenError
+from aegis_cli.probes import golden_file as golden
 from aegis_cli.scan import ScanOptions, run_scan
 
 
@@ -65,7 +65,7 @@ def test_runs_that_differ_among_themselves_are_faulty(golden_file):
 
 
 def test_unknown_golden_case_is_refused(golden_file):
-    from aegis_cli.errors import ConfigError
+    from aegis_cli.ops.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"has no computation 'nosuch'"):
         run_scan(ScanOptions(devices="cpu:0", golden=str(golden_file), case="golden/nosuch/x"))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from aegis_cli.errors import InjectSpecError
-from aegis_cli.inject import FaultPlan, parse_spec
+from aegis_cli.faults.spec import FaultPlan, parse_spec
+from aegis_cli.ops.errors import InjectSpecError
 
 
 @pytest.mark.parametrize(
@@ -86,8 +86,8 @@ def test_shared_fault_lands_in_the_same_place_on_every_device():
     depend on which device-specific faults came before it in the spec (for_device drops those)."""
     import torch
 
-    from aegis_cli import corrupt
-    from aegis_cli.inject import LaunchContext
+    from aegis_cli.faults import tensor as corrupt
+    from aegis_cli.faults.spec import LaunchContext
 
     shared = "bitflip:count=4,bit=exp,prob=0.5"
     plan = FaultPlan.parse(f"bitflip:device=cpu:1,bit=sign,seed=9; {shared}")
@@ -113,8 +113,8 @@ def test_integer_parameters_read_as_checked(spec):
     the same way (a base-10 int() raised ValueError with a traceback for stride=0x20)."""
     import torch
 
-    from aegis_cli import corrupt
-    from aegis_cli.inject import LaunchContext
+    from aegis_cli.faults import tensor as corrupt
+    from aegis_cli.faults.spec import LaunchContext
 
     plan = FaultPlan.parse(spec)
     acc = torch.randn(96, 160, dtype=torch.float32, generator=torch.Generator().manual_seed(0))
@@ -130,8 +130,8 @@ def test_cuda_stuck_lanes_pack_into_lane_slots_or_edits():
     import torch
 
     from aegis_cli.backends import cuda
-    from aegis_cli.backends.base import GemmOperands, Layout
-    from aegis_cli.inject import LaunchContext
+    from aegis_cli.faults.spec import LaunchContext
+    from aegis_cli.ops.gemm import GemmOperands, Layout
 
     m, n, k = 1024, 512, 64  # a stride-32 lane hits 16 Ki elements
     ops = GemmOperands(torch.ones(m, k, dtype=torch.bfloat16), torch.ones(n, k, dtype=torch.bfloat16), Layout.FWD)
@@ -155,8 +155,8 @@ def test_cuda_tile_faults_that_change_nothing_are_never_fired():
     import torch
 
     from aegis_cli.backends import cuda
-    from aegis_cli.backends.base import GemmOperands, Layout
-    from aegis_cli.inject import LaunchContext
+    from aegis_cli.faults.spec import LaunchContext
+    from aegis_cli.ops.gemm import GemmOperands, Layout
 
     m, n, k = 128, 512, 64  # 2×4 checksum tiles, one row of 128-row CTA tiles
     ops = GemmOperands(torch.ones(m, k, dtype=torch.bfloat16), torch.ones(n, k, dtype=torch.bfloat16), Layout.FWD)
@@ -182,8 +182,8 @@ def test_cuda_tile_faults_the_kernels_cannot_take_together_are_refused(spec, wha
     import torch
 
     from aegis_cli.backends import cuda
-    from aegis_cli.backends.base import GemmOperands, Layout
-    from aegis_cli.inject import LaunchContext
+    from aegis_cli.faults.spec import LaunchContext
+    from aegis_cli.ops.gemm import GemmOperands, Layout
 
     m, n, k = 256, 256, 128
     ops = GemmOperands(torch.ones(m, k, dtype=torch.bfloat16), torch.ones(n, k, dtype=torch.bfloat16), Layout.FWD)

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from aegis_cli.backends import loader
+from aegis_cli.ops import paths
 
 NVCC = shutil.which("nvcc")
-KERNELS = sorted(p.name for p in loader.kernel_dir().glob("*.cu"))
+KERNELS = sorted(p.name for p in paths.kernel_dir().glob("*.cu"))
 VARIANTS = {"gemm_mma.cu": ("", "-DAEGIS_INJECT", "-DAEGIS_NOSUMS"),
             "gemm_wgmma.cu": ("", "-DAEGIS_INJECT", "-DAEGIS_NOSUMS", "-DAEGIS_TIMING")}
 CASES = [(k, v) for k in KERNELS for v in VARIANTS.get(k, ("",))]
@@ -24,7 +25,7 @@ CASES = [(k, v) for k in KERNELS for v in VARIANTS.get(k, ("",))]
 @pytest.mark.parametrize(("kernel", "define"), CASES, ids=[f"{k}{v}" for k, v in CASES])
 def test_kernel_compiles(kernel: str, define: str, tmp_path: Path) -> None:
     cmd = [NVCC, "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "-cubin", "-Xptxas", "-v",
-           f"-I{loader.kernel_dir()}", "-o", str(tmp_path / "k.cubin"), str(loader.kernel_path(kernel))]
+           f"-I{paths.kernel_dir()}", "-o", str(tmp_path / "k.cubin"), str(loader.kernel_path(kernel))]
     if define:
         cmd.insert(1, define)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)

@@ -8,9 +8,9 @@ import dataclasses
 
 import torch
 
-from aegis_cli import numerics
-from aegis_cli.backends.base import GemmOperands, Layout
 from aegis_cli.backends.cpu import CpuDevice
+from aegis_cli.ops import numerics
+from aegis_cli.ops.gemm import GemmOperands, Layout
 
 
 def _clean(m: int = 150, n: int = 300, k: int = 96, seed: int = 11):
@@ -105,7 +105,7 @@ def test_pow2_scale_reaches_2_to_the_128():
 
 
 def test_faulty_outranks_error():
-    from aegis_cli.verdict import Verdict, worst
+    from aegis_cli.ops.verdict import Verdict, worst
 
     # corruption confirmed before a later check failed stays the finding (as in the node exit code)
     assert worst([Verdict.FAULTY, Verdict.ERROR]) is Verdict.FAULTY

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from aegis_cli.backends.cpu import CpuDevice
-from aegis_cli.errors import ConfigError, InjectSpecError
-from aegis_cli.inject import FaultPlan, parse_spec
+from aegis_cli.faults.spec import FaultPlan, parse_spec
+from aegis_cli.ops.errors import ConfigError, InjectSpecError
 from aegis_cli.probes import ProbeContext
-from aegis_cli.probes._common import COMPUTATIONS, CPU_SIZES, NONDETERMINISTIC
+from aegis_cli.probes.computations import COMPUTATIONS, CPU_SIZES, NONDETERMINISTIC
 from aegis_cli.probes.crossdevice import case_ids
 from aegis_cli.scan import ScanOptions, run_scan
 

@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from aegis_cli import capture, cli
+from aegis_cli import cli
 from aegis_cli.backends import resolve_devices
-from aegis_cli.backends.base import Layout
-from aegis_cli.bundle import BundleWriter, read_bundle
-from aegis_cli.errors import ConfigError
-from aegis_cli.replay import ReplayOptions, parse_scales, run_replay
+from aegis_cli.ops.errors import ConfigError
+from aegis_cli.ops.gemm import Layout
 from aegis_cli.scan import ScanOptions, run_scan
+from aegis_cli.vtask.bundle import BundleWriter, read_bundle
+from aegis_cli.vtask import capture
+from aegis_cli.vtask.replay import ReplayOptions, parse_scales, run_replay
 from tests.helpers import TINY
 from tests.test_vtask import make_vtask
 
@@ -362,9 +363,9 @@ def test_flags_within_rounding_of_unusual_data_stay_suspect(tmp_path):
 def test_output_check_vtask_keeps_its_own_rows(monkeypatch):
     # the checksums flag row 2 (an accumulator fault), the output check row 7 (an output fault):
     # the output check's vTask must keep row 7, not the checksums' row
+    from aegis_cli.ops.verdict import Evidence, Verdict
+    from aegis_cli.ops.workloads import load
     from aegis_cli.scan import plan_cases
-    from aegis_cli.verdict import Evidence, Verdict
-    from aegis_cli.workloads import load
 
     monkeypatch.setattr(capture, "FULL_OPERANDS_LIMIT", 0)
     dev = resolve_devices("cpu:0")[0]
@@ -426,11 +427,11 @@ def test_a_dist_label_alone_does_not_confirm_a_flag_within_rounding(tmp_path):
 def test_the_scans_own_inputs_are_recognised_as_its_draw(tmp_path, monkeypatch):
     """Full and subset vTasks of a scan case, at a scaled variant, regenerate bit for bit from
     (dist, seed, case id); one flipped bit, or another distribution's label, does not."""
+    from aegis_cli.ops.verdict import Evidence, Verdict
+    from aegis_cli.ops.workloads import load
     from aegis_cli.probes.gemm import ProbeStats, scaled
-    from aegis_cli.replay import _VTaskReplay
     from aegis_cli.scan import plan_cases
-    from aegis_cli.verdict import Evidence, Verdict
-    from aegis_cli.workloads import load
+    from aegis_cli.vtask.replay import _VTaskReplay
 
     dev = resolve_devices("cpu:0")[0]
     case = random.choice(plan_cases(load("cpu-quick"), random.randrange(2**31)))
@@ -460,8 +461,8 @@ def test_the_scans_own_inputs_are_recognised_as_its_draw(tmp_path, monkeypatch):
 
 def _huge_output_bundle(path: Path) -> Path:
     # 65536 rows of A and of W with K = 1: a 256 KiB file, a 65536x65536 output
-    from aegis_cli.backends.base import Layout as L
-    from aegis_cli.vtask import GemmSpec, VTask
+    from aegis_cli.ops.gemm import Layout as L
+    from aegis_cli.vtask.model import GemmSpec, VTask
 
     d = 1 << 16
     spec = GemmSpec(layout=L.FWD, m=d, n=d, k=1, tile=(128, 128))
@@ -485,7 +486,7 @@ def test_replay_refuses_a_vtask_too_big_for_the_device(tmp_path, monkeypatch, ca
 
 def test_replay_tells_a_busy_device_from_a_small_one(tmp_path, monkeypatch, capsys):
     from aegis_cli.backends.cpu import CpuDevice
-    from aegis_cli.replay import replay_bytes
+    from aegis_cli.vtask.replay import replay_bytes
     from tests.helpers import run_cli as run
 
     vt = make_vtask("v0", m=24, n=40, k=16, tile=(8, 8), seed=random.randrange(2**31))
@@ -531,7 +532,7 @@ def test_save_vtasks_refuses_what_it_could_not_save_before_the_scan(extra, needl
 
 
 def test_a_failed_save_keeps_the_scan_report(tmp_path, monkeypatch, capsys):
-    from aegis_cli.errors import BundleError
+    from aegis_cli.ops.errors import BundleError
     from tests.helpers import run_cli as run
 
     def fail(rep, opts, path):

@@ -11,10 +11,10 @@ import stat
 
 import pytest
 
-from aegis_cli import report as report_mod
 from aegis_cli import scan as scan_mod
 from aegis_cli.backends.cpu import CpuDevice
-from aegis_cli.errors import ConfigError, ExitCode, OutputError
+from aegis_cli.ops import files
+from aegis_cli.ops.errors import ConfigError, ExitCode, OutputError
 from tests.helpers import TINY, run_cli
 
 
@@ -196,7 +196,7 @@ def test_output_over_a_symlink_or_special_file_is_refused(capsys, monkeypatch, t
     else:
         assert "not a regular file" in line and stat.S_ISFIFO(target.lstat().st_mode)
     with pytest.raises(OutputError):  # and the writer itself, which other outputs use directly
-        report_mod.atomic_write(target, "x")
+        files.atomic_write(target, "x")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out.json"] + (["real.json"] if kind == "symlink" else []))
 
 
@@ -205,17 +205,17 @@ def test_output_mode_is_that_of_an_ordinary_write(tmp_path):
     old = os.umask(0o022)
     try:
         fresh = tmp_path / "new.prom"
-        report_mod.atomic_write(fresh, "a\n")
+        files.atomic_write(fresh, "a\n")
         assert stat.S_IMODE(fresh.stat().st_mode) == 0o644
         kept = tmp_path / "kept.prom"
         for mode in (0o644, 0o640):
             kept.write_text("old\n")
             kept.chmod(mode)
-            report_mod.atomic_write(kept, b"new\n")
+            files.atomic_write(kept, b"new\n")
             assert stat.S_IMODE(kept.stat().st_mode) == mode and kept.read_text() == "new\n"
         os.umask(0o077)
         private = tmp_path / "private.json"
-        report_mod.atomic_write(private, "{}")
+        files.atomic_write(private, "{}")
         assert stat.S_IMODE(private.stat().st_mode) == 0o600
     finally:
         os.umask(old)
@@ -227,7 +227,7 @@ BASE = "name: t\nmodel: {hidden: 256, ffn: 512, heads: 4, kv_heads: 2, seq_len: 
 
 def test_empty_yaml_value_reads_as_null(tmp_path):
     """`key:` with no value gave "malformed YAML: while parsing a block node", no key, no line."""
-    from aegis_cli import workloads
+    from aegis_cli.ops import workloads
 
     p = tmp_path / "w.yaml"
     p.write_text(BASE + "description:\n")
@@ -238,7 +238,7 @@ def test_empty_yaml_value_reads_as_null(tmp_path):
 
 
 def test_type_errors_name_yaml_types(tmp_path):
-    from aegis_cli import workloads
+    from aegis_cli.ops import workloads
 
     p = tmp_path / "w.yaml"
     for text, msg in ((BASE + "scan: {scales: [{a: 1}]}\n", "scales must be a list, got a mapping"),

@@ -16,11 +16,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aegis_cli import numerics, vtask
-from aegis_cli.backends.base import GemmOperands, Layout
-from aegis_cli.bundle import BundleWriter, read_bundle
-from aegis_cli.errors import BundleError
-from aegis_cli.vtask import GemmSpec, VTask
+from aegis_cli.checks.gemm import GEMM_CHECKS
+from aegis_cli.ops import numerics
+from aegis_cli.ops.errors import BundleError
+from aegis_cli.ops.gemm import GemmOperands, Layout
+from aegis_cli.vtask.bundle import BundleWriter, read_bundle
+from aegis_cli.vtask.model import GemmSpec, VTask
+from aegis_cli.vtask import model as vtask
 
 GOLDEN = Path(__file__).parent / "golden"
 GOLDEN_BUNDLE = GOLDEN / "bundle-v1.aegis"
@@ -93,7 +95,7 @@ def vtasks(draw):
                 "step": draw(st.integers(0, 10**9)), "versions": {"aegis": "0.1", "torch": draw(st.text(max_size=10))},
                 "injected": draw(st.booleans())}
         vt = make_vtask(f"task-{i}/{layout.value}", layout, m, n, k, rows, cols, tile, scale, seed=draw(st.integers(0, 2**31)),
-                        observed=draw(st.booleans()), check=draw(st.sampled_from(vtask.GEMM_CHECKS)), tau=draw(st.floats(1e-12, 0.5)))
+                        observed=draw(st.booleans()), check=draw(st.sampled_from(GEMM_CHECKS)), tau=draw(st.floats(1e-12, 0.5)))
         if draw(st.booleans()):  # values at the edge of bf16's range
             vt.tensors["a"] = numerics.pow2_scale(vt.tensors["a"], draw(st.integers(-100, 100)))
         vt.observed, vt.provenance = obs, prov

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from aegis_cli import workloads
-from aegis_cli.errors import ConfigError
+from aegis_cli.ops import workloads
+from aegis_cli.ops.errors import ConfigError
 
 
 def test_every_shipped_catalog_loads():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from aegis_cli.backends.base import Backend, Device
-from aegis_cli.errors import DeviceError
+from aegis_cli.ops.errors import DeviceError
 
 BACKENDS = ("cpu", "cuda")
 

@@ -22,10 +22,12 @@ from functools import cache
 import numpy as np
 import torch
 
-from aegis_cli import corrupt, fingerprint, numerics
-from aegis_cli.backends.base import Backend, Device, DeviceIdentity, GemmOperands, GemmResult, ReferenceChecksums, node_name
-from aegis_cli.errors import DeviceError
-from aegis_cli.inject import FaultPlan, LaunchContext
+from aegis_cli.backends.base import Backend, Device, DeviceIdentity, node_name
+from aegis_cli.faults import tensor as corrupt
+from aegis_cli.faults.spec import FaultPlan, LaunchContext
+from aegis_cli.ops import fingerprint, numerics
+from aegis_cli.ops.errors import DeviceError
+from aegis_cli.ops.gemm import GemmOperands, GemmResult, ReferenceChecksums
 
 CPU_TILE = (128, 128)
 SIM_SMS = 16

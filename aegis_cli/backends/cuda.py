@@ -32,11 +32,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from aegis_cli import corrupt, fingerprint, numerics, nvml
-from aegis_cli.backends import loader
-from aegis_cli.backends.base import Backend, Device, DeviceIdentity, GemmOperands, GemmResult, Layout, ReferenceChecksums, node_name
-from aegis_cli.errors import ConfigError, DeviceError, InjectSpecError
-from aegis_cli.inject import FaultPlan, FaultSpec, LaunchContext
+from aegis_cli.backends import loader, nvml
+from aegis_cli.backends.base import Backend, Device, DeviceIdentity, node_name
+from aegis_cli.faults import tensor as corrupt
+from aegis_cli.faults.spec import FaultPlan, FaultSpec, LaunchContext
+from aegis_cli.ops import fingerprint, numerics
+from aegis_cli.ops.errors import ConfigError, DeviceError, InjectSpecError
+from aegis_cli.ops.gemm import GemmOperands, GemmResult, Layout, ReferenceChecksums
 
 CHECK_TILE = (64, 128)  # checksum tile of both kernels
 CTA_TILES = {"wgmma": (2, 2), "mma": (2, 1)}  # checksum tiles per CTA tile (128x256, 128x128)

@@ -17,28 +17,11 @@ import time
 from functools import cache
 from pathlib import Path
 
+from aegis_cli.ops.paths import kernel_dir
+
 _LOCK = threading.Lock()
 _MODULES: dict[tuple, object] = {}
 COMPILE_LOG: list[dict] = []  # one entry per compilation: name, seconds, options
-
-
-def checkout_root() -> Path | None:
-    """The source checkout the package runs from, or None when installed. Recognised by its
-    pyproject.toml: installed, the package's parent is site-packages, where another
-    distribution may own a top-level ``kernels/`` or ``workloads/``."""
-    root = Path(__file__).resolve().parents[2]
-    return root if (root / "pyproject.toml").is_file() else None
-
-
-def kernel_dir() -> Path:
-    """``kernels/`` beside the package in a checkout, ``aegis_cli/_data/kernels`` in a wheel."""
-    here = Path(__file__).resolve().parent.parent
-    root = checkout_root()
-    if root is not None and (root / "kernels" / "common.cuh").is_file():
-        return root / "kernels"
-    if (here / "_data" / "kernels").is_dir():
-        return here / "_data" / "kernels"
-    raise FileNotFoundError("aegis kernels directory not found (broken install?)")
 
 
 def kernel_path(name: str) -> Path:

@@ -16,9 +16,10 @@ import time
 from dataclasses import dataclass, field
 
 from aegis_cli.backends.base import node_name
-from aegis_cli.errors import ConfigError
 from aegis_cli.fleet.policy import ACTIVE, DeviceState, check_positive, wilson
-from aegis_cli.report import VERDICT_CODE, atomic_write
+from aegis_cli.ops.errors import ConfigError
+from aegis_cli.ops.files import atomic_write
+from aegis_cli.report import VERDICT_CODE
 
 PLACEHOLDERS = {
     "uuid": "device UUID", "serial": "board serial ('' when unknown)", "host": "node name (AEGIS_HOST, else the hostname)",

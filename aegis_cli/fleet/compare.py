@@ -20,7 +20,7 @@ import json
 import statistics
 from collections import Counter
 
-from aegis_cli.verdict import Verdict, overall_exit, worst
+from aegis_cli.ops.verdict import Verdict, overall_exit, worst
 
 CONSISTENT, ODD_ONE_OUT, INCONCLUSIVE, NOT_COMPARED = "CONSISTENT", "ODD_ONE_OUT", "INCONCLUSIVE", "NOT_COMPARED"
 OUTCOMES = (CONSISTENT, ODD_ONE_OUT, INCONCLUSIVE, NOT_COMPARED)

@@ -22,10 +22,11 @@ from collections.abc import Mapping
 
 from aegis_cli import report as report_mod
 from aegis_cli.backends.base import node_name
-from aegis_cli.errors import AegisError, DeviceError, LockError
 from aegis_cli.fleet import compare
 from aegis_cli.fleet.history import History
 from aegis_cli.fleet.lock import SweepLock
+from aegis_cli.ops import files
+from aegis_cli.ops.errors import AegisError, DeviceError, LockError
 
 
 def launched(env: Mapping[str, str]) -> bool:
@@ -101,7 +102,7 @@ def _gather(obj, device) -> list:
 def gpu_index(local_rank: int, visible: int) -> int:
     """The CUDA device of this rank: its local rank, or 0 when the launcher bound one GPU to each
     task (srun --gpus-per-task=1: every task sees only cuda:0)."""
-    from aegis_cli.errors import ConfigError
+    from aegis_cli.ops.errors import ConfigError
 
     if visible == 1:
         return 0
@@ -193,7 +194,7 @@ def run_distributed(cfg, log, env: Mapping[str, str], stop=None):
             fleet["distributed"] = {"world_size": world, "backend": backend}
             path = cfg.distributed.fleet_report
             if path:
-                report_mod.atomic_write(path, report_mod.render(fleet, "json"))
+                files.atomic_write(path, report_mod.render(fleet, "json"))
                 log("fleet_report", path=path, outcome=comparison["outcome"], exit_code=fleet["exit_code"])
         _barrier("waiting for the fleet report")
     except AegisError:

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from aegis_cli.errors import HistoryError
+from aegis_cli.ops.errors import HistoryError
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
 # uuids bound as statement parameters at most; longer lists are filtered in Python (SQLite caps a

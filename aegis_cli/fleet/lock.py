@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from aegis_cli.errors import LockError
+from aegis_cli.ops.errors import LockError
 
 
 def _record(data: bytes) -> dict | None:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import json
 
-from aegis_cli.config import read_input_text
-from aegis_cli.errors import ConfigError
 from aegis_cli.fleet import compare
 from aegis_cli.fleet.distributed import fleet_doc
-from aegis_cli.verdict import Verdict
+from aegis_cli.ops.config import read_input_text
+from aegis_cli.ops.errors import ConfigError
+from aegis_cli.ops.verdict import Verdict
 
 KINDS = ("scan", "sweep", "fleet", "replay")
 MAX_REPORT_BYTES = 1 << 30  # a fleet report of many thousand devices stays far below

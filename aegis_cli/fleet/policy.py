@@ -24,8 +24,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from aegis_cli.errors import ConfigError
 from aegis_cli.fleet.history import ResultRow
+from aegis_cli.ops.errors import ConfigError
 
 ACTIVE, QUARANTINED, PROBATION = "ACTIVE", "QUARANTINED", "PROBATION"
 DAY = 86400.0
@@ -186,7 +186,7 @@ def history_summary(hist, cfg: PolicyConfig, ident: str | None = None, since: fl
     """What ``aegis history`` shows: per device, its policy state (over the whole history),
     its failure rate with counts and a Wilson bound over the ``since`` window, and — for one
     device — every result in the window and the actions taken."""
-    from aegis_cli.errors import HistoryError
+    from aegis_cli.ops.errors import HistoryError
 
     devices = {d["uuid"]: d for d in hist.devices()}
     uuids = list(devices)

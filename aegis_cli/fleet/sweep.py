@@ -27,15 +27,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from aegis_cli import config as config_mod
 from aegis_cli import report as report_mod
 from aegis_cli.backends.base import node_name
-from aegis_cli.errors import AegisError, ConfigError
 from aegis_cli.fleet.actions import ActionRecord, ActionsConfig, prometheus_text, run_actions, transitions, write_quarantine_list
 from aegis_cli.fleet.history import History, ResultRow
 from aegis_cli.fleet.lock import SweepLock
 from aegis_cli.fleet.policy import DAY, DeviceState, PolicyConfig, check_positive, drop_retired, evaluate_all
-from aegis_cli.verdict import Verdict, overall_exit
+from aegis_cli.ops import config as config_mod
+from aegis_cli.ops import files
+from aegis_cli.ops.errors import AegisError, ConfigError
+from aegis_cli.ops.verdict import Verdict, overall_exit
 
 Log = Callable[..., None]  # log(event, level="info", **fields)
 Stop = Callable[[], "str | None"]  # returns why the sweep must stop (e.g. "SIGTERM"), or None
@@ -113,7 +114,7 @@ class SweepConfig:
     def __post_init__(self) -> None:
         check_positive("budget_seconds", self.budget_seconds)
         check_positive("device_timeout_seconds", self.device_timeout_seconds)
-        from aegis_cli.probes.gemm import check_seed
+        from aegis_cli.ops.case import check_seed
         from aegis_cli.scan import check_reruns
 
         check_reruns(self.reruns, "reruns")
@@ -123,7 +124,7 @@ class SweepConfig:
         if self.max_parallel < 0 or self.fingerprint_cases < 0:
             raise ConfigError("max_parallel and fingerprint_cases must be ≥ 0")
         if self.inject:
-            from aegis_cli.inject import parse_spec
+            from aegis_cli.faults.spec import parse_spec
 
             parse_spec(self.inject, worker=True)
 
@@ -170,7 +171,7 @@ def load_config(path: str | os.PathLike) -> SweepConfig:
     if cfg.workload and (cfg.workload.endswith((".yaml", ".yml"))) and not os.path.isabs(cfg.workload):
         cfg.workload = str(base / cfg.workload)
     if cfg.workload:  # a typo here would otherwise be ERROR in the history of every device
-        from aegis_cli import workloads
+        from aegis_cli.ops import workloads
 
         try:
             workloads.load(cfg.workload)
@@ -444,10 +445,10 @@ def write_exports(cfg: SweepConfig, hist: History, doc: dict, log: Log) -> None:
         n = write_quarantine_list(cfg.exports.quarantine_list, states, {d["uuid"]: d for d in hist.devices()})
         log("quarantine_list", path=cfg.exports.quarantine_list, quarantined=n)
     if cfg.exports.prometheus_textfile:
-        report_mod.atomic_write(cfg.exports.prometheus_textfile, prometheus_text(doc, states))
+        files.atomic_write(cfg.exports.prometheus_textfile, prometheus_text(doc, states))
         log("prometheus_textfile", path=cfg.exports.prometheus_textfile)
     if cfg.exports.report:
-        report_mod.atomic_write(cfg.exports.report, report_mod.render(doc, "json"))
+        files.atomic_write(cfg.exports.report, report_mod.render(doc, "json"))
         log("report", path=cfg.exports.report)
 
 
@@ -470,7 +471,7 @@ def run_sweep(cfg: SweepConfig, log: Log | None = None, *, environ: dict[str, st
             # would read a report or metrics as its quarantine list
             if real in own:
                 raise ConfigError(f"{key}: {path} is also the sweep's {own[real]}")
-            report_mod.check_writable(path)
+            files.check_writable(path)
             own[real] = key
 
     if cfg.distributed.mode == "auto" and distributed.launched(environ):

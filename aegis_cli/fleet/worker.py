@@ -7,7 +7,7 @@ device, the scan options, the previously failing cases to run first, and where t
 DeviceReport plus ``probes.fleet_fingerprint``) at the end. Log lines go to stderr.
 
 Test hooks (never active unless asked for in ``inject``): ``hang:seconds=N`` sleeps before
-scanning, ``crash:signal=S`` kills the worker (aegis_cli.inject.WORKER_MODELS).
+scanning, ``crash:signal=S`` kills the worker (aegis_cli.faults.spec.WORKER_MODELS).
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ import time
 from dataclasses import replace
 
 from aegis_cli import report as report_mod
-from aegis_cli.errors import AegisError, ConfigError
+from aegis_cli.faults.spec import WORKER_MODELS, FaultPlan, parse_spec
 from aegis_cli.fleet.compare import PROBE_KEY, fingerprint_class
 from aegis_cli.fleet.sweep import log_line
-from aegis_cli.inject import WORKER_MODELS, FaultPlan, parse_spec
-from aegis_cli.verdict import worst
+from aegis_cli.ops import files, provenance
+from aegis_cli.ops.errors import AegisError, ConfigError
+from aegis_cli.ops.verdict import worst
 
 
 def log(event: str, **kv) -> None:
@@ -106,7 +107,7 @@ def run(spec: dict) -> dict:
         partial["evidence"] = [e for dr in pre for e in dr.to_dict(opts.thresholds.tau)["evidence"]]
         partial["verdict"] = worst(dr.verdict for dr in pre).value
         partial["probes"]["sweep"] = {"priority": priority, "full_scan": "not finished"}
-        report_mod.atomic_write(spec["output"] + ".partial.json", report_mod.render(partial, "json"))
+        files.atomic_write(spec["output"] + ".partial.json", report_mod.render(partial, "json"))
     dr = scan_device(device, opts, plan and plan.for_device(device_id), quiet)
     _keep_priority_findings(dr, pre)
     doc = dr.to_dict(opts.thresholds.tau)
@@ -116,7 +117,7 @@ def run(spec: dict) -> dict:
         wl = workload_for(opts, device)
         try:
             fps = fleet_fingerprints(device, wl, opts.seed, plan and plan.for_device(device_id), limit)
-            doc["probes"][PROBE_KEY] = {"class": fingerprint_class(doc["device"], report_mod.versions(), report_mod.kernel_hashes(),
+            doc["probes"][PROBE_KEY] = {"class": fingerprint_class(doc["device"], provenance.versions(), report_mod.kernel_hashes(),
                                                                    wl.name, opts.seed), "seed": opts.seed, "fingerprints": fps}
         except Exception as exc:  # the comparison is extra: a failure here is recorded, not fatal
             doc["probes"][PROBE_KEY] = {"error": f"{type(exc).__name__}: {exc}"}
@@ -149,7 +150,7 @@ def main(argv: list[str]) -> int:
     except AegisError as exc:
         print(f"Error: {exc}", file=sys.stderr, flush=True)
         return 3
-    report_mod.atomic_write(spec["output"], report_mod.render(doc, "json"))
+    files.atomic_write(spec["output"], report_mod.render(doc, "json"))
     return 0
 
 

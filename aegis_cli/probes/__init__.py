@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from aegis_cli.backends.base import Device
-    from aegis_cli.inject import FaultPlan
+    from aegis_cli.faults.spec import FaultPlan
+    from aegis_cli.ops.verdict import Evidence
     from aegis_cli.scan import ScanOptions
-    from aegis_cli.verdict import Evidence
 
 
 @dataclass
@@ -101,7 +101,7 @@ def register_node(name: str, options: dict[str, tuple[type, Any, str]] | None = 
 def convert_option(probe: str, key: str, raw: str) -> Any:
     """``raw`` converted by the declared type of ``probe.key``; ConfigError names the option
     and, for a value out of range, the range."""
-    from aegis_cli.errors import ConfigError
+    from aegis_cli.ops.errors import ConfigError
 
     typ = PROBE_OPTIONS[probe][key][0]
     try:
@@ -114,7 +114,7 @@ def convert_option(probe: str, key: str, raw: str) -> Any:
 def parse_probe_options(items: dict[str, str]) -> dict[str, str]:
     """Check ``probe.key`` names and values (types and ranges) against the declared options
     (ConfigError), before any probe runs: a bad value must not surface after an hour of others."""
-    from aegis_cli.errors import ConfigError
+    from aegis_cli.ops.errors import ConfigError
 
     load_all()
     for name, raw in items.items():

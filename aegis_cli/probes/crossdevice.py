@@ -23,20 +23,13 @@ import time
 
 import torch
 
-from aegis_cli import fingerprint, numerics
-from aegis_cli.backends.base import Device, GemmOperands, Layout
-from aegis_cli.inject import recent_injections
+from aegis_cli.backends.base import Device
+from aegis_cli.faults.spec import recent_injections
+from aegis_cli.ops import fingerprint, numerics
+from aegis_cli.ops.gemm import GemmOperands, Layout
+from aegis_cli.ops.verdict import Evidence, Verdict
 from aegis_cli.probes import ProbeContext, register_node
-from aegis_cli.probes._common import (
-    COMPUTATIONS,
-    MAX_SAMPLES,
-    assumed_deterministic,
-    computation_list,
-    localise,
-    majority,
-    sizes_for,
-)
-from aegis_cli.verdict import Evidence, Verdict
+from aegis_cli.probes.computations import COMPUTATIONS, MAX_SAMPLES, assumed_deterministic, computation_list, localise, majority, sizes_for
 
 DEFAULT = "checked_gemm,matmul,sdpa_fwd,rmsnorm,silu"
 REFEREE_POSITIONS = 64
@@ -64,7 +57,7 @@ def selection(devices: list[Device], ctx: ProbeContext) -> list[str]:
     NAME's comparison and say HEALTHY about it), when a group of devices would compare nothing
     (every name differs run to run on its backend), or, run alone, when no two devices are of
     one model: each would read as HEALTHY."""
-    from aegis_cli.errors import ConfigError
+    from aegis_cli.ops.errors import ConfigError
 
     names = [n.strip() for n in ctx.option("crossdevice", "only").split(",") if n.strip()]
     name, case = ctx.case_part("crossdevice"), ctx.opts.case

@@ -24,11 +24,12 @@ import time
 import torch
 
 from aegis_cli.backends.base import Device
-from aegis_cli.errors import ConfigError
-from aegis_cli.fingerprint import device_fingerprint
-from aegis_cli.inject import recent_injections
+from aegis_cli.faults.spec import recent_injections
+from aegis_cli.ops.errors import ConfigError
+from aegis_cli.ops.fingerprint import device_fingerprint
+from aegis_cli.ops.verdict import Evidence, Verdict
 from aegis_cli.probes import ProbeContext, bounded, quick_or_full, register
-from aegis_cli.probes._common import (
+from aegis_cli.probes.computations import (
     COMPUTATIONS,
     MAX_SAMPLES,
     assumed_deterministic,
@@ -39,7 +40,6 @@ from aegis_cli.probes._common import (
     majority,
     sizes_for,
 )
-from aegis_cli.verdict import Evidence, Verdict
 
 MAX_HELD = 4  # distinct results whose tensors are kept for localisation
 MAX_RUNS = 1000  # a typo (runs=1000000) must not hang the scan; full mode runs 16

@@ -18,40 +18,23 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from aegis_cli import fingerprint, numerics
-from aegis_cli.backends.base import Device, GemmOperands, GemmResult, Layout, ReferenceChecksums
-from aegis_cli.errors import ConfigError
-from aegis_cli.inject import FaultPlan, recent_injections
-from aegis_cli.verdict import Evidence, Verdict
-from aegis_cli.vtask import CHECKSUM_CHECKS
-from aegis_cli.workloads import GemmShape
+from aegis_cli.backends.base import Device
+from aegis_cli.checks.gemm import CHECKSUM_CHECKS
+from aegis_cli.faults.spec import FaultPlan, recent_injections
+from aegis_cli.ops import fingerprint, numerics
+from aegis_cli.ops.case import case_seed
+from aegis_cli.ops.errors import ConfigError
+from aegis_cli.ops.gemm import GemmOperands, GemmResult, GemmShape, Layout, ReferenceChecksums
+from aegis_cli.ops.verdict import Evidence, Verdict
 
 MAX_SAMPLES = 8
 MAX_LOCALISED = 16
 RIGOROUS = ("gemm.nonfinite", "gemm.output_rowsum", "gemm.pow2_exact")
-
-
-MAX_SEED = 0x7FFF_FFFF  # case_seed maps scan seeds 0..MAX_SEED to distinct inputs, no larger ones
-
-
-def check_seed(seed: object) -> int:
-    """A scan seed, refused (ConfigError) outside 0…MAX_SEED: beyond it two seeds would give the
-    same inputs under different names, and vTask bundles cannot record a negative one."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
-        raise ConfigError(f"seed must be an integer in 0…{MAX_SEED}, got {seed!r}")
-    return seed
-
-
-def case_seed(seed: int, *parts: object) -> int:
-    """Stable per-case seed from the scan seed and the case's identity."""
-    key = "/".join(str(p) for p in parts).encode()
-    return (seed * 0x9E3779B1 + zlib.crc32(key)) & 0x7FFF_FFFF
 
 
 @dataclass(frozen=True)

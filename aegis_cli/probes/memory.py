@@ -29,14 +29,16 @@ import time
 import numpy as np
 import torch
 
-from aegis_cli import fingerprint, nvml
+from aegis_cli.backends import nvml
 from aegis_cli.backends.base import Device
-from aegis_cli.errors import ConfigError, DeviceError
-from aegis_cli.inject import recent_injections
+from aegis_cli.faults.spec import recent_injections
+from aegis_cli.faults.stored import stored_faults
+from aegis_cli.ops import fingerprint
+from aegis_cli.ops.case import case_seed
+from aegis_cli.ops.errors import ConfigError, DeviceError
+from aegis_cli.ops.verdict import Evidence, Verdict
 from aegis_cli.probes import ProbeContext, bounded, quick_or_full, register
-from aegis_cli.probes._common import MAX_SAMPLES, stored_faults
-from aegis_cli.probes.gemm import case_seed
-from aegis_cli.verdict import Evidence, Verdict
+from aegis_cli.probes.computations import MAX_SAMPLES
 
 PATTERNS = ("walking_ones", "walking_zeros", "random", "bf16_normal", "fp32_normal")
 BLOCK = 1 << 16  # bytes per block fingerprint
@@ -267,7 +269,7 @@ def memory_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
             device.synchronize()
             tw = time.perf_counter() - tw
             op = f"memory/pass{pass_no}"
-            stored_faults(ctx.fault, device, op, {f"chunk{i:04d}": c for i, c in enumerate(region.chunks)})
+            stored_faults(ctx.fault, device.identity.id, op, {f"chunk{i:04d}": c for i, c in enumerate(region.chunks)})
             held = _hold(dev, hold, backend)
             tr = time.perf_counter()
             words_bad, samples, where, stuck = _compare(region, before, device.identity.id)

@@ -21,15 +21,16 @@ import time
 
 import torch
 
-from aegis_cli import numerics
-from aegis_cli.backends.base import Device, GemmOperands, Layout
-from aegis_cli.errors import ConfigError
-from aegis_cli.fingerprint import int_view
-from aegis_cli.inject import recent_injections
+from aegis_cli.backends.base import Device
+from aegis_cli.faults.spec import recent_injections
+from aegis_cli.ops import numerics
+from aegis_cli.ops.case import case_seed
+from aegis_cli.ops.errors import ConfigError
+from aegis_cli.ops.fingerprint import int_view
+from aegis_cli.ops.gemm import GemmOperands, Layout
+from aegis_cli.ops.verdict import Evidence, Verdict
 from aegis_cli.probes import ProbeContext, bounded, quick_or_full, register
-from aegis_cli.probes._common import COMPUTATIONS, MAX_SAMPLES, localise
-from aegis_cli.probes.gemm import case_seed
-from aegis_cli.verdict import Evidence, Verdict
+from aegis_cli.probes.computations import COMPUTATIONS, MAX_SAMPLES, localise
 
 EXP_RANGE = (-112, 112)  # inputs ~2^-14…2^2 reach the bf16 normal range −126 … 127 at the ends
 CPU_SHAPE = (64, 96, 128)

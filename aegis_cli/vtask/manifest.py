@@ -14,22 +14,11 @@ import re
 
 import torch
 
-from aegis_cli import numerics
-from aegis_cli.backends.base import GemmOperands, Layout
-from aegis_cli.errors import BundleError
-from aegis_cli.vtask import (
-    GEMM_CHECKS,
-    GEMM_ROLES,
-    KINDS,
-    MAX_DIM,
-    MAX_SAMPLES,
-    MAX_STRING,
-    NORMALISATIONS,
-    SEVERITIES,
-    TAU_RANGE,
-    GemmSpec,
-    VTask,
-)
+from aegis_cli.checks.gemm import GEMM_CHECKS
+from aegis_cli.ops import numerics
+from aegis_cli.ops.errors import BundleError
+from aegis_cli.ops.gemm import GemmOperands, Layout
+from aegis_cli.vtask.model import GEMM_ROLES, KINDS, MAX_DIM, MAX_SAMPLES, MAX_STRING, NORMALISATIONS, SEVERITIES, TAU_RANGE, GemmSpec, VTask
 
 # matched with fullmatch: "$" would also accept a trailing newline
 ID_RE = re.compile(r"[A-Za-z0-9._:/+=@-]{1,256}")

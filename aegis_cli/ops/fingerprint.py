@@ -137,7 +137,7 @@ def combine(blocks: list[int]) -> int:
 def device_fingerprint(t: torch.Tensor) -> int:
     """``fingerprint(t)`` computed where ``t`` lives (the CUDA kernel for GPU tensors)."""
     if t.device.type == "cuda":
-        from aegis_cli.fingerprint_cuda import gpu_fingerprint
+        from aegis_cli.backends.fingerprint_cuda import gpu_fingerprint
 
         return gpu_fingerprint(t)
     return fingerprint(t)
@@ -146,7 +146,7 @@ def device_fingerprint(t: torch.Tensor) -> int:
 def device_block_tensor(t: torch.Tensor, block: int = BLOCK_ELEMS) -> torch.Tensor:
     """``block_tensor(t, block)`` computed where ``t`` lives (int64, on ``t``'s device)."""
     if t.device.type == "cuda":
-        from aegis_cli.fingerprint_cuda import gpu_block_tensor
+        from aegis_cli.backends.fingerprint_cuda import gpu_block_tensor
 
         return gpu_block_tensor(t, block)
     return block_tensor(t, block)

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 
-from aegis_cli import config
-from aegis_cli.backends.base import Layout
-from aegis_cli.errors import ConfigError
-from aegis_cli.numerics import DISTRIBUTIONS
+from aegis_cli.ops import config
+from aegis_cli.ops.errors import ConfigError
+from aegis_cli.ops.gemm import GemmShape, Layout
+from aegis_cli.ops.numerics import DISTRIBUTIONS
+from aegis_cli.ops.paths import catalog_dir
 
 OPS = ("qkv", "attn_out", "mlp_gate_up", "mlp_down")
 MAX_DIM = 1 << 20
@@ -122,30 +122,6 @@ class Workload:
                 mnk = {"fwd": (t, fout, fin), "dgrad": (t, fin, fout), "wgrad": (fout, fin, t)}[lay]
                 out.append(GemmShape(op=op, layout=Layout(lay), m=mnk[0], n=mnk[1], k=mnk[2]))
         return out
-
-
-@dataclass(frozen=True)
-class GemmShape:
-    op: str
-    layout: Layout
-    m: int
-    n: int
-    k: int
-
-    @property
-    def flops(self) -> int:
-        return 2 * self.m * self.n * self.k
-
-
-def catalog_dir() -> Path:
-    """Where the shipped catalogs live: ``workloads/`` beside the package in a checkout,
-    ``aegis_cli/_data/workloads`` in a wheel (copied there at build time)."""
-    from aegis_cli.backends.loader import checkout_root
-
-    root = checkout_root()
-    if root is not None and (root / "workloads").is_dir():
-        return root / "workloads"
-    return Path(str(resources.files("aegis_cli"))) / "_data" / "workloads"
 
 
 def available() -> list[str]:

@@ -16,16 +16,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from aegis_cli.backends.base import GemmOperands, Layout
-from aegis_cli.errors import BundleError
-from aegis_cli.report import sanitize
+from aegis_cli.ops.errors import BundleError
+from aegis_cli.ops.files import sanitize
+from aegis_cli.ops.gemm import GemmOperands, Layout
 
 FORMAT = "aegis-vtask-bundle"
 FORMAT_VERSION = 1
 READABLE_VERSIONS = (1,)
 KINDS = ("gemm",)  # later: "attention", "fingerprint" (each with its own object, see the spec)
-CHECKSUM_CHECKS = ("gemm.row_checksum", "gemm.col_checksum")
-GEMM_CHECKS = (*CHECKSUM_CHECKS, "gemm.output_rowsum", "gemm.pow2_exact", "gemm.nonfinite")
 GEMM_ROLES = ("a", "b", "c", "row_sums", "col_sums")
 NORMALISATIONS = ("abs-product",)  # s = Σ_k |A_ik|·(|B|·1)_k over the checksum's tile
 SEVERITIES = ("HEALTHY", "SUSPECT", "FAULTY", "ERROR")

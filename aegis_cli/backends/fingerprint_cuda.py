@@ -17,8 +17,8 @@ import threading
 import torch
 
 from aegis_cli.backends.loader import get_module
-from aegis_cli.errors import DeviceError
-from aegis_cli.fingerprint import BLOCK_ELEMS, MASK64, _block_words, _flat, unsigned
+from aegis_cli.ops.errors import DeviceError
+from aegis_cli.ops.fingerprint import BLOCK_ELEMS, MASK64, _block_words, _flat, unsigned
 
 KERNEL = "fingerprint.cu"
 THREADS = 256

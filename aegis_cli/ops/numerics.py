@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from aegis_cli.backends.base import GemmOperands, GemmResult, ReferenceChecksums
-from aegis_cli.errors import ConfigError
+from aegis_cli.ops.errors import ConfigError
+from aegis_cli.ops.gemm import GemmOperands, GemmResult, ReferenceChecksums
 
 DISTRIBUTIONS = ("normal", "uniform", "heavy")
 BF16_MIN_NORMAL = 2.0**-126  # fp32's too: bf16 keeps fp32's exponent range

@@ -24,21 +24,9 @@ from pathlib import Path
 
 import torch
 
-from aegis_cli.errors import AegisError, BundleError
-from aegis_cli.manifest import HEX64, ID_RE, Check, InputCheck, check_vtask, loads, short, tree_problem, vtask_from_entry
-from aegis_cli.vtask import (
-    DTYPES,
-    FORMAT,
-    FORMAT_VERSION,
-    MAX_DEPTH,
-    MAX_DIM,
-    READABLE_VERSIONS,
-    TORCH_DTYPE_NAME,
-    Bundle,
-    GemmSpec,
-    Limits,
-    VTask,
-)
+from aegis_cli.ops.errors import AegisError, BundleError
+from aegis_cli.vtask.manifest import HEX64, ID_RE, Check, InputCheck, check_vtask, loads, short, tree_problem, vtask_from_entry
+from aegis_cli.vtask.model import DTYPES, FORMAT, FORMAT_VERSION, MAX_DEPTH, MAX_DIM, READABLE_VERSIONS, TORCH_DTYPE_NAME, Bundle, GemmSpec, Limits, VTask
 
 
 # -- reading ---------------------------------------------------------------------------------
@@ -218,7 +206,7 @@ class BundleWriter:
     ``path`` until then, and nothing at all when the block raises."""
 
     def __init__(self, path: str | os.PathLike, producer: dict[str, str] | None = None, created: str | None = None):
-        from aegis_cli.report import tool_version
+        from aegis_cli.ops.provenance import tool_version
 
         self.path = Path(path)
         self.producer = producer or {"name": "aegis", "version": tool_version()}
@@ -281,7 +269,7 @@ class BundleWriter:
     def finalise(self) -> int:
         """Write the bundle; returns the number of vTasks. The bytes are validated by the
         reader, with the reader's limits, before they reach the disk."""
-        from aegis_cli.report import atomic_write
+        from aegis_cli.ops.files import atomic_write
 
         data = self.to_bytes()
         # the header and count limits no reader can raise; the file-size limit it can (--max-bundle-size)

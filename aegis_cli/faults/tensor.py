@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from aegis_cli.inject import BIT_CLASSES, KSTEP, FaultPlan, FaultSpec, LaunchContext
+from aegis_cli.faults.spec import BIT_CLASSES, KSTEP, FaultPlan, FaultSpec, LaunchContext
 
 _INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 _BIT_RANGES = {  # element bits → {class: (lo, hi) inclusive}

@@ -33,14 +33,15 @@ from pathlib import Path
 
 import torch
 
-from aegis_cli import fingerprint
 from aegis_cli.backends.base import Device
 from aegis_cli.backends.loader import kernel_hashes
-from aegis_cli.config import read_input_text
-from aegis_cli.errors import ConfigError, GoldenError
-from aegis_cli.probes._common import COMPUTATIONS, assumed_deterministic, sizes_for
-from aegis_cli.probes.gemm import check_seed
-from aegis_cli.report import atomic_write, tool_version
+from aegis_cli.ops import fingerprint
+from aegis_cli.ops.case import check_seed
+from aegis_cli.ops.config import read_input_text
+from aegis_cli.ops.errors import ConfigError, GoldenError
+from aegis_cli.ops.files import atomic_write
+from aegis_cli.ops.provenance import tool_version
+from aegis_cli.probes.computations import COMPUTATIONS, assumed_deterministic, sizes_for
 
 FORMAT = "aegis-golden"
 FORMAT_VERSION = 1

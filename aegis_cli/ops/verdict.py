@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 from dataclasses import asdict, dataclass, field
 
-from aegis_cli.errors import ExitCode
+from aegis_cli.ops.errors import ExitCode
 
 
 class Verdict(str, enum.Enum):

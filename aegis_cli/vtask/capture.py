@@ -8,9 +8,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from aegis_cli.backends.base import GemmResult
-from aegis_cli.bundle import BundleWriter
-from aegis_cli.vtask import CHECKSUM_CHECKS, GEMM_CHECKS, MAX_SAMPLES, MAX_STRING, GemmSpec, VTask
+from aegis_cli.checks.gemm import CHECKSUM_CHECKS, GEMM_CHECKS
+from aegis_cli.ops.gemm import GemmResult
+from aegis_cli.vtask.bundle import BundleWriter
+from aegis_cli.vtask.model import MAX_SAMPLES, MAX_STRING, GemmSpec, VTask
 
 if TYPE_CHECKING:
     from aegis_cli.report import Report
@@ -21,7 +22,7 @@ MAX_SUBSET = 1024  # writer policy: at most this many flagged rows/columns in a 
 
 
 def _flag_sets(res, ref, tau: float) -> tuple[list[int], list[int]]:
-    from aegis_cli import numerics
+    from aegis_cli.ops import numerics
 
     if res.row_sums.device != ref.row.device:  # a flagged run the scan kept in host memory
         res = dataclasses.replace(res, row_sums=res.row_sums.to(ref.row.device), col_sums=res.col_sums.to(ref.row.device))
@@ -42,7 +43,7 @@ def capture_gemm_vtasks(device, case, evidence: list, fault, tau: float, confirm
     flagged run itself, as the scan saw it) or, without it, from one re-run (with ``fault``
     when the scan injected one), which an intermittent fault may not repeat; keep the full
     operands when small, else the flagged rows (row checks) or columns (column checks)."""
-    from aegis_cli import fingerprint
+    from aegis_cli.ops import fingerprint
     from aegis_cli.probes.gemm import clean_median, scaled
 
     ea, eb = evidence[0].scale
@@ -116,10 +117,10 @@ def check_savable(opts: ScanOptions, devices: list) -> None:
     """Refuse, before a scan with --save-vtasks starts, what no bundle could hold: vTask ids
     made from the workload's name and ops that are not valid ids, or a τ outside the range a
     bundle records. Found only when saving, after the scan, they cost the whole run."""
-    from aegis_cli.errors import ConfigError
-    from aegis_cli.manifest import ID_RE, entry_problem
+    from aegis_cli.ops.errors import ConfigError
     from aegis_cli.scan import plan_cases, workload_for
-    from aegis_cli.vtask import TAU_RANGE
+    from aegis_cli.vtask.manifest import ID_RE, entry_problem
+    from aegis_cli.vtask.model import TAU_RANGE
 
     check = max(GEMM_CHECKS, key=len)  # the longest of the ids capture_gemm_vtasks gives a case
     for d in devices:
@@ -154,8 +155,8 @@ def save_scan_vtasks(report: Report, opts: ScanOptions, path: str | os.PathLike)
     """
     from aegis_cli.backends import resolve_devices
     from aegis_cli.backends.loader import kernel_hashes
-    from aegis_cli.inject import FaultPlan
-    from aegis_cli.report import versions
+    from aegis_cli.faults.spec import FaultPlan
+    from aegis_cli.ops.provenance import versions
     from aegis_cli.scan import plan_cases, workload_for
 
     plan = FaultPlan.parse(opts.inject) if opts.inject else None

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 from yaml.constructor import SafeConstructor
 
-from aegis_cli.errors import ConfigError
+from aegis_cli.ops.errors import ConfigError
 
 _PLAIN_TAGS = {f"tag:yaml.org,2002:{t}" for t in ("str", "int", "float", "bool", "null", "map", "seq")}
 MAX_INPUT_BYTES = 64 << 20  # configs, catalogs and golden files are kilobytes

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from aegis_cli.errors import InjectSpecError
+from aegis_cli.ops.errors import InjectSpecError
 
 MODELS = {
     # model: (allowed keys beyond the common ones, allowed targets)

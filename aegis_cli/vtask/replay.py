@@ -35,17 +35,20 @@ from datetime import datetime, timezone
 
 import torch
 
-from aegis_cli import numerics, vtask
 from aegis_cli.backends import resolve_devices
-from aegis_cli.backends.base import Device, GemmResult, memory_shortfall
-from aegis_cli.bundle import read_bundle
-from aegis_cli.errors import AegisError, BundleError, ConfigError
-from aegis_cli.inject import FaultPlan, recent_injections
-from aegis_cli.manifest import error as bundle_error
+from aegis_cli.backends.base import Device, memory_shortfall
+from aegis_cli.checks.gemm import CHECKSUM_CHECKS
+from aegis_cli.faults.spec import FaultPlan, recent_injections
+from aegis_cli.ops import numerics
+from aegis_cli.ops.errors import AegisError, BundleError, ConfigError
+from aegis_cli.ops.gemm import GemmResult
+from aegis_cli.ops.verdict import Evidence, Verdict, worst
 from aegis_cli.probes.gemm import ProbeStats, case_bytes, draw_operands, scaled, scaled_reference
 from aegis_cli.probes.gemm import clean_median as clean_median_of
 from aegis_cli.report import DeviceReport, Report
-from aegis_cli.verdict import Evidence, Verdict, worst
+from aegis_cli.vtask.bundle import read_bundle
+from aegis_cli.vtask.manifest import error as bundle_error
+from aegis_cli.vtask import model as vtask
 
 DEFAULT_SCALES = ((0, 0), (-8, 8), (8, -8))
 ELEMENT_BUDGET = 1 << 28  # multiply-adds up to which every element is checked against fp64
@@ -343,8 +346,8 @@ class _VTaskReplay:
         vt, dev = self.vt, self.dev
         fired = sorted(self.fired)
         margin = None
-        own = vt.check in vtask.CHECKSUM_CHECKS and vt.check in self.fired  # the margin of the check it was saved for
-        cs = [self.fired[c].max_value for c in ((vt.check,) if own else vtask.CHECKSUM_CHECKS) if c in self.fired]
+        own = vt.check in CHECKSUM_CHECKS and vt.check in self.fired  # the margin of the check it was saved for
+        cs = [self.fired[c].max_value for c in ((vt.check,) if own else CHECKSUM_CHECKS) if c in self.fired]
         if cs:
             margin = max(cs) / self.tau if all(math.isfinite(x) for x in cs) else math.inf
         runs_total = self.opts.repeat * len(scales_run)
@@ -406,7 +409,7 @@ def _evidence(vt: vtask.VTask, out: dict, fired: dict[str, _Fired], bundle: str,
                   localised=[[r, c] for r in sorted(f.rows)[:4] for c in sorted(f.cols)[:4]][:16],
                   reruns=max(out["runs"] - 1, 0), reproduced=max(min(f.runs, out['runs']) - 1, 0), distinct_outputs=out["distinct_outputs"],
                   injected=recent_injections(fault))
-    if check in vtask.CHECKSUM_CHECKS:
+    if check in CHECKSUM_CHECKS:
         ev.threshold, ev.max_value, ev.margin = out["tau"], f.max_value, out["margin"]
     else:
         ev.max_value = f.max_value
