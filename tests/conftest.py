@@ -21,6 +21,14 @@ def _cuda_reason() -> str | None:
     return None
 
 
+def pytest_configure(config):
+    # the thread count the aegis commands use (backends/threads.py): torch's default of one
+    # thread per core oversubscribes a small or busy CI machine and multiplies the suite's time
+    from aegis_cli.backends.threads import apply_thread_policy
+
+    apply_thread_policy()
+
+
 def pytest_collection_modifyitems(config, items):
     reason = _cuda_reason()
     if reason is None:
