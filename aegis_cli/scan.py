@@ -172,6 +172,20 @@ def check_memory(opts: ScanOptions, devices: list[Device]) -> None:
                               f"needs about {need / 2**30:.1f} GiB on {d.identity.id}, {short[1]}; {remedy}")
 
 
+def check_savable(opts: ScanOptions, devices: list[Device]) -> None:
+    """Refuse, before any work, GEMM cases whose vTasks no bundle could hold (capture.check_savable)."""
+    from aegis_cli.vtask.capture import check_savable as savable
+    from aegis_cli.vtask.model import GemmSpec
+
+    for d in devices:
+        wl = workload_for(opts, d)
+        for case in plan_cases(wl, opts.seed, opts.case):
+            s = case.shape
+            savable(d.identity.id, GemmSpec(layout=s.layout, m=s.m, n=s.n, k=s.k, tile=tuple(d.tile)), s.op,
+                    [case.case_id(ea, eb) for ea, eb in wl.scan.scales], tau=opts.thresholds.tau_for(d, s.k),
+                    confirm_margin=opts.thresholds.confirm_margin, seed=case.seed, dist=case.dist)
+
+
 def count_cases(opts: ScanOptions, devices: list[Device]) -> int:
     total = 0
     for d in devices:
@@ -218,8 +232,6 @@ def run_scan(opts: ScanOptions, progress: Progress | None = None) -> Report:
 
         selection(devices, ProbeContext(opts=opts, fault=None, progress=lambda *a, **k: None))
     if opts.keep_flagged:  # the caller saves the flagged cases as vTasks: refuse what it could not save
-        from aegis_cli.vtask.capture import check_savable
-
         check_savable(opts, devices)
     if opts.golden:
         from aegis_cli.probes import golden_file as golden

@@ -80,7 +80,7 @@ def test_ids_that_could_not_round_trip_cannot_be_made():
 
 
 def test_a_bad_case_is_refused_before_any_work(capsys):
-    code, out, err = run_cli(capsys, "scan", "-q", "--case", "cpu-quick/qkv//normal/192x384x256/s+0+0")
+    code, _, err = run_cli(capsys, "scan", "-q", "--case", "cpu-quick/qkv//normal/192x384x256/s+0+0")
     assert code == 3 and "case id 'cpu-quick/qkv//normal/192x384x256/s+0+0': an empty part" in err
 
 
