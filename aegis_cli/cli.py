@@ -232,10 +232,10 @@ def scan(devices, workload, seed, case, reruns, inject, save_vtasks, probes, gol
     _emit(rep.to_dict(), fmt, output, _verdict_table)
     _warn_never_fired(rep)
     if save_vtasks:
-        from aegis_cli.vtask.capture import save_scan_vtasks
+        from aegis_cli.vtask.from_scan import save_scan_vtasks
 
         try:
-            n = save_scan_vtasks(rep, opts, save_vtasks)
+            n = save_scan_vtasks(rep, save_vtasks)
         except AegisError as exc:
             if State.debug:
                 traceback.print_exc()

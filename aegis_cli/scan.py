@@ -15,7 +15,7 @@ from aegis_cli.backends import resolve_devices
 from aegis_cli.backends.base import Device, memory_shortfall
 from aegis_cli.faults.spec import FaultPlan
 from aegis_cli.ops import numerics, workloads
-from aegis_cli.ops.case import check_seed
+from aegis_cli.ops.case import CaseId, check_seed, scale_token
 from aegis_cli.ops.errors import AegisError, ConfigError, GoldenError
 from aegis_cli.ops.verdict import Evidence, Verdict, worst
 from aegis_cli.probes import DEFAULT_PROBES, NODE_PROBES, PROBES, ProbeContext, case_probe, load_all, parse_probe_options, register
@@ -66,14 +66,15 @@ def workload_for(opts: ScanOptions, device: Device) -> workloads.Workload:
 def plan_cases(wl: workloads.Workload, seed: int, case: str | None = None) -> list[GemmCase]:
     cases = [GemmCase(wl.name, shape, dist, seed) for shape in wl.gemms() for dist in wl.scan.distributions]
     if case is not None:
-        cases = [c for c in cases if case.startswith(c.group_id + "/")]
+        cid = CaseId.parse(case)
+        cases = [c for c in cases if cid.extends(c.group_id)]
         if not cases:
             raise ConfigError(f"case {case!r} is not in workload {wl.name!r} (case ids look like "
                               f"{wl.name}/OP/LAYOUT/DIST/MxNxK/s+0+0)")
-        ids = [cases[0].case_id(ea, eb) for ea, eb in wl.scan.scales]
-        if case not in ids:  # else the scan would run the base scale, ignore it and say HEALTHY
+        if cid not in [cases[0].group_id.with_scale(ea, eb) for ea, eb in wl.scan.scales]:
+            # else the scan would run the base scale, ignore it and say HEALTHY
             raise ConfigError(f"case {case!r}: workload {wl.name!r} has no such scale (its scales: "
-                              f"{', '.join(i.rsplit('/', 1)[1] for i in ids)})")
+                              f"{', '.join(scale_token(ea, eb) for ea, eb in wl.scan.scales)})")
     return cases
 
 
@@ -171,13 +172,27 @@ def check_memory(opts: ScanOptions, devices: list[Device]) -> None:
                               f"needs about {need / 2**30:.1f} GiB on {d.identity.id}, {short[1]}; {remedy}")
 
 
+def check_savable(opts: ScanOptions, devices: list[Device]) -> None:
+    """Refuse, before any work, GEMM cases whose vTasks no bundle could hold (capture.check_savable)."""
+    from aegis_cli.vtask.capture import check_savable as savable
+    from aegis_cli.vtask.model import GemmSpec
+
+    for d in devices:
+        wl = workload_for(opts, d)
+        for case in plan_cases(wl, opts.seed, opts.case):
+            s = case.shape
+            savable(d.identity.id, GemmSpec(layout=s.layout, m=s.m, n=s.n, k=s.k, tile=tuple(d.tile)), s.op,
+                    [case.case_id(ea, eb) for ea, eb in wl.scan.scales], tau=opts.thresholds.tau_for(d, s.k),
+                    confirm_margin=opts.thresholds.confirm_margin, seed=case.seed, dist=case.dist)
+
+
 def count_cases(opts: ScanOptions, devices: list[Device]) -> int:
     total = 0
     for d in devices:
         wl = workload_for(opts, d)
         if "gemm" in opts.probes:
             # a --case at a scale also runs the base scale it is checked against
-            n_scales = (1 if opts.case.endswith("/s+0+0") else 2) if opts.case else len(wl.scan.scales)
+            n_scales = (1 if CaseId.parse(opts.case).scale == (0, 0) else 2) if opts.case else len(wl.scan.scales)
             total += len(plan_cases(wl, opts.seed, opts.case)) * n_scales
     return total
 
@@ -217,8 +232,6 @@ def run_scan(opts: ScanOptions, progress: Progress | None = None) -> Report:
 
         selection(devices, ProbeContext(opts=opts, fault=None, progress=lambda *a, **k: None))
     if opts.keep_flagged:  # the caller saves the flagged cases as vTasks: refuse what it could not save
-        from aegis_cli.vtask.capture import check_savable
-
         check_savable(opts, devices)
     if opts.golden:
         from aegis_cli.probes import golden_file as golden

@@ -261,8 +261,8 @@ def test_memory_free_and_flagged_runs_kept_on_the_host(tmp_path):
     them still finds their flagged rows against the on-device fp64 reference."""
     from aegis_cli.backends.cuda import CudaDevice
     from aegis_cli.scan import ScanOptions, run_scan
+    from aegis_cli.vtask import from_scan
     from aegis_cli.vtask.bundle import read_bundle
-    from aegis_cli.vtask import capture
     from tests.helpers import TINY
 
     d = CudaDevice(0)
@@ -274,7 +274,7 @@ def test_memory_free_and_flagged_runs_kept_on_the_host(tmp_path):
     assert dr.verdict.value == "FAULTY" and dr.captured
     assert all(t.device.type == "cpu" for r in dr.captured.values() for t in (r.c, r.row_sums, r.col_sums))
     path = tmp_path / "gpu.aegis"
-    assert capture.save_scan_vtasks(rep, opts, path) == len(dr.evidence)
+    assert from_scan.save_scan_vtasks(rep, path) == len(dr.evidence)
     vts = read_bundle(path).vtasks
     assert all(vt.observed["source"] == "the flagged scan run, as observed" for vt in vts)
     assert all(vt.gemm.flagged_rows or vt.gemm.flagged_cols for vt in vts)
@@ -297,10 +297,12 @@ def test_gpu_capture_is_recognised_as_the_scans_draw_on_gpu_and_cpu(tmp_path):
     dev = resolve_devices("cuda:0")[0]
     case = plan_cases(load("cpu-quick"), 7)[3]
     cid = case.case_id(-8, 8)
-    run = dev.checked_gemm(scaled(case.operands(dev), -8, 8))
+    ops = scaled(case.operands(dev), -8, 8)
+    run = capture.ObservedGemm(ops, dev.checked_gemm(ops), case_id=cid, op=case.shape.op, scale=(-8, 8), seed=case.seed,
+                               dist=case.dist)
     ev = Evidence(check="gemm.row_checksum", severity=Verdict.FAULTY, case_id=cid, summary="x", scale=[-8, 8],
                   samples=[{"row": 1, "col_tile": 0, "col": 2}])
-    (vt,) = capture.capture_gemm_vtasks(dev, case, [ev], None, 1e-6, 1.0, {"device_id": "cuda:0"}, flagged_run=run)
+    (vt,) = capture.capture_gemm(run, [ev], tau=1e-6, confirm_margin=1.0, provenance={"device_id": "cuda:0"})
     ok, why = _VTaskReplay(dev, vt, ReplayOptions(bundles=[]), None, ProbeStats()).calibrated()
     assert ok, why
     a = vt.tensors["a"].clone()

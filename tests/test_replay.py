@@ -15,8 +15,8 @@ from aegis_cli.backends import resolve_devices
 from aegis_cli.ops.errors import ConfigError
 from aegis_cli.ops.gemm import Layout
 from aegis_cli.scan import ScanOptions, run_scan
+from aegis_cli.vtask import capture, from_scan
 from aegis_cli.vtask.bundle import BundleWriter, read_bundle
-from aegis_cli.vtask import capture
 from aegis_cli.vtask.replay import ReplayOptions, parse_scales, run_replay
 from tests.helpers import TINY
 from tests.test_vtask import make_vtask
@@ -122,7 +122,7 @@ def test_large_operands_are_saved_as_row_and_column_subsets(tmp_path, monkeypatc
     rep = run_scan(opts)
     assert rep.devices[0].captured == {}  # not asked to keep the flagged runs: saving re-runs the case
     path = tmp_path / "sub.aegis"
-    assert capture.save_scan_vtasks(rep, opts, path) == 2
+    assert from_scan.save_scan_vtasks(rep, path) == 2
     by_check = {v.check: v for v in read_bundle(path).vtasks}
     row, col = by_check["gemm.row_checksum"], by_check["gemm.col_checksum"]
     assert row.observed["source"] == col.observed["source"] == "re-run at save time on the capturing device"
@@ -142,7 +142,7 @@ def test_vtasks_of_a_scan_of_a_workload_file(tmp_path):
     """``--workload PATH``: the saved cases come from that file, not from a catalog of its name."""
     opts = ScanOptions(devices="cpu", workload=TINY, reruns=1, probes=("gemm",), inject=FAULT)
     path = tmp_path / "tiny.aegis"
-    assert capture.save_scan_vtasks(run_scan(opts), opts, path) >= 2
+    assert from_scan.save_scan_vtasks(run_scan(opts), path) >= 2
     assert {v.case_id.split("/")[0] for v in read_bundle(path).vtasks} == {"tiny"}
 
 
@@ -161,7 +161,7 @@ def test_intermittent_fault_saves_the_flagged_run_as_observed(tmp_path):
     assert all(cid.endswith("/s-8+8") for cid in dr.captured)
     assert "captured" not in rep.to_dict()["devices"][0]  # tensors stay out of the report
     path = tmp_path / "flagged.aegis"
-    assert capture.save_scan_vtasks(rep, opts, path) == len(dr.evidence)
+    assert from_scan.save_scan_vtasks(rep, path) == len(dr.evidence)
     cpu = resolve_devices("cpu")[0]
     for vt in read_bundle(path).vtasks:
         run = dr.captured[vt.case_id]
@@ -173,7 +173,7 @@ def test_intermittent_fault_saves_the_flagged_run_as_observed(tmp_path):
     # without the kept run, saving re-runs the case, and this fault's next launch is clean
     dr.captured = {}
     rerun = tmp_path / "rerun.aegis"
-    capture.save_scan_vtasks(rep, opts, rerun)
+    from_scan.save_scan_vtasks(rep, rerun)
     vt = read_bundle(rerun).vtasks[0]
     assert vt.observed["source"] == "re-run at save time on the capturing device"
     assert torch.equal(_bits(vt.tensors["c"]), _bits(cpu.checked_gemm(vt.operands()).c))
@@ -200,7 +200,7 @@ def test_flagged_runs_kept_in_host_memory_up_to_a_budget(tmp_path, monkeypatch):
     dr = rep.devices[0]
     assert dr.verdict.value == "FAULTY" and len(dr.captured) == 1 and set(dr.captured) < flagged
     path = tmp_path / "budget.aegis"
-    assert capture.save_scan_vtasks(rep, opts, path) == len(dr.evidence)
+    assert from_scan.save_scan_vtasks(rep, path) == len(dr.evidence)
     sources = {vt.case_id: vt.observed["source"] for vt in read_bundle(path).vtasks}
     assert {c for c, s in sources.items() if s == "the flagged scan run, as observed"} == set(dr.captured)
     assert {s for c, s in sources.items() if c not in dr.captured} == {"re-run at save time on the capturing device"}
@@ -370,11 +370,13 @@ def test_output_check_vtask_keeps_its_own_rows(monkeypatch):
     monkeypatch.setattr(capture, "FULL_OPERANDS_LIMIT", 0)
     dev = resolve_devices("cpu:0")[0]
     case = next(c for c in plan_cases(load("cpu-quick"), 0) if c.case_id(0, 0) == CASE)
-    res = dev.checked_gemm(case.operands(dev))
+    ops = case.operands(dev)
+    res = dev.checked_gemm(ops)
     res.row_sums[2, 0] += 1000.0
     ev = Evidence(check="gemm.output_rowsum", severity=Verdict.FAULTY, case_id=CASE, summary="x", scale=[0, 0],
                   samples=[{"row": 7, "col_tile": 0}])
-    (vt,) = capture.capture_gemm_vtasks(dev, case, [ev], None, 1e-6, 1.0, {"device_id": "cpu:0"}, flagged_run=res)
+    run = capture.ObservedGemm(ops, res, case_id=CASE, op=case.shape.op, seed=case.seed, dist=case.dist)
+    (vt,) = capture.capture_gemm(run, [ev], tau=1e-6, confirm_margin=1.0, provenance={"device_id": "cpu:0"})
     assert vt.gemm.rows == [7]
 
 
@@ -384,7 +386,7 @@ def test_provenance_says_injected_only_for_the_device_that_was(tmp_path, monkeyp
                        thresholds=dataclasses.replace(ScanOptions().thresholds, tau=1e-12))
     rep = run_scan(opts)
     path = tmp_path / "two.aegis"
-    capture.save_scan_vtasks(rep, opts, path)
+    from_scan.save_scan_vtasks(rep, path)
     by_dev: dict[str, set] = {}
     for v in read_bundle(path).vtasks:
         by_dev.setdefault(v.provenance["device_id"], set()).add(v.provenance["injected"])
@@ -437,12 +439,14 @@ def test_the_scans_own_inputs_are_recognised_as_its_draw(tmp_path, monkeypatch):
     case = random.choice(plan_cases(load("cpu-quick"), random.randrange(2**31)))
     ea, eb = random.choice(((0, 0), (-8, 8), (16, 16)))
     cid = case.case_id(ea, eb)
-    run = dev.checked_gemm(scaled(case.operands(dev), ea, eb))
+    ops = scaled(case.operands(dev), ea, eb)
+    run = capture.ObservedGemm(ops, dev.checked_gemm(ops), case_id=cid, op=case.shape.op, scale=(ea, eb), seed=case.seed,
+                               dist=case.dist)
     evs = [Evidence(check=c, severity=Verdict.FAULTY, case_id=cid, summary="x", scale=[ea, eb],
                     samples=[{"row": 1, "col_tile": 0, "col": 2}]) for c in ("gemm.row_checksum", "gemm.col_checksum")]
-    vts = capture.capture_gemm_vtasks(dev, case, evs, None, 1e-6, 1.0, {"device_id": "cpu:0"}, flagged_run=run)
+    vts = capture.capture_gemm(run, evs, tau=1e-6, confirm_margin=1.0, provenance={"device_id": "cpu:0"})
     monkeypatch.setattr(capture, "FULL_OPERANDS_LIMIT", 0)
-    subs = capture.capture_gemm_vtasks(dev, case, evs, None, 1e-6, 1.0, {"device_id": "cpu:0"}, flagged_run=run)
+    subs = capture.capture_gemm(run, evs, tau=1e-6, confirm_margin=1.0, provenance={"device_id": "cpu:0"})
     assert {v.gemm.subset for v in vts} == {"full"} and {v.gemm.subset for v in subs} == {"rows", "cols"}
     back = read_bundle(_write(tmp_path / "s.aegis", *[dataclasses.replace(v, id=f"{v.id}/{i}") for i, v in enumerate(vts + subs)]))
 
@@ -535,10 +539,10 @@ def test_a_failed_save_keeps_the_scan_report(tmp_path, monkeypatch, capsys):
     from aegis_cli.ops.errors import BundleError
     from tests.helpers import run_cli as run
 
-    def fail(rep, opts, path):
+    def fail(rep, path):
         raise BundleError(f"bundle {path}: cannot write (No space left on device)")
 
-    monkeypatch.setattr(capture, "save_scan_vtasks", fail)
+    monkeypatch.setattr(from_scan, "save_scan_vtasks", fail)
     report, bundle = tmp_path / "r.json", tmp_path / "b.aegis"
     code, out, err = run(capsys, "scan", "--device", "cpu", "-q", "--workload", TINY, "--reruns", "1", "--probes", "gemm",
                          "--seed", str(random.randrange(2**31)), "--inject", "bitflip:bit=exp", "--save-vtasks", str(bundle),

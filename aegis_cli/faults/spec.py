@@ -21,12 +21,12 @@ A fault is permanent by default (fires on every launch, at positions fixed by it
 from __future__ import annotations
 
 import dataclasses
-import re
 import zlib
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from aegis_cli.ops.case import op_site
 from aegis_cli.ops.errors import InjectSpecError
 
 MODELS = {
@@ -41,8 +41,6 @@ MODELS = {
     "memflip": ({"bit", "count", "index"}, {"mem"}),
     "swap": ({"count", "index"}, {"mem"}),
 }
-# a GEMM case's input scale, e.g. ".../s+16+16" (not "/silu" or "/sdpa_fwd")
-_SCALE_SUFFIX = re.compile(r"/s[+-]\d+[+-]\d+(?=:|$)")
 DEFAULT_TARGET = {"memflip": "mem", "swap": "mem"}  # every other model defaults to acc
 COMMON_KEYS = {"target", "prob", "seed", "device", "op"}
 # Test hooks for fleet sweeps, applied by the per-device sweep worker (aegis_cli/fleet/worker.py)
@@ -290,7 +288,7 @@ class FaultPlan:
                     continue
             # positions depend on the case's shape group, not on its input scale: a permanent
             # fault sits at the same place whatever magnitudes flow through it
-            site = _SCALE_SUFFIX.sub("", ctx.op)
+            site = op_site(ctx.op)
             pos_rng = np.random.default_rng([f.seed, i, zlib.crc32(site.encode())])
             fired.append((f, pos_rng))
         return fired
@@ -309,12 +307,12 @@ def recent_injections(plan: FaultPlan | None, n: int = 4, case: str | None = Non
     scale's run): the plan's last records may be another case's, which the evidence would name."""
     if plan is None:
         return []
-    site = _SCALE_SUFFIX.sub("", case) if case is not None else None
+    site = op_site(case) if case is not None else None
     out = []
     for r in reversed(plan.injected):  # newest first: the case's own records are the latest
         if len(out) == n:
             break
-        if site is None or _SCALE_SUFFIX.sub("", r["op"]) == site:
+        if site is None or op_site(r["op"]) == site:
             out.append(r)
     return out[::-1]
 

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from aegis_cli.ops.case import CaseId
+
 if TYPE_CHECKING:
     from aegis_cli.backends.base import Device
     from aegis_cli.faults.spec import FaultPlan
@@ -43,8 +45,7 @@ class ProbeContext:
 
     def case_part(self, probe: str) -> str | None:
         """The part after ``probe/`` of ``--case probe/PART/…`` (what to re-run), else None."""
-        case = self.opts.case
-        return case.split("/")[1] if case and case.startswith(probe + "/") else None
+        return CaseId.parse(self.opts.case).part(probe) if self.opts.case else None
 
 
 def bounded(typ: type, lo: float, hi: float, auto: float | None = None) -> Callable[[str], object]:
@@ -128,7 +129,7 @@ def parse_probe_options(items: dict[str, str]) -> dict[str, str]:
 
 def case_probe(case: str) -> str:
     """The probe that owns case id ``case``: ids start with its name, GEMM ids with a workload's."""
-    head = case.split("/", 1)[0]
+    head = CaseId.parse(case).prefix if case else ""  # a fleet finding may name no case
     return head if head in PROBES or head in NODE_PROBES else "gemm"
 
 

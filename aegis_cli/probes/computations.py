@@ -191,9 +191,6 @@ def assumed_deterministic(device: Device, name: str) -> bool:
     return name not in NONDETERMINISTIC.get(device.identity.backend, set())
 
 
-# -- faults in stored tensors (inject target=mem) ----------------------------------------
-
-
 # -- mismatch → evidence fields ------------------------------------------------------------
 def unravel(index: int, shape: tuple[int, ...]) -> list[int]:
     out = []

@@ -26,6 +26,7 @@ import torch
 from aegis_cli.backends.base import Device
 from aegis_cli.faults.spec import recent_injections
 from aegis_cli.ops import fingerprint, numerics
+from aegis_cli.ops.case import CaseId
 from aegis_cli.ops.gemm import GemmOperands, Layout
 from aegis_cli.ops.verdict import Evidence, Verdict
 from aegis_cli.probes import ProbeContext, register_node
@@ -48,7 +49,7 @@ def _groups(devices: list[Device]) -> dict[tuple[str, str], list[Device]]:
 def case_ids(name: str) -> list[str]:
     """The case ids the probe gives ``name``'s evidence: one per input and output."""
     inputs, outputs = COMPUTATIONS[name].names
-    return [f"crossdevice/{name}/{k}" for k in (*(f"input:{i}" for i in inputs), *outputs)]
+    return [str(CaseId("crossdevice", (name, k))) for k in (*(f"input:{i}" for i in inputs), *outputs)]
 
 
 def selection(devices: list[Device], ctx: ProbeContext) -> list[str]:
@@ -140,7 +141,7 @@ def _evidence(name: str, key: str, culprit: str, ref_dev: str, results: dict, se
     loc = localise(results[ref_dev][name][key], results[culprit][name][key],
                    tile=device.tile if key == "c" else None)
     return Evidence(
-        check="crossdevice.mismatch", severity=sev, case_id=f"crossdevice/{name}/{key}",
+        check="crossdevice.mismatch", severity=sev, case_id=str(CaseId("crossdevice", (name, key))),
         summary=f"crossdevice.mismatch: {name} {key} on {culprit} differs from {ref_dev}: {loc['elements']} element(s); {why}",
         op=name, shape=comp.shape(sizes_for(device)), dist="normal", seed=ctx.opts.seed, max_value=1.0,
         elements=loc["elements"], samples=[{"output": key, "reference_device": ref_dev, **s} for s in loc["samples"][:MAX_SAMPLES]],

@@ -25,6 +25,7 @@ import torch
 
 from aegis_cli.backends.base import Device
 from aegis_cli.faults.spec import recent_injections
+from aegis_cli.ops.case import CaseId
 from aegis_cli.ops.errors import ConfigError
 from aegis_cli.ops.fingerprint import device_fingerprint
 from aegis_cli.ops.verdict import Evidence, Verdict
@@ -135,7 +136,7 @@ def run_computation(device: Device, name: str, runs: int, seed: int, ctx: ProbeC
 
 
 def case_id(name: str, sizes) -> str:
-    return f"determinism/{name}/{case_shape(COMPUTATIONS[name].shape(sizes))}"
+    return str(CaseId("determinism", (name, case_shape(COMPUTATIONS[name].shape(sizes)))))
 
 
 @register("determinism", OPTIONS)

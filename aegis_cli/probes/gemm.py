@@ -27,7 +27,7 @@ from aegis_cli.backends.base import Device
 from aegis_cli.checks.gemm import CHECKSUM_CHECKS
 from aegis_cli.faults.spec import FaultPlan, recent_injections
 from aegis_cli.ops import fingerprint, numerics
-from aegis_cli.ops.case import case_seed
+from aegis_cli.ops.case import CaseId, case_seed
 from aegis_cli.ops.errors import ConfigError
 from aegis_cli.ops.gemm import GemmOperands, GemmResult, GemmShape, Layout, ReferenceChecksums
 from aegis_cli.ops.verdict import Evidence, Verdict
@@ -47,16 +47,16 @@ class GemmCase:
     seed: int  # the scan seed; operand seeds derive from it and the case identity
 
     @property
-    def group_id(self) -> str:
+    def group_id(self) -> CaseId:
         s = self.shape
-        return f"{self.workload}/{s.op}/{s.layout.value}/{self.dist}/{s.m}x{s.n}x{s.k}"
+        return CaseId(self.workload, (s.op, s.layout.value, self.dist, f"{s.m}x{s.n}x{s.k}"))
 
     def case_id(self, ea: int, eb: int) -> str:
-        return f"{self.group_id}/s{ea:+d}{eb:+d}"
+        return str(self.group_id.with_scale(ea, eb))
 
     def operands(self, device: Device) -> GemmOperands:
         s = self.shape
-        return draw_operands(device.generate, s.layout, s.m, s.n, s.k, self.dist, self.seed, self.group_id)
+        return draw_operands(device.generate, s.layout, s.m, s.n, s.k, self.dist, self.seed, str(self.group_id))
 
 
 def draw_operands(generate, layout: Layout, m: int, n: int, k: int, dist: str, seed: int, group_id: str) -> GemmOperands:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from aegis_cli.backends.base import Device
 from aegis_cli.faults.spec import recent_injections
+from aegis_cli.ops.case import CaseId
 from aegis_cli.ops.errors import ConfigError, GoldenError
 from aegis_cli.ops.fingerprint import device_block_fingerprints, hex64
 from aegis_cli.ops.verdict import Evidence, Verdict
@@ -89,7 +90,7 @@ def golden_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
             sev, why = Verdict.FAULTY, (f"wrong in {wrong_runs} of {len(seen)} runs, with {len(set(seen))} different results "
                                         "from a computation that is bitwise deterministic on a healthy device")
         evidence.append(Evidence(
-            check="golden.mismatch", severity=sev, case_id=f"golden/{name}",
+            check="golden.mismatch", severity=sev, case_id=str(CaseId("golden", (name,))),
             summary=(f"golden.mismatch: {name}: {', '.join(bad)} differ from the golden fingerprint in {n_blocks} block(s) "
                      f"of {block} elements ({elements} elements in all, an upper bound); {why}"),
             op=name, shape=want["shape"], dist="normal", seed=seed, max_value=1.0, elements=elements, samples=samples[:8],

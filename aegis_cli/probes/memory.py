@@ -34,7 +34,7 @@ from aegis_cli.backends.base import Device
 from aegis_cli.faults.spec import recent_injections
 from aegis_cli.faults.stored import stored_faults
 from aegis_cli.ops import fingerprint
-from aegis_cli.ops.case import case_seed
+from aegis_cli.ops.case import CaseId, case_seed
 from aegis_cli.ops.errors import ConfigError, DeviceError
 from aegis_cli.ops.verdict import Evidence, Verdict
 from aegis_cli.probes import ProbeContext, bounded, quick_or_full, register
@@ -213,9 +213,10 @@ def check_fits(device: Device, ctx: ProbeContext) -> None:
 def check_case(case: str | None, passes: int) -> None:
     """``--case memory/passN`` (N below ``passes``) or ``memory/nvml``, either of which re-runs
     the whole probe; anything else ran it and reported HEALTHY for a case that does not exist."""
-    if case is None or not case.startswith("memory/"):
+    cid = CaseId.parse(case) if case is not None else None
+    if cid is None or cid.prefix != "memory" or cid == CaseId("memory"):
         return
-    part = case[len("memory/"):]
+    part = cid.part("memory") if len(cid.parts) == 1 and cid.scale is None else ""
     if not (part == "nvml" or (part.startswith("pass") and part[4:].isascii() and part[4:].isdecimal())):
         raise ConfigError(f"case {case!r}: the memory probe has no such case (its cases: memory/passN, one per pass, "
                           "and memory/nvml)")

@@ -24,7 +24,7 @@ import torch
 from aegis_cli.backends.base import Device
 from aegis_cli.faults.spec import recent_injections
 from aegis_cli.ops import numerics
-from aegis_cli.ops.case import case_seed
+from aegis_cli.ops.case import CaseId, case_seed
 from aegis_cli.ops.errors import ConfigError
 from aegis_cli.ops.fingerprint import int_view
 from aegis_cli.ops.gemm import GemmOperands, Layout
@@ -61,7 +61,7 @@ def shape_for(device: Device) -> tuple[int, int, int]:
 
 
 def case_id(device: Device, impl: str) -> str:
-    return f"pow2/{impl}/{'x'.join(map(str, shape_for(device)))}"
+    return str(CaseId("pow2", (impl, "x".join(map(str, shape_for(device))))))
 
 
 def sweep(device: Device, impl: str, step: int, ctx: ProbeContext) -> tuple[dict, Evidence | None]:

@@ -1,72 +1,86 @@
-"""Capture: a scan's flagged GEMM evidence as vTasks in a bundle (DESIGN §3)."""
+"""Capture: one observed GEMM and its flagged evidence as vTasks (DESIGN §3).
+
+The caller hands over what ran — the operands as fed, C and the fused sums as observed,
+the evidence a check gave, τ and where it ran — so anything that runs checked GEMMs can
+capture: a scan (vtask/from_scan.py) or a training loop. Nothing here knows a device::
+
+    run = ObservedGemm(GemmOperands(a, b, Layout.FWD), result, case_id="train/step12/qkv", op="qkv")
+    with BundleWriter("flagged.aegis") as w:
+        for vt in capture_gemm(run, evidence, tau=1e-6, confirm_margin=1.0, provenance={"host": ...}):
+            w.add(vt)
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import os
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 
 from aegis_cli.checks.gemm import CHECKSUM_CHECKS, GEMM_CHECKS
-from aegis_cli.ops.gemm import GemmResult
-from aegis_cli.vtask.bundle import BundleWriter
-from aegis_cli.vtask.model import MAX_SAMPLES, MAX_STRING, GemmSpec, VTask
-
-if TYPE_CHECKING:
-    from aegis_cli.report import Report
-    from aegis_cli.scan import ScanOptions
+from aegis_cli.ops import fingerprint, numerics
+from aegis_cli.ops.case import CaseId
+from aegis_cli.ops.errors import ConfigError
+from aegis_cli.ops.gemm import GemmOperands, GemmResult, ReferenceChecksums
+from aegis_cli.ops.verdict import Evidence
+from aegis_cli.vtask.manifest import ID_RE, entry_problem
+from aegis_cli.vtask.model import MAX_SAMPLES, MAX_STRING, TAU_RANGE, GemmSpec, VTask
 
 FULL_OPERANDS_LIMIT = 16 << 20  # writer policy: full operands up to this many bytes per vTask
 MAX_SUBSET = 1024  # writer policy: at most this many flagged rows/columns in a subset vTask
+LONGEST_CHECK = max(GEMM_CHECKS, key=len)  # the longest check name a vTask id ends in
 
 
-def _flag_sets(res, ref, tau: float) -> tuple[list[int], list[int]]:
-    from aegis_cli.ops import numerics
+@dataclass
+class ObservedGemm:
+    """One checked GEMM as it ran: the operands as fed (after any input scaling) and C and
+    the fused sums as observed. Tensors may live on any device; they are copied to the host."""
 
-    if res.row_sums.device != ref.row.device:  # a flagged run the scan kept in host memory
+    operands: GemmOperands
+    result: GemmResult
+    case_id: str  # names the run in vTask ids; a replay's injected faults land by it (op_site)
+    op: str  # the operator (qkv, mlp_down, a training loop's layer name)
+    scale: tuple[int, int] = (0, 0)  # the operands are 2^ea·A, 2^eb·B of the case
+    # the seeded draw the case's operands came from (numerics.DISTRIBUTIONS, the scan seed): replay
+    # re-draws them to trust ``dist``; None where the inputs are no such draw (a training step)
+    seed: int | None = None
+    dist: str | None = None
+    source: str = "observed"  # how C and the sums were obtained, said in each vTask
+
+
+def _flag_sets(res: GemmResult, ref: ReferenceChecksums, tau: float) -> tuple[list[int], list[int]]:
+    if res.row_sums.device != ref.row.device:  # a flagged run kept in host memory, operands on the device
         res = dataclasses.replace(res, row_sums=res.row_sums.to(ref.row.device), col_sums=res.col_sums.to(ref.row.device))
     d_row, d_col = numerics.checksum_diffs(res, ref)  # (M, nt_n), (nt_m, N)
     return ((d_row > tau).any(1).nonzero().flatten().cpu().tolist(), (d_col > tau).any(0).nonzero().flatten().cpu().tolist())
 
 
-def _sample_rows(ev, key: str) -> list[int]:
+def _sample_rows(ev: Evidence, key: str) -> list[int]:
     out = {int(s[key]) for s in ev.samples if isinstance(s.get(key), int)}
     out |= {int(p[0 if key == "row" else 1]) for p in ev.localised}
     return sorted(out)
 
 
-def capture_gemm_vtasks(device, case, evidence: list, fault, tau: float, confirm_margin: float, provenance: dict,
-                        flagged_run: GemmResult | None = None) -> list[VTask]:
-    """vTasks for the flagged evidence of one GEMM case (all at one scale): regenerate the
-    case's operands on ``device``; take C and the fused sums from ``flagged_run`` (the
-    flagged run itself, as the scan saw it) or, without it, from one re-run (with ``fault``
-    when the scan injected one), which an intermittent fault may not repeat; keep the full
-    operands when small, else the flagged rows (row checks) or columns (column checks)."""
-    from aegis_cli.ops import fingerprint
-    from aegis_cli.probes.gemm import clean_median, scaled
+def _host(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu")
 
-    ea, eb = evidence[0].scale
-    cid = evidence[0].case_id
-    base = case.operands(device)
-    ops = scaled(base, ea, eb)
-    ref = device.reference_checksums(ops, device.tile)
-    if flagged_run is not None:
-        res, source = flagged_run, "the flagged scan run, as observed"
-    else:
-        med = None
-        if fault is not None and fault.needs_clean_median():
-            med = clean_median(device, base, device.reference_checksums(base, device.tile))
-        res = device.checked_gemm(ops, fault, op=cid, clean_median=med)
-        source = "re-run at save time on the capturing device"
+
+def capture_gemm(run: ObservedGemm, evidence: list[Evidence], *, tau: float, confirm_margin: float, provenance: dict,
+                 reference: ReferenceChecksums | None = None) -> list[VTask]:
+    """One vTask per piece of ``evidence`` (checks on ``run``): the full operands when small,
+    else the flagged rows (row checks) or columns (column checks) and their outputs. ``tau``
+    and ``confirm_margin`` are the thresholds the checks used; ``provenance`` says where it
+    ran (``device_id`` starts each vTask id). ``reference``: the fp64 checksums of the
+    operands, when the caller has them (else computed here, beside the operands)."""
+    ops, res = run.operands, run.result
+    ref = reference if reference is not None else numerics.reference_checksums(ops, res.tile)
     frows, fcols = _flag_sets(res, ref, tau)
     m, n, k = ops.mnk
     full_bytes = 2 * (m * k + k * n + m * n) + 4 * (res.row_sums.numel() + res.col_sums.numel())
-    a, b = device.to_host(ops.a), device.to_host(ops.b)
-    c, rs, cs = device.to_host(res.c), device.to_host(res.row_sums), device.to_host(res.col_sums)
+    a, b = _host(ops.a), _host(ops.b)
+    c, rs, cs = _host(res.c), _host(res.row_sums), _host(res.col_sums)
     fps = {"c": fingerprint.hex64(fingerprint.fingerprint(c)), "row_sums": fingerprint.hex64(fingerprint.fingerprint(rs)),
            "col_sums": fingerprint.hex64(fingerprint.fingerprint(cs))}
-    s = case.shape
     out = []
     for ev in evidence:
         own_rows, own_cols = _sample_rows(ev, "row"), _sample_rows(ev, "col")
@@ -74,7 +88,7 @@ def capture_gemm_vtasks(device, case, evidence: list, fault, tau: float, confirm
             rows_flag, cols_flag = frows or own_rows, fcols or own_cols
         else:  # the output checks flag rows of their own, not necessarily the checksums' rows
             rows_flag, cols_flag = own_rows or frows, own_cols or fcols
-        spec = GemmSpec(layout=s.layout, m=m, n=n, k=k, tile=tuple(res.tile), flagged_rows=rows_flag[:MAX_SUBSET],
+        spec = GemmSpec(layout=ops.layout, m=m, n=n, k=k, tile=tuple(res.tile), flagged_rows=rows_flag[:MAX_SUBSET],
                         flagged_cols=cols_flag[:MAX_SUBSET])
         truncated = False
         use_cols = ev.check == "gemm.col_checksum"
@@ -95,12 +109,16 @@ def capture_gemm_vtasks(device, case, evidence: list, fault, tau: float, confirm
         observed = {"severity": ev.severity.value, "summary": ev.summary[:MAX_STRING], "max_normalised_diff": ev.max_value,
                     "margin": ev.margin, "elements": ev.elements, "reruns": ev.reruns, "reproduced": ev.reproduced,
                     "distinct_outputs": ev.distinct_outputs, "samples": [_clean_sample(x) for x in ev.samples[:MAX_SAMPLES]],
-                    "fingerprints": fps, "source": source, "truncated": truncated}
-        out.append(VTask(id=f"{provenance.get('device_id', 'dev')}/{cid}/{ev.check}", check=ev.check, op=s.op, gemm=spec,
-                         tensors=tensors, tau=tau, confirm_margin=confirm_margin, scale=(ea, eb), case_id=cid,
-                         seed=case.seed, dist=case.dist, observed={k: v for k, v in observed.items() if v is not None},
+                    "fingerprints": fps, "source": run.source, "truncated": truncated}
+        out.append(VTask(id=vtask_id(provenance, run.case_id, ev.check), check=ev.check, op=run.op, gemm=spec,
+                         tensors=tensors, tau=tau, confirm_margin=confirm_margin, scale=tuple(run.scale), case_id=run.case_id,
+                         seed=run.seed, dist=run.dist, observed={k: v for k, v in observed.items() if v is not None},
                          provenance={**provenance, "kernel": res.kernel}))
     return out
+
+
+def vtask_id(provenance: dict, case_id: str, check: str) -> str:
+    return f"{provenance.get('device_id', 'dev')}/{case_id}/{check}"
 
 
 def _clean_sample(s: dict) -> dict:
@@ -113,79 +131,21 @@ def _clean_sample(s: dict) -> dict:
     return out
 
 
-def check_savable(opts: ScanOptions, devices: list) -> None:
-    """Refuse, before a scan with --save-vtasks starts, what no bundle could hold: vTask ids
-    made from the workload's name and ops that are not valid ids, or a τ outside the range a
-    bundle records. Found only when saving, after the scan, they cost the whole run."""
-    from aegis_cli.ops.errors import ConfigError
-    from aegis_cli.scan import plan_cases, workload_for
-    from aegis_cli.vtask.manifest import ID_RE, entry_problem
-    from aegis_cli.vtask.model import TAU_RANGE
-
-    check = max(GEMM_CHECKS, key=len)  # the longest of the ids capture_gemm_vtasks gives a case
-    for d in devices:
-        wl = workload_for(opts, d)
-        for case in plan_cases(wl, opts.seed, opts.case):
-            s = case.shape
-            tau = opts.thresholds.tau_for(d, s.k)
-            if not TAU_RANGE[0] <= tau <= TAU_RANGE[1]:
-                raise ConfigError(f"--save-vtasks: τ = {tau:g} for {d.identity.id} at K = {s.k} is outside what a bundle "
-                                  f"records ({TAU_RANGE[0]:g}…{TAU_RANGE[1]:g}); choose --threshold within it")
-            spec = GemmSpec(layout=s.layout, m=s.m, n=s.n, k=s.k, tile=tuple(d.tile))
-            for ea, eb in wl.scan.scales:
-                cid = case.case_id(ea, eb)
-                vid = f"{d.identity.id}/{cid}/{check}"
-                if not ID_RE.fullmatch(vid):
-                    raise ConfigError(f"--save-vtasks: workload {wl.name!r} gives vTask ids like {vid[:120]!r} that a bundle "
-                                      f"cannot hold (1–256 characters from A-Za-z0-9._:/+=@-); rename the workload or its ops")
-                problem = entry_problem(VTask(id=vid, check=check, op=s.op, gemm=spec, tensors={}, tau=tau, scale=(ea, eb),
-                                              confirm_margin=opts.thresholds.confirm_margin, case_id=cid, seed=case.seed,
-                                              dist=case.dist))
-                if problem:
-                    raise ConfigError(f"--save-vtasks: this scan's cases could not be saved as vTasks ({problem})")
-
-
-def save_scan_vtasks(report: Report, opts: ScanOptions, path: str | os.PathLike) -> int:
-    """Save every flagged GEMM case of a scan as vTasks in one bundle; returns how many.
-
-    Operands are regenerated deterministically (same workload, seed, case) on the device
-    that flagged them. The observed C and fused sums are the flagged run's own when the scan
-    kept it (``ScanOptions.keep_flagged`` → ``DeviceReport.captured``), else a re-run's.
-    Evidence of non-GEMM checks is skipped (no vTask kind for it yet).
-    """
-    from aegis_cli.backends import resolve_devices
-    from aegis_cli.backends.loader import kernel_hashes
-    from aegis_cli.faults.spec import FaultPlan
-    from aegis_cli.ops.provenance import versions
-    from aegis_cli.scan import plan_cases, workload_for
-
-    plan = FaultPlan.parse(opts.inject) if opts.inject else None
-    vers = versions()
-    rank = os.environ.get("RANK")
-    writer = BundleWriter(path)
-    for dr in report.devices:
-        ev_gemm = [e for e in dr.evidence if e.check in GEMM_CHECKS]
-        if not ev_gemm:
-            continue
-        device = resolve_devices(dr.identity.id)[0]
-        ident = dr.identity
-        wl = workload_for(opts, device)  # the catalog the scan loaded (--workload may be a path)
-        fault = plan.for_device(ident.id) if plan else None
-        prov = {"host": ident.host, "device_id": ident.id, "gpu_name": ident.name, "gpu_uuid": ident.uuid,
-                "gpu_serial": ident.serial, "pci_bus_id": ident.pci_bus_id, "rank": int(rank) if rank and rank.isdigit() else None,
-                "job": f"aegis scan (workload {wl.name}, seed {opts.seed})", "captured": report.started,
-                "command_line": [str(x)[:MAX_STRING] for x in report.command_line][:256],
-                "versions": {k: v for k, v in {**vers, "driver": ident.driver, "cuda": vers.get("torch_cuda")}.items() if v},
-                "kernel_hashes": kernel_hashes(),
-                # this device's flagged cases had faults put in on purpose (not: some device had)
-                "injected": any(e.injected for e in ev_gemm)}
-        prov = {k: v for k, v in prov.items() if v is not None}
-        by_case: dict[str, list] = {}
-        for e in ev_gemm:
-            by_case.setdefault(e.case_id, []).append(e)
-        for cid, evs in by_case.items():
-            case = plan_cases(wl, opts.seed, cid)[0]
-            for vt in capture_gemm_vtasks(device, case, evs, fault, opts.thresholds.tau_for(device, case.shape.k), opts.thresholds.confirm_margin, prov,
-                                          flagged_run=dr.captured.get(cid)):
-                writer.add(vt)
-    return writer.finalise()
+def check_savable(device_id: str, spec: GemmSpec, op: str, case_ids: list[str], *, tau: float, confirm_margin: float,
+                  seed: int | None = None, dist: str | None = None) -> None:
+    """Refuse (ConfigError), before the work that would flag them, GEMM runs no bundle could
+    hold as vTasks: ids (device, case id, check) that are not valid vTask ids, or a τ outside
+    the range a bundle records. Found only when saving, they would cost the whole run."""
+    if not TAU_RANGE[0] <= tau <= TAU_RANGE[1]:
+        raise ConfigError(f"--save-vtasks: τ = {tau:g} for {device_id} at K = {spec.k} is outside what a bundle "
+                          f"records ({TAU_RANGE[0]:g}…{TAU_RANGE[1]:g}); choose --threshold within it")
+    for cid in case_ids:
+        vid = vtask_id({"device_id": device_id}, cid, LONGEST_CHECK)
+        if not ID_RE.fullmatch(vid):
+            raise ConfigError(f"--save-vtasks: workload {CaseId.parse(cid).prefix!r} gives vTask ids like {vid[:120]!r} that a "
+                              "bundle cannot hold (1–256 characters from A-Za-z0-9._:/+=@-); rename the workload or its ops")
+        scale = CaseId.parse(cid).scale or (0, 0)
+        problem = entry_problem(VTask(id=vid, check=LONGEST_CHECK, op=op, gemm=spec, tensors={}, tau=tau, scale=scale,
+                                      confirm_margin=confirm_margin, case_id=cid, seed=seed, dist=dist))
+        if problem:
+            raise ConfigError(f"--save-vtasks: this scan's cases could not be saved as vTasks ({problem})")

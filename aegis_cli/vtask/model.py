@@ -5,8 +5,9 @@ operator and its layout, the inputs needed (rows of A plus B for a row check, A 
 columns of B for a column check, or the full operands when they are small), what was
 observed, the threshold in force, the input scale and seed, and where it ran.
 
-Reading and writing bundles of vTasks: aegis_cli/bundle.py (the file), aegis_cli/manifest.py (its entries). Turning a scan's evidence
-into vTasks: aegis_cli/capture.py.
+Reading and writing bundles of vTasks: vtask/bundle.py (the file), vtask/manifest.py (its
+entries). Making vTasks of an observed GEMM: vtask/capture.py; of a scan's flagged cases:
+vtask/from_scan.py.
 """
 
 from __future__ import annotations

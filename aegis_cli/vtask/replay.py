@@ -40,15 +40,16 @@ from aegis_cli.backends.base import Device, memory_shortfall
 from aegis_cli.checks.gemm import CHECKSUM_CHECKS
 from aegis_cli.faults.spec import FaultPlan, recent_injections
 from aegis_cli.ops import numerics
+from aegis_cli.ops.case import rescaled, split_scale
 from aegis_cli.ops.errors import AegisError, BundleError, ConfigError
 from aegis_cli.ops.gemm import GemmResult
 from aegis_cli.ops.verdict import Evidence, Verdict, worst
 from aegis_cli.probes.gemm import ProbeStats, case_bytes, draw_operands, scaled, scaled_reference
 from aegis_cli.probes.gemm import clean_median as clean_median_of
 from aegis_cli.report import DeviceReport, Report
+from aegis_cli.vtask import model as vtask
 from aegis_cli.vtask.bundle import read_bundle
 from aegis_cli.vtask.manifest import error as bundle_error
-from aegis_cli.vtask import model as vtask
 
 DEFAULT_SCALES = ((0, 0), (-8, 8), (8, -8))
 ELEMENT_BUDGET = 1 << 28  # multiply-adds up to which every element is checked against fp64
@@ -59,7 +60,6 @@ SMALL_CPU_GEMM = 1 << 22  # multiply-adds below which a CPU replay uses one thre
 REGENERATE_BYTES = 2 << 30  # memory for regenerating a vTask's inputs where the device's free memory is unknown
 OUTCOMES = {"reproduced": "reproduced here", "not_reproduced": "not reproduced here",
             "inconsistent": "inconsistent between runs"}
-_SCALE_SUFFIX = re.compile(r"/s[+-]\d+[+-]\d+$")
 
 Progress = Callable[..., None]  # progress("start", total=…), progress("case", device=…, case=vTask id)
 
@@ -93,11 +93,10 @@ def parse_scales(text: str) -> tuple[tuple[int, int], ...]:
 def _op_id(vt: vtask.VTask, x: int, y: int) -> str:
     """The op id the replayed launch carries: the capture's case id with the scale it now
     runs at, so an injected fault lands where it landed at capture (inject.FaultPlan.active)."""
-    base = vt.case_id or vt.id
-    ea, eb = vt.scale[0] + x, vt.scale[1] + y
-    if _SCALE_SUFFIX.search(base):
-        return _SCALE_SUFFIX.sub(f"/s{ea:+d}{eb:+d}", base)
-    return base if (x, y) == (0, 0) else f"{base}/s{ea:+d}{eb:+d}"
+    base = vt.case_id or vt.id  # any producer's id: it need not be a valid CaseId
+    if (x, y) == (0, 0) and split_scale(base)[1] is None:
+        return base
+    return rescaled(base, vt.scale[0] + x, vt.scale[1] + y)
 
 
 def _torch_device(dev: Device) -> str:
@@ -319,8 +318,8 @@ class _VTaskReplay:
         if vt.dist not in numerics.DISTRIBUTIONS:
             return False, ""
         claim = f"; dist {vt.dist!r} is claimed, but "
-        group = _SCALE_SUFFIX.sub("", vt.case_id or "")
-        if vt.seed is None or group == (vt.case_id or ""):
+        group, scale = split_scale(vt.case_id or "")
+        if vt.seed is None or scale is None:
             return False, claim + "without the scan's seed and case id its inputs cannot be checked against it"
         # generating fills fp32 (plus three more for heavy tails), then rounds to bf16
         need = 18 * (g.m * g.k + g.k * g.n)
