@@ -29,13 +29,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from aegis_cli.backends import loader
+from aegis_cli.backends import fingerprint_cuda, loader
 from aegis_cli.backends.base import Backend, Device
 from aegis_cli.backends.cuda_identity import device_identity
 from aegis_cli.faults import tensor as corrupt
 from aegis_cli.faults.kernel_params import InjectParams, acc_faults, inject_params, no_inject
 from aegis_cli.faults.spec import FaultPlan, LaunchContext
-from aegis_cli.ops import fingerprint, numerics
+from aegis_cli.ops import numerics
 from aegis_cli.ops.errors import ConfigError, DeviceError
 from aegis_cli.ops.gemm import GemmOperands, GemmResult, Layout, ReferenceChecksums
 
@@ -154,7 +154,7 @@ class CudaDevice(Device):
         return numerics.reference_checksums(ops, tile)
 
     def fingerprint(self, t: torch.Tensor) -> int:
-        return fingerprint.device_fingerprint(t)  # the GPU kernel for CUDA tensors, same value as the CPU twin
+        return fingerprint_cuda.gpu_fingerprint(t)  # the GPU kernel for CUDA tensors, same value as the CPU twin
 
     def accumulation_bound(self, k: int) -> float:
         # mma.sync / wgmma accumulate fp32 truncating: each 16-deep MMA step may lose up to an ulp

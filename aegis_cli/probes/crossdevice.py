@@ -23,9 +23,10 @@ import time
 
 import torch
 
+from aegis_cli.backends import fingerprints
 from aegis_cli.backends.base import Device
 from aegis_cli.faults.spec import recent_injections
-from aegis_cli.ops import fingerprint, numerics
+from aegis_cli.ops import numerics
 from aegis_cli.ops.gemm import GemmOperands, Layout
 from aegis_cli.ops.verdict import Evidence, Verdict
 from aegis_cli.probes import ProbeContext, register_node
@@ -102,7 +103,7 @@ def _referee(name: str, key: str, results: dict[str, dict], ids: list[str], devi
     if name not in ("checked_gemm", "matmul") or key.startswith("input:"):
         return None
     a0, a1 = results[ids[0]][name][key], results[ids[1]][name][key]
-    _, _, recs = fingerprint.diff_records(a0, a1, limit=REFEREE_POSITIONS)
+    _, _, recs = fingerprints.diff_records(a0, a1, limit=REFEREE_POSITIONS)
     if not recs:
         return None
     a = results[ids[0]][name]["input:a"].cpu().double()  # (M, K); inputs agree (checked first)
@@ -171,7 +172,7 @@ def crossdevice_probe(devices: list[Device], ctx: ProbeContext) -> dict[str, lis
         for name in use:
             keys = sorted(results[ids[0]][name], key=lambda k: not k.startswith("input:"))  # inputs first
             for key in keys:
-                prints = [fingerprint.device_fingerprint(results[i][name][key]) for i in ids]
+                prints = [fingerprints.device_fingerprint(results[i][name][key]) for i in ids]
                 best, odd = majority(prints)
                 if not odd:
                     continue

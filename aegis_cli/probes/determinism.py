@@ -2,7 +2,7 @@
 
 Every canonical computation (_common.COMPUTATIONS: our checked GEMM, torch.matmul, SDPA
 forward and backward, RMSNorm, GeLU, SiLU) runs ``runs`` times on one set of seeded
-inputs; each run's outputs are fingerprinted on the device (fingerprint.device_fingerprint:
+inputs; each run's outputs are fingerprinted on the device (fingerprints.device_fingerprint:
 the CUDA kernel for GPU tensors). All runs of a deterministic
 computation must give the same bits:
 
@@ -24,9 +24,9 @@ import time
 import torch
 
 from aegis_cli.backends.base import Device
+from aegis_cli.backends.fingerprints import device_fingerprint
 from aegis_cli.faults.spec import recent_injections
 from aegis_cli.ops.errors import ConfigError
-from aegis_cli.ops.fingerprint import device_fingerprint
 from aegis_cli.ops.verdict import Evidence, Verdict
 from aegis_cli.probes import ProbeContext, bounded, quick_or_full, register
 from aegis_cli.probes.computations import (

@@ -17,9 +17,10 @@ the file has no record for a device's key).
 from __future__ import annotations
 
 from aegis_cli.backends.base import Device
+from aegis_cli.backends.fingerprints import device_block_fingerprints
 from aegis_cli.faults.spec import recent_injections
 from aegis_cli.ops.errors import ConfigError, GoldenError
-from aegis_cli.ops.fingerprint import device_block_fingerprints, hex64
+from aegis_cli.ops.fingerprint import hex64
 from aegis_cli.ops.verdict import Evidence, Verdict
 from aegis_cli.probes import ProbeContext, register
 from aegis_cli.probes import golden_file as golden

@@ -29,11 +29,10 @@ import time
 import numpy as np
 import torch
 
-from aegis_cli.backends import nvml
+from aegis_cli.backends import fingerprints, nvml
 from aegis_cli.backends.base import Device
 from aegis_cli.faults.spec import recent_injections
 from aegis_cli.faults.stored import stored_faults
-from aegis_cli.ops import fingerprint
 from aegis_cli.ops.case import case_seed
 from aegis_cli.ops.errors import ConfigError, DeviceError
 from aegis_cli.ops.verdict import Evidence, Verdict
@@ -81,7 +80,7 @@ def fill(piece: torch.Tensor, pattern: str, seed: int, gen: torch.Generator) -> 
 
 def block_prints(t: torch.Tensor) -> torch.Tensor:
     """int64 block fingerprints (BLOCK bytes each) of a uint8 buffer, on its device."""
-    return fingerprint.device_block_tensor(t, BLOCK)
+    return fingerprints.device_block_tensor(t, BLOCK)
 
 
 class _Region:
