@@ -152,14 +152,14 @@ def determinism_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
         # nothing (another shape, a typo) ran nothing and said HEALTHY
         sizes = sizes_for(device)
         ids = {case_id(n, sizes): n for n in COMPUTATIONS}
-        if ctx.opts.case not in ids:
-            raise ConfigError(f"case {ctx.opts.case!r}: the determinism probe has no such case on {device.identity.id} "
+        if ctx.config.case not in ids:
+            raise ConfigError(f"case {ctx.config.case!r}: the determinism probe has no such case on {device.identity.id} "
                               f"(its cases: {', '.join(ids)})")
-        only = [ids[ctx.opts.case]]
+        only = [ids[ctx.config.case]]
     evidence: list[Evidence] = []
     stats: dict[str, dict] = {}
     for name in only:
-        st, ev = run_computation(device, name, runs, ctx.opts.seed, ctx)
+        st, ev = run_computation(device, name, runs, ctx.config.seed, ctx)
         stats[name] = st
         if ev is not None:
             evidence.append(ev)

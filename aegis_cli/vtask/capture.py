@@ -14,8 +14,7 @@ from aegis_cli.vtask.bundle import BundleWriter
 from aegis_cli.vtask.model import MAX_SAMPLES, MAX_STRING, GemmSpec, VTask
 
 if TYPE_CHECKING:
-    from aegis_cli.report import Report
-    from aegis_cli.scan import ScanOptions
+    from aegis_cli.report import Report, RunOptions
 
 FULL_OPERANDS_LIMIT = 16 << 20  # writer policy: full operands up to this many bytes per vTask
 MAX_SUBSET = 1024  # writer policy: at most this many flagged rows/columns in a subset vTask
@@ -113,12 +112,12 @@ def _clean_sample(s: dict) -> dict:
     return out
 
 
-def check_savable(opts: ScanOptions, devices: list) -> None:
+def check_savable(opts: RunOptions, devices: list) -> None:
     """Refuse, before a scan with --save-vtasks starts, what no bundle could hold: vTask ids
     made from the workload's name and ops that are not valid ids, or a τ outside the range a
     bundle records. Found only when saving, after the scan, they cost the whole run."""
     from aegis_cli.ops.errors import ConfigError
-    from aegis_cli.scan import plan_cases, workload_for
+    from aegis_cli.probes.gemm_scan import plan_cases, workload_for
     from aegis_cli.vtask.manifest import ID_RE, entry_problem
     from aegis_cli.vtask.model import TAU_RANGE
 
@@ -145,7 +144,7 @@ def check_savable(opts: ScanOptions, devices: list) -> None:
                     raise ConfigError(f"--save-vtasks: this scan's cases could not be saved as vTasks ({problem})")
 
 
-def save_scan_vtasks(report: Report, opts: ScanOptions, path: str | os.PathLike) -> int:
+def save_scan_vtasks(report: Report, opts: RunOptions, path: str | os.PathLike) -> int:
     """Save every flagged GEMM case of a scan as vTasks in one bundle; returns how many.
 
     Operands are regenerated deterministically (same workload, seed, case) on the device
@@ -157,7 +156,7 @@ def save_scan_vtasks(report: Report, opts: ScanOptions, path: str | os.PathLike)
     from aegis_cli.backends.loader import kernel_hashes
     from aegis_cli.faults.spec import FaultPlan
     from aegis_cli.ops.provenance import versions
-    from aegis_cli.scan import plan_cases, workload_for
+    from aegis_cli.probes.gemm_scan import plan_cases, workload_for
 
     plan = FaultPlan.parse(opts.inject) if opts.inject else None
     vers = versions()
