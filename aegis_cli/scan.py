@@ -7,13 +7,14 @@ sweeps run one worker process per GPU instead, see fleet/sweep.py).
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aegis_cli.backends import resolve_devices
 from aegis_cli.backends.base import Device
-from aegis_cli.faults.spec import FaultPlan
+from aegis_cli.faults.spec import FaultPlan, parse_spec
 from aegis_cli.ops import numerics
 from aegis_cli.ops.case import check_seed
 from aegis_cli.ops.errors import AegisError, ConfigError, GoldenError
@@ -21,6 +22,7 @@ from aegis_cli.ops.verdict import Verdict, worst
 from aegis_cli.probes import (
     CASE_COUNTS,
     DEFAULT_PROBES,
+    DEFAULT_RERUNS,
     NODE_PROBES,
     PREFLIGHTS,
     PROBES,
@@ -34,7 +36,6 @@ from aegis_cli.probes.gemm_scan import plan_cases, workload_for  # noqa: F401  (
 from aegis_cli.report import DeviceReport, Report, new_report
 from aegis_cli.vtask.capture import check_savable
 
-DEFAULT_RERUNS = 5  # the --reruns default
 MAX_RERUNS = 1000  # re-runs of one flagged case; a typo (--reruns 1000000) must not hang the scan
 
 # progress(event, **info): "start" (total=cases), "case" (device, case), "device_done" (device, verdict)
@@ -146,6 +147,13 @@ def count_cases(opts: ScanOptions, devices: list[Device]) -> int:
     return sum(CASE_COUNTS[name](devices, config) for name in opts.probes if name in CASE_COUNTS)
 
 
+def scan_thresholds(tau: float | None, margin: float | None) -> numerics.Thresholds:
+    """The default thresholds with the given ``--threshold`` / ``--confirm-margin`` (None: default)."""
+    base = numerics.Thresholds()
+    return numerics.Thresholds(tau=base.tau if tau is None else tau, tau_bf16=base.tau_bf16,
+                      confirm_margin=base.confirm_margin if margin is None else margin)
+
+
 def check_reruns(n: int, name: str = "--reruns") -> None:
     if not 1 <= n <= MAX_RERUNS:
         raise ConfigError(f"{name} must lie in 1…{MAX_RERUNS}, got {n}")
@@ -188,3 +196,45 @@ def run_scan(opts: ScanOptions, progress: Progress | None = None) -> Report:
         report.never_fired = plan.never_fired()
     report.finish()
     return report
+
+
+def rerun_commands(doc: dict) -> list[str]:
+    """For each device with evidence, the scan command that re-runs its first case exactly as it
+    was judged: seed, device(s), workload, golden file, the case's probe options, thresholds
+    (repr: ``:g`` rounded them), re-runs and injected faults; defaults left out. No --probes:
+    --case runs the probe that owns the case and nothing else (run_scan)."""
+    load_all()
+    o, th, q = doc.get("options") or {}, numerics.Thresholds(), shlex.quote
+    scanned = [d["device"]["id"] for d in doc["devices"]]
+    faults = [f for spec in doc.get("injected") or [] for f in parse_spec(spec)]
+    commands = []
+    for d in doc["devices"]:
+        if not d["evidence"]:
+            continue
+        case = d["evidence"][0]["case_id"]
+        probe = case_probe(case)
+        devices = [d["device"]["id"]]
+        # a node probe compares them all; and faults aimed at other devices keep their places in
+        # the --inject spec (the seeds of their positions) only when those devices are scanned too
+        if probe in NODE_PROBES or any(f.params.get("device") not in (None, *devices) for f in faults):
+            devices = scanned
+        sims = [int(i.split(":", 1)[1]) for i in devices if i.startswith("cpu:") and i[4:].isdigit()]
+        env = f"AEGIS_CPU_DEVICES={max(sims) + 1} " if sims and max(sims) > 0 else ""  # simulated CPU devices
+        parts = [f"{env}aegis scan", f"--seed {doc['seed']}", f"--device {q(','.join(devices))}"]
+        if o.get("workload"):
+            parts.append(f"--workload {q(str(o['workload']))}")
+        if o.get("golden"):
+            parts.append(f"--golden {q(str(o['golden']))}")
+        for key, value in (o.get("probe_options") or {}).items():
+            if key.split(".", 1)[0] == probe:
+                parts.append(f"--probe-option {q(f'{key}={value}')}")
+        if o.get("threshold") not in (None, th.tau):
+            parts.append(f"--threshold {o['threshold']!r}")
+        if o.get("confirm_margin") not in (None, th.confirm_margin):
+            parts.append(f"--confirm-margin {o['confirm_margin']!r}")
+        if o.get("reruns") not in (None, DEFAULT_RERUNS):
+            parts.append(f"--reruns {o['reruns']}")
+        parts += [f"--inject {q(spec)}" for spec in doc.get("injected") or []]
+        parts.append(f"--case {q(case)}")
+        commands.append(" ".join(parts))
+    return list(dict.fromkeys(commands))  # devices that share a case and device list share its command

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from aegis_cli.ops.verdict import Evidence
 
 DEFAULT_PROBES = ("gemm", "determinism", "pow2", "memory", "crossdevice")
+DEFAULT_RERUNS = 5  # re-runs of a flagged case (aegis scan --reruns)
 
 
 def _default_thresholds() -> Thresholds:
@@ -47,7 +48,7 @@ class ProbeConfig:
     """What the probes are asked to do: the part of a scan's options they read."""
 
     seed: int = 0
-    reruns: int = 5  # re-runs of a flagged case to confirm it
+    reruns: int = DEFAULT_RERUNS  # re-runs of a flagged case to confirm it
     case: str | None = None  # re-run exactly this case id
     probes: tuple[str, ...] = DEFAULT_PROBES  # every probe of the run (a node probe asks whether it runs alone)
     probe_options: dict[str, str] = field(default_factory=dict)  # "probe.key" → value (--probe-option)
