@@ -46,9 +46,9 @@ from aegis_cli.ops.verdict import Evidence, Verdict, worst
 from aegis_cli.probes.gemm import ProbeStats, case_bytes, draw_operands, scaled, scaled_reference
 from aegis_cli.probes.gemm import clean_median as clean_median_of
 from aegis_cli.report import DeviceReport, Report
+from aegis_cli.vtask import model as vtask
 from aegis_cli.vtask.bundle import read_bundle
 from aegis_cli.vtask.manifest import error as bundle_error
-from aegis_cli.vtask import model as vtask
 
 DEFAULT_SCALES = ((0, 0), (-8, 8), (8, -8))
 ELEMENT_BUDGET = 1 << 28  # multiply-adds up to which every element is checked against fp64
