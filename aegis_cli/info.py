@@ -40,7 +40,6 @@ def gather() -> dict:
 def probes() -> list[dict]:
     """Every probe ``aegis scan --probes`` takes: name, whether it runs by default, what it does
     (the first line of its docstring), and its ``--probe-option`` keys."""
-    from aegis_cli import scan  # noqa: F401  (registers the gemm probe)
     from aegis_cli.probes import DEFAULT_PROBES, NODE_PROBES, PROBE_OPTIONS, PROBES, load_all
 
     load_all()

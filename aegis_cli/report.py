@@ -1,6 +1,6 @@
 """Report model and machine formats: JSON (docs/report-format.md), CSV, Prometheus.
 
-The human table lives in cli.py. Every report carries what is needed to reproduce it:
+The human tables live in render.py. Every report carries what is needed to reproduce it:
 seed, command line, versions and the source hash of every kernel.
 """
 
@@ -14,7 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from aegis_cli.backends.base import DeviceIdentity, node_name
 from aegis_cli.backends.loader import kernel_hashes
@@ -23,8 +23,8 @@ from aegis_cli.ops.provenance import tool_version, versions
 from aegis_cli.ops.verdict import Evidence, Verdict, overall_exit
 
 if TYPE_CHECKING:
+    from aegis_cli.ops.numerics import Thresholds
     from aegis_cli.probes.gemm import ProbeStats
-    from aegis_cli.scan import ScanOptions
 
 SCHEMA_VERSION = "1.1"
 FORMATS = ("table", "json", "csv", "prom")
@@ -114,7 +114,23 @@ class Report:
         }
 
 
-def new_report(opts: ScanOptions, kind: str = "scan") -> Report:
+class RunOptions(Protocol):
+    """The options a report records of the run that made it (scan.ScanOptions has them all)."""
+
+    devices: str
+    workload: str | None
+    seed: int
+    reruns: int
+    inject: str | None
+    case: str | None
+    probes: tuple[str, ...]
+    golden: str | None
+    probe_options: dict[str, str]
+    thresholds: Thresholds
+    command_line: list[str]
+
+
+def new_report(opts: RunOptions, kind: str = "scan") -> Report:
     options = {"devices": opts.devices, "workload": opts.workload, "reruns": opts.reruns, "case": opts.case,
                "probes": list(opts.probes), "golden": opts.golden, "probe_options": dict(opts.probe_options),
                "threshold": opts.thresholds.tau, "confirm_margin": opts.thresholds.confirm_margin}

@@ -7,23 +7,36 @@ sweeps run one worker process per GPU instead, see fleet/sweep.py).
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aegis_cli.backends import resolve_devices
-from aegis_cli.backends.base import Device, memory_shortfall
-from aegis_cli.faults.spec import FaultPlan
-from aegis_cli.ops import numerics, workloads
-from aegis_cli.ops.case import CaseId, check_seed, scale_token
+from aegis_cli.backends.base import Device
+from aegis_cli.faults.spec import FaultPlan, parse_spec
+from aegis_cli.ops import numerics
+from aegis_cli.ops.case import check_seed
 from aegis_cli.ops.errors import AegisError, ConfigError, GoldenError
-from aegis_cli.ops.verdict import Evidence, Verdict, worst
-from aegis_cli.probes import DEFAULT_PROBES, NODE_PROBES, PROBES, ProbeContext, case_probe, load_all, parse_probe_options, register
-from aegis_cli.probes.gemm import GemmCase, GemmProbe, case_bytes
+from aegis_cli.ops.verdict import Verdict, worst
+from aegis_cli.probes import (
+    CASE_COUNTS,
+    DEFAULT_PROBES,
+    DEFAULT_RERUNS,
+    NODE_PROBES,
+    PREFLIGHTS,
+    PROBES,
+    ProbeConfig,
+    ProbeContext,
+    case_probe,
+    load_all,
+    parse_probe_options,
+)
+from aegis_cli.probes.gemm_scan import plan_cases, workload_for
 from aegis_cli.report import DeviceReport, Report, new_report
+from aegis_cli.vtask.capture import check_savable as savable
+from aegis_cli.vtask.model import GemmSpec
 
-DEFAULT_CPU_WORKLOAD = "cpu-quick"
-DEFAULT_GPU_WORKLOAD = "llama3-70b"
 MAX_RERUNS = 1000  # re-runs of one flagged case; a typo (--reruns 1000000) must not hang the scan
 
 # progress(event, **info): "start" (total=cases), "case" (device, case), "device_done" (device, verdict)
@@ -35,7 +48,7 @@ class ScanOptions:
     devices: str = "auto"
     workload: str | None = None  # None: cpu-quick on CPUs, llama3-70b on GPUs
     seed: int = 0
-    reruns: int = 5
+    reruns: int = DEFAULT_RERUNS
     inject: str | None = None
     case: str | None = None  # re-run exactly one case id from a report
     probes: tuple[str, ...] = DEFAULT_PROBES
@@ -50,48 +63,15 @@ class ScanOptions:
     def __post_init__(self) -> None:
         check_seed(self.seed)
 
-
-def workload_for(opts: ScanOptions, device: Device) -> workloads.Workload:
-    """The catalog a scan runs on ``device``: --workload, else the CPU or GPU default."""
-    if opts.workload:
-        wl = workloads.load(opts.workload)
-    else:
-        wl = workloads.load(DEFAULT_CPU_WORKLOAD if device.identity.backend == "cpu" else DEFAULT_GPU_WORKLOAD)
-    load_all()
-    if wl.name in PROBES or wl.name in NODE_PROBES:  # case ids start with the workload's name
-        raise ConfigError(f"workload name {wl.name!r} is also a probe's: its case ids could not be re-run with --case")
-    return wl
+    def probe_config(self) -> ProbeConfig:
+        """What the probes read of these options."""
+        return ProbeConfig(seed=self.seed, reruns=self.reruns, case=self.case, probes=tuple(self.probes),
+                           probe_options=dict(self.probe_options), thresholds=self.thresholds, golden=self.golden,
+                           workload=self.workload, keep_flagged=self.keep_flagged)
 
 
-def plan_cases(wl: workloads.Workload, seed: int, case: str | None = None) -> list[GemmCase]:
-    cases = [GemmCase(wl.name, shape, dist, seed) for shape in wl.gemms() for dist in wl.scan.distributions]
-    if case is not None:
-        cid = CaseId.parse(case)
-        cases = [c for c in cases if cid.extends(c.group_id)]
-        if not cases:
-            raise ConfigError(f"case {case!r} is not in workload {wl.name!r} (case ids look like "
-                              f"{wl.name}/OP/LAYOUT/DIST/MxNxK/s+0+0)")
-        if cid not in [cases[0].group_id.with_scale(ea, eb) for ea, eb in wl.scan.scales]:
-            # else the scan would run the base scale, ignore it and say HEALTHY
-            raise ConfigError(f"case {case!r}: workload {wl.name!r} has no such scale (its scales: "
-                              f"{', '.join(scale_token(ea, eb) for ea, eb in wl.scan.scales)})")
-    return cases
-
-
-@register("gemm")
-def gemm_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
-    """Checked training GEMMs across distributions and power-of-two scales."""
-    opts = ctx.opts
-    wl = workload_for(opts, device)
-    ctx.stats["workload"] = wl.name
-    probe = GemmProbe(device, opts.thresholds, reruns=opts.reruns, fault=ctx.fault, keep_flagged=opts.keep_flagged,
-                      on_case=lambda cid: ctx.progress("case", device=device.identity.id, case=cid))
-    evidence: list[Evidence] = []
-    for case in plan_cases(wl, opts.seed, opts.case):
-        evidence += probe.run(case, wl.scan.scales, only=opts.case)
-    ctx.stats["gemm"] = probe.stats
-    ctx.captured.update(probe.flagged_runs)
-    return evidence
+def _quiet(*_args, **_info) -> None:
+    """A progress callback that shows nothing."""
 
 
 def scan_device(device: Device, opts: ScanOptions, fault: FaultPlan | None, progress: Progress) -> DeviceReport:
@@ -99,7 +79,7 @@ def scan_device(device: Device, opts: ScanOptions, fault: FaultPlan | None, prog
     (FAULTY when an earlier probe already confirmed corruption: its evidence is kept)."""
     t0 = time.time()
     dr = DeviceReport(identity=device.identity, verdict=Verdict.ERROR)
-    ctx = ProbeContext(opts=opts, fault=fault, progress=progress)
+    ctx = ProbeContext(config=opts.probe_config(), fault=fault, progress=progress)
     ran = Verdict.HEALTHY
     try:
         for name in opts.probes:
@@ -128,8 +108,9 @@ def run_node_probes(devices: list[Device], reports: list[DeviceReport], opts: Sc
     device's report and can only worsen its verdict. A failure marks the devices ERROR (those
     already FAULTY stay FAULTY)."""
     by_id = {r.identity.id: r for r in reports}
+    config = opts.probe_config()
     for name in (p for p in opts.probes if p in NODE_PROBES):
-        ctx = ProbeContext(opts=opts, fault=plan, progress=progress)
+        ctx = ProbeContext(config=config, fault=plan, progress=progress)
         try:
             found = NODE_PROBES[name](devices, ctx)
         except ConfigError:
@@ -147,38 +128,25 @@ def run_node_probes(devices: list[Device], reports: list[DeviceReport], opts: Sc
                 r.probe_stats[name] = ctx.stats[name]
 
 
-def check_memory(opts: ScanOptions, devices: list[Device]) -> None:
-    """Refuse, before any work, a GEMM case that could not fit in a device's memory: the OOM
-    killer would end the scan with no report and no exit code of ours, and a CUDA out-of-memory
-    error half-way would mark a sound GPU ERROR. Two cases, two remedies: the device is too
-    small for the workload (lower its sizes), or other processes hold the memory now (retry
-    when the device is idle). The memory probe's CPU buffer is checked against what is free too."""
-    if "memory" in opts.probes:
-        from aegis_cli.probes.memory import check_fits
+def preflight(opts: ScanOptions, devices: list[Device]) -> None:
+    """Refuse, before any work, what a selected probe could not do on ``devices``: each probe's
+    own preflight (probes.PREFLIGHTS: memory that would not fit, a case it never gives, a golden
+    file without these devices, nothing to compare), in the order of ``opts.probes``."""
+    ctx = ProbeContext(config=opts.probe_config(), fault=None, progress=_quiet)
+    for name in opts.probes:
+        if name in PREFLIGHTS:
+            PREFLIGHTS[name](devices, ctx)
 
-        ctx = ProbeContext(opts=opts, fault=None, progress=lambda *a, **k: None)
-        for d in devices:
-            check_fits(d, ctx)
-    if "gemm" not in opts.probes:
-        return
-    for d in devices:
-        wl = workload_for(opts, d)
-        big = max({c.shape for c in plan_cases(wl, opts.seed, opts.case)}, key=lambda s: case_bytes(s.m, s.n, s.k))
-        need = case_bytes(big.m, big.n, big.k)
-        short = memory_shortfall(d, need)
-        if short is not None:
-            remedy = "lower scan.max_tokens or the model's sizes" if short[0] == "small" else "run the scan when the device is idle"
-            raise ConfigError(f"workload {wl.name!r}: its largest GEMM ({big.op} {big.layout.value} {big.m}x{big.n}x{big.k}) "
-                              f"needs about {need / 2**30:.1f} GiB on {d.identity.id}, {short[1]}; {remedy}")
+
+# fleet/worker.py refuses a sweep worker's unfit workload by this name (it runs the same preflights)
+check_memory = preflight
 
 
 def check_savable(opts: ScanOptions, devices: list[Device]) -> None:
     """Refuse, before any work, GEMM cases whose vTasks no bundle could hold (capture.check_savable)."""
-    from aegis_cli.vtask.capture import check_savable as savable
-    from aegis_cli.vtask.model import GemmSpec
-
+    config = opts.probe_config()
     for d in devices:
-        wl = workload_for(opts, d)
+        wl = workload_for(config, d)
         for case in plan_cases(wl, opts.seed, opts.case):
             s = case.shape
             savable(d.identity.id, GemmSpec(layout=s.layout, m=s.m, n=s.n, k=s.k, tile=tuple(d.tile)), s.op,
@@ -187,14 +155,16 @@ def check_savable(opts: ScanOptions, devices: list[Device]) -> None:
 
 
 def count_cases(opts: ScanOptions, devices: list[Device]) -> int:
-    total = 0
-    for d in devices:
-        wl = workload_for(opts, d)
-        if "gemm" in opts.probes:
-            # a --case at a scale also runs the base scale it is checked against
-            n_scales = (1 if CaseId.parse(opts.case).scale == (0, 0) else 2) if opts.case else len(wl.scan.scales)
-            total += len(plan_cases(wl, opts.seed, opts.case)) * n_scales
-    return total
+    """The progress total: the cases the selected probes will count with progress("case")."""
+    config = opts.probe_config()
+    return sum(CASE_COUNTS[name](devices, config) for name in opts.probes if name in CASE_COUNTS)
+
+
+def scan_thresholds(tau: float | None, margin: float | None) -> numerics.Thresholds:
+    """The default thresholds with the given ``--threshold`` / ``--confirm-margin`` (None: default)."""
+    base = numerics.Thresholds()
+    return numerics.Thresholds(tau=base.tau if tau is None else tau, tau_bf16=base.tau_bf16,
+                      confirm_margin=base.confirm_margin if margin is None else margin)
 
 
 def check_reruns(n: int, name: str = "--reruns") -> None:
@@ -203,7 +173,7 @@ def check_reruns(n: int, name: str = "--reruns") -> None:
 
 
 def run_scan(opts: ScanOptions, progress: Progress | None = None) -> Report:
-    progress = progress or (lambda *a, **k: None)
+    progress = progress or _quiet
     plan = FaultPlan.parse(opts.inject) if opts.inject else None
     check_reruns(opts.reruns)
     load_all()
@@ -226,17 +196,9 @@ def run_scan(opts: ScanOptions, progress: Progress | None = None) -> Report:
         plan.check_devices([d.identity.id for d in devices])
     if set(probes) <= set(NODE_PROBES) and len(devices) < 2:
         raise ConfigError(f"{', '.join(probes)} compares devices with each other; with one device it checks nothing")
-    check_memory(opts, devices)
-    if "crossdevice" in probes:  # a case id it never gives, or nothing to compare: refuse before any work
-        from aegis_cli.probes.crossdevice import selection
-
-        selection(devices, ProbeContext(opts=opts, fault=None, progress=lambda *a, **k: None))
+    preflight(opts, devices)
     if opts.keep_flagged:  # the caller saves the flagged cases as vTasks: refuse what it could not save
         check_savable(opts, devices)
-    if opts.golden:
-        from aegis_cli.probes import golden_file as golden
-
-        golden.check_keys(golden.load(opts.golden), devices)  # refuse before any work
     report = new_report(opts)
     progress("start", total=count_cases(opts, devices), devices=[d.identity.id for d in devices])
     for device in devices:
@@ -247,3 +209,45 @@ def run_scan(opts: ScanOptions, progress: Progress | None = None) -> Report:
         report.never_fired = plan.never_fired()
     report.finish()
     return report
+
+
+def rerun_commands(doc: dict) -> list[str]:
+    """For each device with evidence, the scan command that re-runs its first case exactly as it
+    was judged: seed, device(s), workload, golden file, the case's probe options, thresholds
+    (repr: ``:g`` rounded them), re-runs and injected faults; defaults left out. No --probes:
+    --case runs the probe that owns the case and nothing else (run_scan)."""
+    load_all()
+    o, th, q = doc.get("options") or {}, numerics.Thresholds(), shlex.quote
+    scanned = [d["device"]["id"] for d in doc["devices"]]
+    faults = [f for spec in doc.get("injected") or [] for f in parse_spec(spec)]
+    commands = []
+    for d in doc["devices"]:
+        if not d["evidence"]:
+            continue
+        case = d["evidence"][0]["case_id"]
+        probe = case_probe(case)
+        devices = [d["device"]["id"]]
+        # a node probe compares them all; and faults aimed at other devices keep their places in
+        # the --inject spec (the seeds of their positions) only when those devices are scanned too
+        if probe in NODE_PROBES or any(f.params.get("device") not in (None, *devices) for f in faults):
+            devices = scanned
+        sims = [int(i.split(":", 1)[1]) for i in devices if i.startswith("cpu:") and i[4:].isdigit()]
+        env = f"AEGIS_CPU_DEVICES={max(sims) + 1} " if sims and max(sims) > 0 else ""  # simulated CPU devices
+        parts = [f"{env}aegis scan", f"--seed {doc['seed']}", f"--device {q(','.join(devices))}"]
+        if o.get("workload"):
+            parts.append(f"--workload {q(str(o['workload']))}")
+        if o.get("golden"):
+            parts.append(f"--golden {q(str(o['golden']))}")
+        for key, value in (o.get("probe_options") or {}).items():
+            if key.split(".", 1)[0] == probe:
+                parts.append(f"--probe-option {q(f'{key}={value}')}")
+        if o.get("threshold") not in (None, th.tau):
+            parts.append(f"--threshold {o['threshold']!r}")
+        if o.get("confirm_margin") not in (None, th.confirm_margin):
+            parts.append(f"--confirm-margin {o['confirm_margin']!r}")
+        if o.get("reruns") not in (None, DEFAULT_RERUNS):
+            parts.append(f"--reruns {o['reruns']}")
+        parts += [f"--inject {q(spec)}" for spec in doc.get("injected") or []]
+        parts.append(f"--case {q(case)}")
+        commands.append(" ".join(parts))
+    return list(dict.fromkeys(commands))  # devices that share a case and device list share its command

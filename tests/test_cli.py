@@ -376,16 +376,16 @@ def test_mig_slices_are_keyed_by_their_own_uuid(monkeypatch):
     UUID and share one history. The slice's own UUID keys it; the parent's is kept beside."""
     import types
 
-    from aegis_cli.backends import cuda
+    from aegis_cli.backends import cuda_identity
 
     props = types.SimpleNamespace(pci_domain_id=0, pci_bus_id=6, pci_device_id=0, uuid="1a2b3c4d-0000-1111-2222-333344445555",
                                   name="NVIDIA H200 MIG 1g.18gb", major=9, minor=0, multi_processor_count=16, total_memory=18 << 30)
-    monkeypatch.setattr(cuda.torch.cuda, "get_device_properties", lambda i: props)
-    monkeypatch.setattr(cuda, "_nvml_identity", lambda i, pci: {"uuid": "GPU-parent", "name": "NVIDIA H200", "mig": True})
-    ident = cuda._identity(0)
+    monkeypatch.setattr(cuda_identity.torch.cuda, "get_device_properties", lambda i: props)
+    monkeypatch.setattr(cuda_identity, "nvml_identity", lambda i, pci: {"uuid": "GPU-parent", "name": "NVIDIA H200", "mig": True})
+    ident = cuda_identity.device_identity(0)
     assert ident.uuid == "MIG-1a2b3c4d-0000-1111-2222-333344445555" and ident.extra["parent_uuid"] == "GPU-parent"
-    monkeypatch.setattr(cuda, "_nvml_identity", lambda i, pci: {"uuid": "GPU-whole", "name": "NVIDIA H200"})
-    assert cuda._identity(0).uuid == "GPU-whole" and "parent_uuid" not in cuda._identity(0).extra
+    monkeypatch.setattr(cuda_identity, "nvml_identity", lambda i, pci: {"uuid": "GPU-whole", "name": "NVIDIA H200"})
+    assert cuda_identity.device_identity(0).uuid == "GPU-whole" and "parent_uuid" not in cuda_identity.device_identity(0).extra
 
 
 def test_mig_slices_are_not_named_as_the_whole_gpu(monkeypatch):
@@ -394,18 +394,18 @@ def test_mig_slices_are_not_named_as_the_whole_gpu(monkeypatch):
     whole-GPU records and was called FAULTY against them."""
     import types
 
-    from aegis_cli.backends import cuda
+    from aegis_cli.backends import cuda_identity
 
     props = types.SimpleNamespace(pci_domain_id=0, pci_bus_id=6, pci_device_id=0, uuid="1a2b3c4d-0000-1111-2222-333344445555",
                                   name="NVIDIA H200", major=9, minor=0, multi_processor_count=16, total_memory=18 << 30)
-    monkeypatch.setattr(cuda.torch.cuda, "get_device_properties", lambda i: props)
-    monkeypatch.setattr(cuda, "_nvml_identity", lambda i, pci: {"uuid": "GPU-parent", "name": "NVIDIA H200", "mig": True})
-    assert cuda._identity(0).name == "NVIDIA H200 MIG 16 SMs"  # CUDA's name need not say MIG
+    monkeypatch.setattr(cuda_identity.torch.cuda, "get_device_properties", lambda i: props)
+    monkeypatch.setattr(cuda_identity, "nvml_identity", lambda i, pci: {"uuid": "GPU-parent", "name": "NVIDIA H200", "mig": True})
+    assert cuda_identity.device_identity(0).name == "NVIDIA H200 MIG 16 SMs"  # CUDA's name need not say MIG
     props.name = "NVIDIA H200 MIG 1g.18gb"
-    assert cuda._identity(0).name == "NVIDIA H200 MIG 1g.18gb"
-    monkeypatch.setattr(cuda, "_nvml_identity", lambda i, pci: {"uuid": "GPU-whole", "name": "NVIDIA H200"})
+    assert cuda_identity.device_identity(0).name == "NVIDIA H200 MIG 1g.18gb"
+    monkeypatch.setattr(cuda_identity, "nvml_identity", lambda i, pci: {"uuid": "GPU-whole", "name": "NVIDIA H200"})
     props.name, props.multi_processor_count = "NVIDIA H200", 132
-    assert cuda._identity(0).name == "NVIDIA H200"
+    assert cuda_identity.device_identity(0).name == "NVIDIA H200"
 
 
 def test_csv_keeps_an_infinite_margin(capsys):
@@ -507,17 +507,17 @@ def test_nvml_identity_never_falls_back_to_another_cards_index(monkeypatch):
     torch alone, not from whatever NVML numbers like this one (its history, its serial)."""
     import sys
 
-    from aegis_cli.backends import cuda
+    from aegis_cli.backends import cuda_identity
 
     monkeypatch.setitem(sys.modules, "pynvml", _fake_nvml({"GPU-abc": "this-card"}))
-    assert cuda._nvml_identity("0000:06:00.0", "GPU-abc")["uuid"] == "GPU-this-card"
+    assert cuda_identity.nvml_identity("0000:06:00.0", "GPU-abc")["uuid"] == "GPU-this-card"
     fake = _fake_nvml({"0000:06:00.0": "by-bus"})
     fake.nvmlDeviceGetHandleByPciBusId = fake.nvmlDeviceGetHandleByPciBusId_v2
     del fake.nvmlDeviceGetHandleByPciBusId_v2  # pynvml without _v2 (the H200 image's)
     monkeypatch.setitem(sys.modules, "pynvml", fake)
-    assert cuda._nvml_identity("0000:06:00.0", "GPU-abc")["uuid"] == "GPU-by-bus"
+    assert cuda_identity.nvml_identity("0000:06:00.0", "GPU-abc")["uuid"] == "GPU-by-bus"
     monkeypatch.setitem(sys.modules, "pynvml", _fake_nvml({}))
-    assert cuda._nvml_identity("0000:06:00.0", "GPU-abc") == {}
+    assert cuda_identity.nvml_identity("0000:06:00.0", "GPU-abc") == {}
 
 
 def test_nvml_counters_are_never_read_from_another_card_and_a_reset_is_no_error(monkeypatch):
@@ -541,12 +541,12 @@ def test_identity_without_pci_properties_from_torch(monkeypatch):
     UUID), instead of an internal error on every GPU scan."""
     import types
 
-    from aegis_cli.backends import cuda
+    from aegis_cli.backends import cuda_identity
 
     props = types.SimpleNamespace(uuid="1a2b", name="NVIDIA H100", major=9, minor=0, multi_processor_count=132,
                                   total_memory=80 << 30)
-    monkeypatch.setattr(cuda.torch.cuda, "get_device_properties", lambda i: props)
+    monkeypatch.setattr(cuda_identity.torch.cuda, "get_device_properties", lambda i: props)
     seen = []
-    monkeypatch.setattr(cuda, "_nvml_identity", lambda pci, uuid: seen.append((pci, uuid)) or {"uuid": "GPU-1a2b"})
-    ident = cuda._identity(0)
+    monkeypatch.setattr(cuda_identity, "nvml_identity", lambda pci, uuid: seen.append((pci, uuid)) or {"uuid": "GPU-1a2b"})
+    ident = cuda_identity.device_identity(0)
     assert seen == [("", "GPU-1a2b")] and ident.uuid == "GPU-1a2b" and ident.pci_bus_id is None

@@ -290,7 +290,7 @@ def test_gpu_capture_is_recognised_as_the_scans_draw_on_gpu_and_cpu(tmp_path):
     from aegis_cli.ops.verdict import Evidence, Verdict
     from aegis_cli.ops.workloads import load
     from aegis_cli.probes.gemm import ProbeStats, scaled
-    from aegis_cli.scan import plan_cases
+    from aegis_cli.probes.gemm_scan import plan_cases
     from aegis_cli.vtask import capture
     from aegis_cli.vtask.replay import ReplayOptions, _VTaskReplay
 

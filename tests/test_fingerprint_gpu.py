@@ -10,8 +10,7 @@ import torch
 
 from aegis_cli.faults.spec import FaultPlan
 from aegis_cli.ops import fingerprint
-from aegis_cli.probes import ProbeContext
-from aegis_cli.scan import ScanOptions
+from aegis_cli.probes import ProbeConfig, ProbeContext
 
 pytestmark = pytest.mark.gpu
 
@@ -70,7 +69,7 @@ def _cuda_device():
 
 
 def _ctx(spec: str | None = None, **probe_options) -> ProbeContext:
-    return ProbeContext(opts=ScanOptions(probe_options={k.replace("__", "."): str(v) for k, v in probe_options.items()}),
+    return ProbeContext(config=ProbeConfig(probe_options={k.replace("__", "."): str(v) for k, v in probe_options.items()}),
                         fault=FaultPlan.parse(spec) if spec else None, progress=lambda *a, **k: None)
 
 

@@ -129,24 +129,24 @@ def test_cuda_stuck_lanes_pack_into_lane_slots_or_edits():
     most MAX_LANES per launch, a clear error beyond), sparse ones go in as ordinary XOR edits."""
     import torch
 
-    from aegis_cli.backends import cuda
+    from aegis_cli.faults import kernel_params
     from aegis_cli.faults.spec import LaunchContext
     from aegis_cli.ops.gemm import GemmOperands, Layout
 
     m, n, k = 1024, 512, 64  # a stride-32 lane hits 16 Ki elements
     ops = GemmOperands(torch.ones(m, k, dtype=torch.bfloat16), torch.ones(n, k, dtype=torch.bfloat16), Layout.FWD)
     ctx = LaunchContext("cuda:0", "t", (64, 128))
-    dense = [f"stuck-lane:mask=0x{1 << (20 + i):x},stride=32,offset={i}" for i in range(cuda.MAX_LANES)]
+    dense = [f"stuck-lane:mask=0x{1 << (20 + i):x},stride=32,offset={i}" for i in range(kernel_params.MAX_LANES)]
     sparse = "stuck-lane:mask=0x80000000,stride=300000,offset=7"  # 2 of the 512 Ki elements
-    acc = cuda._acc_faults(FaultPlan.parse("; ".join([*dense, sparse])), ctx, ops, (2, 2))
-    assert acc.lanes == [(32, i, 1 << (20 + i)) for i in range(cuda.MAX_LANES)]
+    acc = kernel_params.acc_faults(FaultPlan.parse("; ".join([*dense, sparse])), ctx, ops, (2, 2))
+    assert acc.lanes == [(32, i, 1 << (20 + i)) for i in range(kernel_params.MAX_LANES)]
     (flat, op, bits), = acc.edits
-    assert flat.tolist() == [7, 300007] and op == cuda.EDIT_XOR and bits.tolist() == [0x80000000] * 2
-    params, _keep = cuda._inject_params(acc, m, n, (64, 128), torch.device("cpu"))
-    assert params.n_lanes == cuda.MAX_LANES and list(params.lane_offset) == list(range(cuda.MAX_LANES))
+    assert flat.tolist() == [7, 300007] and op == kernel_params.EDIT_XOR and bits.tolist() == [0x80000000] * 2
+    params, _keep = kernel_params.inject_params(acc, m, n, (64, 128), torch.device("cpu"))
+    assert params.n_lanes == kernel_params.MAX_LANES and list(params.lane_offset) == list(range(kernel_params.MAX_LANES))
     assert params.n_edits == 2
     with pytest.raises(InjectSpecError, match="at most 4 dense stuck-lane"):
-        cuda._acc_faults(FaultPlan.parse("; ".join([*dense, "stuck-lane:mask=0x1,stride=64,offset=9"])), ctx, ops, (2, 2))
+        kernel_params.acc_faults(FaultPlan.parse("; ".join([*dense, "stuck-lane:mask=0x1,stride=64,offset=9"])), ctx, ops, (2, 2))
 
 
 def test_cuda_tile_faults_that_change_nothing_are_never_fired():
@@ -154,7 +154,7 @@ def test_cuda_tile_faults_that_change_nothing_are_never_fired():
     SM-pinned fault whose SM ran no tile hits nothing; both must be named as never fired."""
     import torch
 
-    from aegis_cli.backends import cuda
+    from aegis_cli.faults import kernel_params
     from aegis_cli.faults.spec import LaunchContext
     from aegis_cli.ops.gemm import GemmOperands, Layout
 
@@ -162,7 +162,7 @@ def test_cuda_tile_faults_that_change_nothing_are_never_fired():
     ops = GemmOperands(torch.ones(m, k, dtype=torch.bfloat16), torch.ones(n, k, dtype=torch.bfloat16), Layout.FWD)
     ctx = LaunchContext("cuda:0", "t", (64, 128))
     plan = FaultPlan.parse("tile:mode=shift,tile=0.0; tile:mode=zero,sm=9; tile:mode=stuck,tile=1.3")
-    acc = cuda._acc_faults(plan, ctx, ops, (2, 2))
+    acc = kernel_params.acc_faults(plan, ctx, ops, (2, 2))
     for record in acc.after:  # what checked_gemm does once the launch reported each tile's SM
         record(np.arange(8, dtype=np.int32).reshape(2, 4))
     assert plan.never_fired() == ["tile:mode=shift,tile=0.0", "tile:mode=zero,sm=9"]
@@ -181,7 +181,7 @@ def test_cuda_tile_faults_the_kernels_cannot_take_together_are_refused(spec, wha
     injected (two SM-pinned faults corrupted only the last SM's tiles)."""
     import torch
 
-    from aegis_cli.backends import cuda
+    from aegis_cli.faults import kernel_params
     from aegis_cli.faults.spec import LaunchContext
     from aegis_cli.ops.gemm import GemmOperands, Layout
 
@@ -189,9 +189,9 @@ def test_cuda_tile_faults_the_kernels_cannot_take_together_are_refused(spec, wha
     ops = GemmOperands(torch.ones(m, k, dtype=torch.bfloat16), torch.ones(n, k, dtype=torch.bfloat16), Layout.FWD)
     ctx = LaunchContext("cuda:0", "t", (64, 128))
     with pytest.raises(InjectSpecError, match=what):
-        cuda._acc_faults(FaultPlan.parse(spec), ctx, ops, (2, 2))
+        kernel_params.acc_faults(FaultPlan.parse(spec), ctx, ops, (2, 2))
     # the same pin, value or k-step twice, or two tiles apart, are one kernel setting each
     same = "tile:mode=zero,sm=3; tile:mode=zero,sm=3; tile:mode=stuck,value=2,tile=0.0; tile:mode=stuck,value=2.0,tile=1.1"
-    acc = cuda._acc_faults(FaultPlan.parse(same + "; tile:mode=skipk,kstep=1,tile=2.0; tile:mode=skipk,kstep=3,tile=2.1"), ctx, ops, (2, 2))
-    params, _keep = cuda._inject_params(acc, m, n, (64, 128), torch.device("cpu"))
-    assert (params.sm_target, params.sm_mode, params.tile_value, params.kstep) == (3, cuda.TILE_CODES["zero"], 2.0, 1)
+    acc = kernel_params.acc_faults(FaultPlan.parse(same + "; tile:mode=skipk,kstep=1,tile=2.0; tile:mode=skipk,kstep=3,tile=2.1"), ctx, ops, (2, 2))
+    params, _keep = kernel_params.inject_params(acc, m, n, (64, 128), torch.device("cpu"))
+    assert (params.sm_target, params.sm_mode, params.tile_value, params.kstep) == (3, kernel_params.TILE_CODES["zero"], 2.0, 1)

@@ -8,14 +8,14 @@ import pytest
 from aegis_cli.backends.cpu import CpuDevice
 from aegis_cli.faults.spec import FaultPlan, parse_spec
 from aegis_cli.ops.errors import ConfigError, InjectSpecError
-from aegis_cli.probes import ProbeContext
+from aegis_cli.probes import ProbeConfig, ProbeContext
 from aegis_cli.probes.computations import COMPUTATIONS, CPU_SIZES, NONDETERMINISTIC
 from aegis_cli.probes.crossdevice import case_ids
 from aegis_cli.scan import ScanOptions, run_scan
 
 
 def ctx(spec: str | None = None, **options) -> ProbeContext:
-    return ProbeContext(opts=ScanOptions(probe_options={k.replace("__", "."): str(v) for k, v in options.items()}),
+    return ProbeContext(config=ProbeConfig(probe_options={k.replace("__", "."): str(v) for k, v in options.items()}),
                         fault=FaultPlan.parse(spec) if spec else None, progress=lambda *a, **k: None)
 
 
@@ -283,8 +283,8 @@ def test_crossdevice_alone_over_devices_of_different_models_is_refused():
     d0, d1 = CpuDevice(0), CpuDevice(1)
     d1.identity = dataclasses.replace(d1.identity, name="another model")
     with pytest.raises(ConfigError, match="no two of the scanned devices are of one model"):
-        selection([d0, d1], ProbeContext(opts=ScanOptions(probes=("crossdevice",)), fault=None, progress=lambda *a, **k: None))
-    assert selection([d0, d1], ProbeContext(opts=ScanOptions(probes=("gemm", "crossdevice")), fault=None,
+        selection([d0, d1], ProbeContext(config=ProbeConfig(probes=("crossdevice",)), fault=None, progress=lambda *a, **k: None))
+    assert selection([d0, d1], ProbeContext(config=ProbeConfig(probes=("gemm", "crossdevice")), fault=None,
                                             progress=lambda *a, **k: None))  # others run: it may compare nothing
 
 

@@ -365,7 +365,7 @@ def test_output_check_vtask_keeps_its_own_rows(monkeypatch):
     # the output check's vTask must keep row 7, not the checksums' row
     from aegis_cli.ops.verdict import Evidence, Verdict
     from aegis_cli.ops.workloads import load
-    from aegis_cli.scan import plan_cases
+    from aegis_cli.probes.gemm_scan import plan_cases
 
     monkeypatch.setattr(capture, "FULL_OPERANDS_LIMIT", 0)
     dev = resolve_devices("cpu:0")[0]
@@ -432,7 +432,7 @@ def test_the_scans_own_inputs_are_recognised_as_its_draw(tmp_path, monkeypatch):
     from aegis_cli.ops.verdict import Evidence, Verdict
     from aegis_cli.ops.workloads import load
     from aegis_cli.probes.gemm import ProbeStats, scaled
-    from aegis_cli.scan import plan_cases
+    from aegis_cli.probes.gemm_scan import plan_cases
     from aegis_cli.vtask.replay import _VTaskReplay
 
     dev = resolve_devices("cpu:0")[0]

@@ -8,36 +8,35 @@ groups wait on each other to finish a column sum; finer tiles also localise bett
 
 Kernels: ``gemm_wgmma.cu`` (TMA + wgmma, sm_90a) on Hopper when both operands suit TMA
 (16-byte aligned rows), otherwise ``gemm_mma.cu`` (mma.sync, any sm_80+ GPU, any pitch).
-Launches go through the CuPy driver API on torch's current stream, with the kernel
-parameters packed here (the TMA descriptors are passed by value as ``__grid_constant__``).
+Launches go through the one loader/launcher (loader.py) on torch's current stream, with the
+kernel parameters packed here (the TMA descriptors are passed by value as ``__grid_constant__``).
+Who the device is (NVML, MIG) lives in cuda_identity.py.
 
 Fault injection (DESIGN §4): accumulator faults run in the ``AEGIS_INJECT`` build of the
-same kernel, so the fused checksums see them as they would see hardware; this module turns
-the FaultPlan into that build's parameter block, drawing positions with the same seeded
-generators as corrupt.py so a fault lands where it lands on the CPU backend. Operand
-(target=a|b) and output (target=out) faults reuse corrupt.py on host copies.
+same kernel, so the fused checksums see them as they would see hardware; faults/kernel_params.py
+turns the FaultPlan into that build's parameter block. Operand (target=a|b) and output
+(target=out) faults reuse faults/tensor.py on host copies.
 
 Importing this module touches neither CuPy nor CUDA.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import importlib.util
 import os
-import threading
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from aegis_cli.backends import loader, nvml
-from aegis_cli.backends.base import Backend, Device, DeviceIdentity, node_name
+from aegis_cli.backends import fingerprint_cuda, loader
+from aegis_cli.backends.base import Backend, Device
+from aegis_cli.backends.cuda_identity import device_identity
 from aegis_cli.faults import tensor as corrupt
-from aegis_cli.faults.spec import FaultPlan, FaultSpec, LaunchContext
-from aegis_cli.ops import fingerprint, numerics
-from aegis_cli.ops.errors import ConfigError, DeviceError, InjectSpecError
+from aegis_cli.faults.kernel_params import InjectParams, acc_faults, inject_params, no_inject
+from aegis_cli.faults.spec import FaultPlan, LaunchContext
+from aegis_cli.ops import numerics
+from aegis_cli.ops.errors import ConfigError, DeviceError
 from aegis_cli.ops.gemm import GemmOperands, GemmResult, Layout, ReferenceChecksums
 
 CHECK_TILE = (64, 128)  # checksum tile of both kernels
@@ -46,61 +45,18 @@ _MMA_SMEM = 3 * 2 * (128 * 40) * 2  # STAGES · (A + B) · stage elements · 2 B
 _WGMMA_STAGES = 4
 _WGMMA_SMEM = _WGMMA_STAGES * (128 * 64 * 2 + 256 * 64 * 2) + 16 * _WGMMA_STAGES + 2 * 8 * 256 * 4 + 1024
 WGMMA_DEFINES: dict[str, object] = {}  # extra -D for gemm_wgmma.cu (experiments)
-_LOCK = threading.Lock()
-_FUNCS: dict[tuple, int] = {}
-
-EDIT_XOR, EDIT_SET, EDIT_ADD = 0, 1, 2
-TILE_CODES = {"zero": 1, "stuck": 2, "shift": 3, "skipk": 4}
 MAX_DIM = (1 << 31) - (1 << 16)  # M, N, K: room for the kernels' 32-bit (K + BK - 1) / BK
-MAX_LANES = 4  # stuck-lane patterns one launch takes (AEGIS_MAX_LANES in kernels/common.cuh)
-_LANE_AS_EDITS = 4096  # a stuck lane hitting at most this many elements goes in as edits instead
-
-
-class _Inject(ctypes.Structure):  # mirrors InjectParams in kernels/common.cuh
-    _fields_ = [
-        ("edit_idx", ctypes.c_void_p), ("edit_off", ctypes.c_void_p), ("edit_val", ctypes.c_void_p),
-        ("edit_op", ctypes.c_void_p), ("tile_mode", ctypes.c_void_p),
-        ("sm_target", ctypes.c_int), ("sm_mode", ctypes.c_int), ("tile_value", ctypes.c_float), ("kstep", ctypes.c_int),
-        ("lane_stride", ctypes.c_int * MAX_LANES), ("lane_offset", ctypes.c_int * MAX_LANES),
-        ("lane_mask", ctypes.c_uint * MAX_LANES), ("n_lanes", ctypes.c_int), ("n_edits", ctypes.c_int),
-    ]
-
-
-def _no_inject() -> _Inject:
-    return _Inject(sm_target=-1)
 
 
 # ---------------------------------------------------------------------------- launching
 def _function(kind: str, entry: str, variant: str, device_id: int) -> int:
-    """CUfunction handle of one kernel entry, compiled (once) through the loader."""
-    key = (kind, entry, variant, device_id, tuple(sorted(WGMMA_DEFINES.items())) if kind == "wgmma" else ())
-    with _LOCK:
-        ptr = _FUNCS.get(key)
-    if ptr is not None:
-        return ptr
-    import cupy
-
+    """CUfunction handle of one GEMM kernel entry through the loader (compiled once per build)."""
     defines: dict[str, object] = {"inject": {"AEGIS_INJECT": 1}, "nosums": {"AEGIS_NOSUMS": 1}, "": {}}[variant]
     if kind == "wgmma":
         defines = {**defines, **WGMMA_DEFINES}
-    try:
-        with cupy.cuda.Device(device_id):
-            mod = loader.get_module(f"gemm_{kind}.cu", defines=defines, device_id=device_id, need_sm90a=kind == "wgmma")
-            fn = mod.get_function(f"gemm_{kind}_{entry}")
-            fn.max_dynamic_shared_size_bytes = _WGMMA_SMEM if kind == "wgmma" else _MMA_SMEM
-            ptr = fn.kernel.ptr
-    except Exception as exc:
-        raise DeviceError(f"cuda:{device_id}: cannot build gemm_{kind}.cu ({entry}, {variant or 'plain'}): {exc}") from exc
-    with _LOCK:
-        _FUNCS[key] = ptr
-    return ptr
-
-
-def _launch(func: int, grid: tuple[int, int], block: int, smem: int, stream: int, args: list) -> None:
-    import cupy
-
-    ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-    cupy.cuda.driver.launchKernel(func, grid[0], grid[1], 1, block, 1, 1, smem, stream, ctypes.addressof(ptrs), 0)
+    return loader.get_function(f"gemm_{kind}.cu", f"gemm_{kind}_{entry}", device_id=device_id, defines=defines,
+                               need_sm90a=kind == "wgmma", max_dynamic_smem=_WGMMA_SMEM if kind == "wgmma" else _MMA_SMEM,
+                               label=f"{entry}, {variant or 'plain'}")
 
 
 _LIBCUDA = None
@@ -147,9 +103,12 @@ class _Launch:
     args: list
     keep: list = field(default_factory=list)  # tensors the arguments point into
     stream: int = 0
+    device_id: int = 0
+    label: str = ""  # names the launch in errors
 
     def run(self) -> None:
-        _launch(self.func, self.grid, self.block, self.smem, self.stream, self.args)
+        loader.launch(self.func, self.grid, self.block, self.args, device_id=self.device_id, stream=self.stream,
+                      smem=self.smem, label=self.label)
 
     @property
     def outputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -157,254 +116,7 @@ class _Launch:
         return tuple(self.keep[2:6])
 
 
-# ---------------------------------------------------------------------------- fault plans
-@dataclass
-class _AccFaults:
-    edits: list[tuple[np.ndarray, int, np.ndarray]] = field(default_factory=list)  # (flat, op, bits)
-    tile_mode: np.ndarray | None = None
-    sm_target: int = -1
-    sm_mode: int = 0
-    tile_value: float | None = None  # one stuck value, one SM pin and one k-step per launch (InjectParams)
-    kstep: int | None = None
-    lanes: list[tuple[int, int, int]] = field(default_factory=list)  # (stride, offset, mask) per stuck lane
-    after: list = field(default_factory=list)  # callables(tile_sm ndarray) recording tile faults
-
-    def add(self, flat: np.ndarray, op: int, bits) -> None:
-        flat = np.asarray(flat, dtype=np.int64)
-        self.edits.append((flat, op, np.broadcast_to(np.asarray(bits, dtype=np.uint32), flat.shape)))
-
-
-def _u32(x: float) -> int:
-    return int(np.array([x], dtype=np.float32).view(np.uint32)[0])
-
-
-def _clean_values(ops: GemmOperands, flat: np.ndarray) -> np.ndarray:
-    """fp32 bits of the clean product at each flat index i·N + j: A[i, :]·B[:, j] summed in fp64,
-    then rounded, i.e. the accumulator's value up to its own accumulation noise (what a
-    ``replace:value=copy`` writes on CUDA, where the kernel cannot read another tile's accumulator)."""
-    m, n, k = ops.mnk
-    a, b = ops.a_mk, ops.b_kn
-    idx = torch.from_numpy(flat).to(a.device)
-    if flat.size * max(k, 1) > (1 << 28) and flat.size > m * n // 8:  # many elements: one fp64 GEMM
-        out = (a.double() @ b.double()).reshape(-1)[idx]
-    else:
-        out = torch.empty(flat.size, dtype=torch.float64, device=a.device)
-        step = max(1, (1 << 24) // max(k, 1))  # ≤ 16 Mi fp64 products per chunk
-        for s in range(0, flat.size, step):
-            r, c = idx[s:s + step] // n, idx[s:s + step] % n
-            out[s:s + step] = (a[r].double() * b[:, c].t().double()).sum(1)
-    return out.float().cpu().numpy().view(np.uint32)
-
-
-def _elementwise_acc(acc: _AccFaults, plan: FaultPlan, f: FaultSpec, rng: np.random.Generator, ctx: LaunchContext,
-                     ops: GemmOperands) -> None:
-    """bitflip / mask / stuck-lane / replace on the (M, N) fp32 accumulator: the same draws as
-    corrupt._elementwise, emitted as kernel edits instead of applied to a tensor."""
-    m, n, _ = ops.mnk
-    shape = (m, n)
-    numel = m * n
-    if f.model in ("bitflip", "mask"):
-        flat = corrupt.positions(f, shape, rng, f.as_int("count", "1"))
-        if f.model == "bitflip":
-            masks = [1 << corrupt.pick_bit(f.get("bit", "exp"), 32, rng) for _ in flat]
-        else:
-            masks = [f.as_int("mask") & 0xFFFFFFFF] * flat.size
-        acc.add(flat, EDIT_XOR, masks)
-        corrupt.record(plan, f, ctx, shape, flat, masks=[f"0x{v:x}" for v in masks[: corrupt.MAX_RECORDED]])
-    elif f.model == "stuck-lane":
-        stride, flat = corrupt.lane_run(f, numel)
-        mask = f.as_int("mask") & 0xFFFFFFFF
-        if flat.size <= _LANE_AS_EDITS or stride > 0x7FFFFFFF:  # a sparse lane: plain edits, no lane slot
-            acc.add(flat, EDIT_XOR, mask)
-        elif len(acc.lanes) == MAX_LANES:
-            raise InjectSpecError(f"the CUDA kernels take at most {MAX_LANES} dense stuck-lane faults per launch "
-                                  f"(more than {_LANE_AS_EDITS} elements each)")
-        else:
-            acc.lanes.append((stride, int(flat[0]), mask))
-        corrupt.record(plan, f, ctx, shape, flat, masks=[f"0x{mask:x}"], stride=stride)
-    elif f.model == "replace":
-        span = f.get("span", "1")
-        flat = corrupt.replace_run(f, shape, rng)
-        how = f.get("value", "flip")
-        if how == "zero":
-            acc.add(flat, EDIT_SET, 0)
-        elif how == "random":
-            raw = rng.integers(0, 1 << 32, flat.size, dtype=np.uint64)
-            raw = np.where((raw >> np.uint64(23)) & np.uint64(0xFF) == 0xFF, raw & ~np.uint64(1 << 30), raw)
-            acc.add(flat, EDIT_SET, raw.astype(np.uint32))
-        elif how == "flip":
-            acc.add(flat, EDIT_XOR, (np.uint64(1) << rng.integers(0, 32, flat.size).astype(np.uint64)).astype(np.uint32))
-        else:  # copy: another element's clean value (the same source draw as corrupt._elementwise)
-            acc.add(flat, EDIT_SET, _clean_values(ops, rng.integers(0, numel, flat.size)))
-        corrupt.record(plan, f, ctx, shape, flat, span=span, value=how)
-
-
-def _acc_faults(plan: FaultPlan, ctx: LaunchContext, ops: GemmOperands, cta: tuple[int, int]) -> _AccFaults | None:
-    """Translate this launch's accumulator faults into kernel parameters (None: none fire); ``ops``
-    are the operands the kernel multiplies."""
-    active = plan.active(ctx, "acc")
-    if not active:
-        return None
-    m, n, k = ops.mnk
-    tm, tn = ctx.tile
-    tiles = (-(-m // tm), -(-n // tn))
-    acc = _AccFaults()
-    for f, rng in active:
-        if f.model in ("bitflip", "mask", "stuck-lane", "replace"):
-            _elementwise_acc(acc, plan, f, rng, ctx, ops)
-        elif f.model == "perturb":
-            if ctx.clean_median is None:
-                raise DeviceError("perturb fault needs the clean median checksum difference")
-            r = float(f.get("r"))
-            hit, signs = corrupt.perturb_draw(plan, f, rng, m * n)
-            delta = (signs * r * ctx.clean_median).astype(np.float32)
-            acc.add(hit, EDIT_ADD, delta.view(np.uint32))
-            corrupt.record(plan, f, ctx, (m, n), hit, magnitude=r * ctx.clean_median)
-        elif f.model == "row":
-            i = f.as_int("row") % m if f.get("row") else int(rng.integers(0, m))
-            mode = f.get("mode", "zero")
-            flat = np.arange(i * n, (i + 1) * n)
-            acc.add(flat, EDIT_SET, 0 if mode == "zero" else _u32(float(f.get("value", "1.0"))))
-            corrupt.record(plan, f, ctx, (m, n), flat, row=i, mode=mode)
-        elif f.model == "tile":
-            _tile_fault(acc, plan, f, rng, ctx, tiles, k, cta)
-    return acc
-
-
-def _tile_fault(acc: _AccFaults, plan: FaultPlan, f: FaultSpec, rng: np.random.Generator, ctx: LaunchContext,
-                tiles: tuple[int, int], k: int, cta: tuple[int, int]) -> None:
-    mode = f.get("mode", "zero")
-    code = TILE_CODES[mode]
-    if mode == "shift" and -(-tiles[0] // cta[0]) < 2:
-        # the kernels read the A block of the next CTA tile (128 rows down, wrapping): with one
-        # row of CTA tiles that is the same block, so nothing would change. Not injected, and
-        # not recorded as injected (the CPU model shifts by one 128-row CPU tile instead)
-        return
-    # the kernels take one of each per launch: a second, different one overwrote the first, which
-    # was still recorded as injected (two SM-pinned faults corrupted only the last SM's tiles)
-    def one(what: str, have, want):
-        if have is not None and have != want:
-            raise InjectSpecError(f"the CUDA kernels take one {what} per launch; {f} asks for another")
-        return want
-
-    if mode == "stuck":
-        value = float(np.float32(f.get("value", "1.0")))
-        acc.tile_value = one("stuck tile value", acc.tile_value, value)
-    if mode == "skipk":
-        acc.kstep = one("skipped k-step", acc.kstep, corrupt.skipped_kblock(f, k, rng))
-    if f.get("sm") is not None:  # which tiles land on the SM is known only after the launch
-        pin = one("SM-pinned tile fault", (acc.sm_target, acc.sm_mode) if acc.sm_target >= 0 else None, (f.as_int("sm"), code))
-        acc.sm_target, acc.sm_mode = pin
-        chosen = None
-    else:
-        chosen = corrupt.tiles_for(f, ctx, tiles, rng)
-        if mode in ("shift", "skipk"):  # a main-loop fault hits every checksum tile of the CTA tile
-            rs, cs = cta
-            chosen = sorted({(i - i % rs + di, j - j % cs + dj) for i, j in chosen for di in range(rs) for dj in range(cs)
-                             if i - i % rs + di < tiles[0] and j - j % cs + dj < tiles[1]})
-        if acc.tile_mode is None:
-            acc.tile_mode = np.zeros(tiles[0] * tiles[1], dtype=np.int8)
-        for i, j in chosen:
-            acc.tile_mode[i * tiles[1] + j] = one(f"mode for tile {i}.{j}", acc.tile_mode[i * tiles[1] + j] or None, code)
-    sm = acc.sm_target if chosen is None else None
-
-    def record(tile_sm: np.ndarray, chosen=chosen) -> None:
-        hit = chosen if chosen is not None else [(int(i), int(j)) for i, j in zip(*np.nonzero(tile_sm == sm), strict=True)]
-        extra = {"kstep": acc.kstep} if mode == "skipk" else {}
-        plan.record(f, ctx, target="acc", mode=mode, tiles=[list(t) for t in hit[: corrupt.MAX_RECORDED]], n_tiles=len(hit),
-                    sms=sorted({int(tile_sm[t]) for t in hit})[: corrupt.MAX_RECORDED], **extra)
-
-    acc.after.append(record)
-
-
-def _inject_params(acc: _AccFaults, m: int, n: int, tile: tuple[int, int], device: torch.device) -> tuple[_Inject, list]:
-    """Pack edits per checksum tile (CSR) and upload them; returns the struct and what it points into."""
-    tm, tn = tile
-    tiles_n = -(-n // tn)
-    n_tiles = -(-m // tm) * tiles_n
-    p = _Inject(sm_target=acc.sm_target, sm_mode=acc.sm_mode, tile_value=1.0 if acc.tile_value is None else acc.tile_value,
-                kstep=acc.kstep or 0, n_lanes=len(acc.lanes))
-    for i, (stride, offset, mask) in enumerate(acc.lanes):
-        p.lane_stride[i], p.lane_offset[i], p.lane_mask[i] = stride, offset, mask
-    keep: list[torch.Tensor] = []
-    if acc.tile_mode is not None:
-        t = torch.from_numpy(acc.tile_mode).to(device)
-        keep.append(t)
-        p.tile_mode = t.data_ptr()
-    if acc.edits:
-        flat = np.concatenate([e[0] for e in acc.edits])
-        ops = np.concatenate([np.full(e[0].size, e[1], dtype=np.uint8) for e in acc.edits])
-        bits = np.concatenate([e[2] for e in acc.edits]).astype(np.uint32)
-        tid = (flat // n // tm) * tiles_n + (flat % n) // tn
-        order = np.argsort(tid, kind="stable")  # keeps the faults' order within a tile
-        off = np.searchsorted(tid[order], np.arange(n_tiles + 1)).astype(np.int32)
-        arrays = (flat[order], off, bits[order].view(np.int32), ops[order])
-        ts = [torch.from_numpy(np.ascontiguousarray(a)).to(device) for a in arrays]
-        keep += ts
-        p.edit_idx, p.edit_off, p.edit_val, p.edit_op = (t.data_ptr() for t in ts)
-        p.n_edits = int(flat.size)
-    return p, keep
-
-
 # ---------------------------------------------------------------------------- device
-def _nvml_identity(pci: str, uuid: str) -> dict:
-    """Name, UUID, serial, bus id and driver from NVML, matched by PCI bus id, else by CUDA's UUID;
-    {} if NVML is unusable or knows neither. Never by index: NVML counts every GPU in the node,
-    CUDA only the visible ones (fastest first), so the same index can be another card."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:
-        return {}
-    out: dict = {}
-    try:
-        h = nvml.handle_by_bus_id(pynvml, pci)
-        if h is None:
-            with contextlib.suppress(Exception):
-                h = pynvml.nvmlDeviceGetHandleByUUID(uuid)
-        if h is None:
-            return {}
-
-        def get(fn, *args):
-            try:
-                v = fn(*args)
-                return v.decode() if isinstance(v, bytes) else v
-            except Exception:
-                return None
-
-        out = {"name": get(pynvml.nvmlDeviceGetName, h), "uuid": get(pynvml.nvmlDeviceGetUUID, h),
-               "serial": get(pynvml.nvmlDeviceGetSerial, h), "driver": get(pynvml.nvmlSystemGetDriverVersion)}
-        mig = get(pynvml.nvmlDeviceGetMigMode, h)  # (current, pending); the bus id names the whole GPU
-        out["mig"] = bool(mig and mig[0] == 1)
-        info = get(pynvml.nvmlDeviceGetPciInfo, h)
-        if info is not None:
-            bus = info.busId
-            out["pci_bus_id"] = bus.decode() if isinstance(bus, bytes) else bus
-    finally:
-        with contextlib.suppress(Exception):
-            pynvml.nvmlShutdown()
-    return {k: v for k, v in out.items() if v}
-
-
-def _identity(index: int) -> DeviceIdentity:
-    props = torch.cuda.get_device_properties(index)
-    pci = (f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
-           if hasattr(props, "pci_domain_id") else "")  # older torch: NVML finds the card by UUID
-    nv = _nvml_identity(pci, f"GPU-{props.uuid}")
-    extra = {"cc": f"{props.major}.{props.minor}", "sms": str(props.multi_processor_count),
-             "memory_gib": f"{props.total_memory / 2**30:.1f}", "identity_source": "nvml" if nv else "torch"}
-    uuid, name = nv.get("uuid") or f"GPU-{props.uuid}", nv.get("name") or props.name
-    if nv.get("mig"):
-        # a MIG slice: NVML's handle by bus id is the parent GPU, whose UUID every slice would share
-        # (one history for all of them) and whose name keys golden records and fingerprint classes of
-        # the whole GPU (more SMs: torch's RNG and cuBLAS give other bits). The slice's own keep it apart
-        uuid, name = f"MIG-{props.uuid}", props.name if "MIG" in props.name else f"{props.name} MIG {props.multi_processor_count} SMs"
-        extra["parent_uuid"] = nv.get("uuid") or ""
-    return DeviceIdentity(backend="cuda", index=index, name=name, uuid=uuid, host=node_name(), serial=nv.get("serial"),
-                          pci_bus_id=nv.get("pci_bus_id") or pci or None, driver=nv.get("driver"), extra=extra)
-
-
 class CudaDevice(Device):
     """One CUDA GPU. ``kernel`` is "wgmma" on sm_90 and "mma" elsewhere (AEGIS_CUDA_KERNEL overrides).
     ``poison`` fills outputs with NaN before each launch (tests: every element must be written)."""
@@ -424,7 +136,7 @@ class CudaDevice(Device):
         self.tile = CHECK_TILE
         self.poison = False
         self.sms = torch.cuda.get_device_properties(index).multi_processor_count
-        self.identity = _identity(index)
+        self.identity = device_identity(index)
 
     # -- data ----------------------------------------------------------------------
     def generate(self, shape: tuple[int, ...], dist: str, seed: int) -> torch.Tensor:
@@ -442,7 +154,7 @@ class CudaDevice(Device):
         return numerics.reference_checksums(ops, tile)
 
     def fingerprint(self, t: torch.Tensor) -> int:
-        return fingerprint.device_fingerprint(t)  # the GPU kernel for CUDA tensors, same value as the CPU twin
+        return fingerprint_cuda.gpu_fingerprint(t)  # the GPU kernel for CUDA tensors, same value as the CPU twin
 
     def accumulation_bound(self, k: int) -> float:
         # mma.sync / wgmma accumulate fp32 truncating: each 16-deep MMA step may lose up to an ulp
@@ -460,7 +172,7 @@ class CudaDevice(Device):
 
     # -- the checked GEMM ------------------------------------------------------------
     def prepare(self, a: torch.Tensor, b: torch.Tensor, layout: Layout, *, variant: str = "", kernel: str | None = None,
-                inject: _Inject | None = None) -> _Launch:
+                inject: InjectParams | None = None) -> _Launch:
         """Allocate outputs and pack one launch of C = A·B from the stored operands (no sync).
         ``variant``: "" (checksums), "nosums" (benchmark baseline) or "inject"."""
         ops = GemmOperands(a, b, layout)
@@ -480,7 +192,7 @@ class CudaDevice(Device):
         entry = layout.value
         func = _function(kind, entry, variant, self.index)
         outs = [ctypes.c_void_p(t.data_ptr()) for t in (c, row_sums, col_sums, tile_sm)]
-        inj = inject if inject is not None else _no_inject()
+        inj = inject if inject is not None else no_inject()
         if kind == "wgmma":
             a_box = (64, 128) if layout is not Layout.WGRAD else (64, 64)
             b_box = (64, 256) if layout is Layout.FWD else (64, 64)
@@ -497,7 +209,8 @@ class CudaDevice(Device):
         if grid[1] > 65535:
             raise DeviceError(f"M = {m} exceeds the mma kernel's grid limit")
         stream = torch.cuda.current_stream(dev).cuda_stream
-        return _Launch(kind, func, grid, block, smem, args, keep=[a, b, c, row_sums, col_sums, tile_sm], stream=stream)
+        return _Launch(kind, func, grid, block, smem, args, keep=[a, b, c, row_sums, col_sums, tile_sm], stream=stream,
+                       device_id=self.index, label=f"gemm_{kind} {layout.value} {m}x{n}x{k}")
 
     def kernel_for(self, a: torch.Tensor, b: torch.Tensor, k: int, kernel: str | None = None) -> str:
         """The kernel a launch will use: wgmma needs TMA-able operands (16-byte aligned rows)."""
@@ -522,14 +235,16 @@ class CudaDevice(Device):
         if fault is not None:
             ctx = LaunchContext(self.identity.id, op, self.tile, None, clean_median)
             a, b = self._operand_faults(fault, ctx, ops)
-            acc = _acc_faults(fault, ctx, GemmOperands(a, b, ops.layout), CTA_TILES[self.kernel_for(a, b, k)])
+            acc = acc_faults(fault, ctx, GemmOperands(a, b, ops.layout), CTA_TILES[self.kernel_for(a, b, k)])
             if acc is not None:
-                inj, keep = _inject_params(acc, m, n, self.tile, self.torch_device)
+                inj, keep = inject_params(acc, m, n, self.tile, self.torch_device)
         with torch.cuda.device(self.torch_device):
             launch = self.prepare(a, b, ops.layout, variant="inject" if inj is not None else "", inject=inj)
             try:
                 launch.run()
                 torch.cuda.synchronize(self.torch_device)
+            except DeviceError:  # a refused build or launch: its message names the kernel and device
+                raise
             except Exception as exc:
                 raise DeviceError(f"cuda:{self.index}: gemm_{launch.kernel} {ops.layout.value} {m}x{n}x{k} failed: {exc}") from exc
         del keep

@@ -4,19 +4,18 @@
     gpu_block_fingerprints(t, block) -> list[int]  == fingerprint.block_fingerprints(t, block)
     gpu_block_tensor(t, block) -> int64 tensor     the same, left on the device (many blocks)
 
-Launches go through the CUDA driver (CuPy's binding) on torch's current stream for the
-tensor's device, so they order correctly with the torch work that produced the tensor. Importing this module
-does not import CuPy or touch CUDA.
+Launches go through the one loader/launcher (loader.get_function, loader.launch) on torch's
+current stream for the tensor's device, so they order correctly with the torch work that
+produced the tensor. Importing this module does not import CuPy or touch CUDA.
 """
 
 from __future__ import annotations
 
 import ctypes
-import threading
 
 import torch
 
-from aegis_cli.backends.loader import get_module
+from aegis_cli.backends import loader
 from aegis_cli.ops.errors import DeviceError
 from aegis_cli.ops.fingerprint import BLOCK_ELEMS, MASK64, _block_words, _flat, unsigned
 
@@ -24,39 +23,12 @@ KERNEL = "fingerprint.cu"
 THREADS = 256
 MAX_GRID = 1 << 20
 WHOLE_BLOCK_WORDS = 1 << 14  # 128 KiB per CTA for whole-tensor fingerprints
-_LOCK = threading.Lock()
-_FUNCS: dict[tuple[str, int], int] = {}
-
-
-def _function(entry: str, dev: int) -> int:
-    """CUfunction handle of one entry of kernels/fingerprint.cu on device ``dev`` (compiled once)."""
-    key = (entry, dev)
-    with _LOCK:
-        ptr = _FUNCS.get(key)
-    if ptr is None:
-        import cupy
-
-        with cupy.cuda.Device(dev):
-            try:
-                ptr = get_module(KERNEL, device_id=dev).get_function(entry).kernel.ptr
-            except Exception as exc:
-                raise DeviceError(f"cuda:{dev}: cannot build {KERNEL} ({entry}): {exc}") from exc
-        with _LOCK:
-            _FUNCS[key] = ptr
-    return ptr
 
 
 def _launch(entry: str, dev: int, grid: int, block: int, args: list) -> None:
-    """Launch on torch's current stream of ``dev``; a launch error raises DeviceError."""
-    import cupy
-
-    ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
-    stream = torch.cuda.current_stream(dev).cuda_stream
-    try:
-        with cupy.cuda.Device(dev):
-            cupy.cuda.driver.launchKernel(_function(entry, dev), grid, 1, 1, block, 1, 1, 0, stream, ctypes.addressof(ptrs), 0)
-    except Exception as exc:
-        raise DeviceError(f"cuda:{dev}: {entry} launch failed: {exc}") from exc
+    """Launch on torch's current stream of ``dev``; a build or launch error raises DeviceError."""
+    func = loader.get_function(KERNEL, entry, device_id=dev)
+    loader.launch(func, (grid,), block, args, device_id=dev, stream=torch.cuda.current_stream(dev).cuda_stream, label=entry)
 
 
 def _prepare(t: torch.Tensor) -> torch.Tensor:

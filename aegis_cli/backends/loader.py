@@ -1,15 +1,21 @@
-"""The one loader for CUDA kernels: ``kernels/*.cu`` → CuPy RawModule.
+"""The one loader and launcher for CUDA kernels: ``kernels/*.cu`` → CuPy RawModule → launch.
 
 Kernels are real source files (never Python strings). Modules are compiled once per
 (source hash, defines, options, name expressions) in this process, and CuPy caches the
 binaries on disk (``cache_dir()``), keyed by source and options. The source hash of
 every kernel is stamped in reports (``kernel_hashes``).
 
+Every kernel (GEMM, fingerprint, …) is fetched with ``get_function`` (a CUfunction handle,
+cached per entry, defines and device) and started with ``launch`` (the CUDA driver's
+cuLaunchKernel on a given stream, so it orders with the torch work around it); both turn
+a failure into a DeviceError naming the device and the kernel.
+
 Importing this module does not import CuPy or touch CUDA.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import threading
@@ -17,10 +23,13 @@ import time
 from functools import cache
 from pathlib import Path
 
+from aegis_cli.ops.errors import DeviceError
 from aegis_cli.ops.paths import kernel_dir
 
 _LOCK = threading.Lock()
 _MODULES: dict[tuple, object] = {}
+_FUNCS_LOCK = threading.Lock()  # apart from _LOCK: get_function calls get_module, which takes _LOCK
+_FUNCS: dict[tuple, int] = {}
 COMPILE_LOG: list[dict] = []  # one entry per compilation: name, seconds, options
 
 
@@ -103,3 +112,47 @@ def get_module(name: str, *, defines: dict[str, object] | None = None, options: 
                             "options": list(opts)})
         _MODULES[key] = mod
         return mod
+
+
+def get_function(name: str, entry: str, *, device_id: int, defines: dict[str, object] | None = None,
+                 need_sm90a: bool = False, max_dynamic_smem: int = 0, label: str = "") -> int:
+    """CUfunction handle of ``entry`` in ``kernels/<name>`` built with ``defines`` for ``device_id``,
+    compiled and loaded once per process. ``max_dynamic_smem``: the dynamic shared memory its
+    launches ask for (above 48 KiB the driver wants it declared). ``label`` names the build in
+    the DeviceError (default: the entry)."""
+    key = (name, entry, device_id, tuple(sorted((defines or {}).items())), need_sm90a, max_dynamic_smem)
+    with _FUNCS_LOCK:
+        ptr = _FUNCS.get(key)
+    if ptr is not None:
+        return ptr
+    import cupy
+
+    try:
+        with cupy.cuda.Device(device_id):
+            fn = get_module(name, defines=defines, device_id=device_id, need_sm90a=need_sm90a).get_function(entry)
+            if max_dynamic_smem:
+                fn.max_dynamic_shared_size_bytes = max_dynamic_smem
+            ptr = fn.kernel.ptr
+    except Exception as exc:
+        raise DeviceError(f"cuda:{device_id}: cannot build {name} ({label or entry}): {exc}") from exc
+    with _FUNCS_LOCK:
+        _FUNCS[key] = ptr
+    return ptr
+
+
+def launch(func: int, grid: tuple[int, ...], block: int, args: list, *, device_id: int, stream: int, smem: int = 0,
+           label: str = "") -> None:
+    """Enqueue one launch of ``func`` (from get_function) on ``stream`` (a CUstream handle, e.g.
+    torch's ``current_stream(dev).cuda_stream``); no sync. ``grid``: 1 to 3 dimensions, ``block``:
+    threads in x. ``args``: one ctypes object per kernel parameter, in order (structs by value).
+    A refused launch raises DeviceError naming ``label``; faults while the kernel runs surface
+    at the caller's next synchronisation."""
+    import cupy
+
+    gx, gy, gz = (*grid, 1, 1)[:3]
+    ptrs = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+    try:
+        with cupy.cuda.Device(device_id):
+            cupy.cuda.driver.launchKernel(func, gx, gy, gz, block, 1, 1, smem, stream, ctypes.addressof(ptrs), 0)
+    except Exception as exc:
+        raise DeviceError(f"cuda:{device_id}: {label or 'kernel'} launch failed: {exc}") from exc

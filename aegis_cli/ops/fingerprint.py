@@ -19,10 +19,10 @@ one mix per 8 bytes whatever the dtype (1-, 2-, 4- and 8-byte elements are suppo
 
 Per-block fingerprints (``block`` elements each, ``block × element size`` a multiple of
 8 bytes) localise a difference; the whole-tensor value is the sum of the block values.
-``device_fingerprint`` / ``device_block_fingerprints`` compute on the tensor's own
-device (the CUDA kernel for GPU tensors) and ``diff_records`` turns a mismatch into
-miscompare records (index, expected/actual bits, XOR mask) reading back only the
-differing blocks.
+``diff_records`` turns a mismatch into miscompare records (index, expected/actual bits,
+XOR mask) reading back only the differing blocks. This module knows no device:
+backends/fingerprints.py computes the same values where a tensor lives (the CUDA kernel
+for GPU tensors).
 """
 
 from __future__ import annotations
@@ -133,30 +133,6 @@ def combine(blocks: list[int]) -> int:
     return sum(blocks) % (1 << 64)
 
 
-# -- on the tensor's own device ----------------------------------------------------------
-def device_fingerprint(t: torch.Tensor) -> int:
-    """``fingerprint(t)`` computed where ``t`` lives (the CUDA kernel for GPU tensors)."""
-    if t.device.type == "cuda":
-        from aegis_cli.backends.fingerprint_cuda import gpu_fingerprint
-
-        return gpu_fingerprint(t)
-    return fingerprint(t)
-
-
-def device_block_tensor(t: torch.Tensor, block: int = BLOCK_ELEMS) -> torch.Tensor:
-    """``block_tensor(t, block)`` computed where ``t`` lives (int64, on ``t``'s device)."""
-    if t.device.type == "cuda":
-        from aegis_cli.backends.fingerprint_cuda import gpu_block_tensor
-
-        return gpu_block_tensor(t, block)
-    return block_tensor(t, block)
-
-
-def device_block_fingerprints(t: torch.Tensor, block: int = BLOCK_ELEMS) -> list[int]:
-    """``block_fingerprints(t, block)`` computed where ``t`` lives."""
-    return unsigned(device_block_tensor(t, block))
-
-
 def differing_blocks(expected: list[int], actual: list[int]) -> list[int]:
     if len(expected) != len(actual):
         raise ValueError(f"cannot compare {len(expected)} and {len(actual)} block fingerprints")
@@ -176,18 +152,25 @@ def _records(e: np.ndarray, a: np.ndarray, where: np.ndarray, size: int, offset:
     ]
 
 
+def check_comparable(expected: torch.Tensor, actual: torch.Tensor) -> None:
+    """ValueError unless the two tensors have one shape and dtype (their bits can be compared)."""
+    if expected.shape != actual.shape or expected.dtype != actual.dtype:
+        raise ValueError(f"cannot compare {tuple(expected.shape)}/{expected.dtype} with {tuple(actual.shape)}/{actual.dtype}")
+
+
 def diff_records(expected: torch.Tensor, actual: torch.Tensor, block: int = BLOCK_ELEMS, limit: int = 8,
                  blocks: list[int] | None = None) -> tuple[list[int], int, list[dict]]:
     """Localise how ``actual`` differs from ``expected`` (same shape and dtype).
 
     Returns (differing block indices, differing elements in them, up to ``limit`` records
     with flat index, expected/actual bits and XOR mask). Only differing blocks are read
-    back to the host; ``blocks`` skips the fingerprinting when the caller already knows them.
+    back to the host; ``blocks`` skips the fingerprinting when the caller already knows them
+    (without it, the blocks are fingerprinted here, on the host: backends.fingerprints.diff_records
+    fingerprints them on the tensors' device).
     """
-    if expected.shape != actual.shape or expected.dtype != actual.dtype:
-        raise ValueError(f"cannot compare {tuple(expected.shape)}/{expected.dtype} with {tuple(actual.shape)}/{actual.dtype}")
+    check_comparable(expected, actual)
     if blocks is None:
-        blocks = differing_blocks(device_block_fingerprints(expected, block), device_block_fingerprints(actual, block))
+        blocks = differing_blocks(block_fingerprints(expected, block), block_fingerprints(actual, block))
     ef, af = _flat(expected), _flat(actual)
     count, records = 0, []
     for b in blocks:

@@ -12,6 +12,12 @@ probes: ``probe(devices, ctx) -> {device_id: [Evidence]}``, with ``ctx.fault`` t
 plan (``plan.for_device`` picks a device's faults) and ``ctx.stats[name]`` copied into
 each device's report. Probes may declare options, set with ``--probe-option NAME.KEY=V``
 and read with ``ctx.option(NAME, KEY)``.
+
+A probe reads what it was asked for from ``ctx.config`` (a ProbeConfig: seed, re-runs, case,
+options, thresholds, …), never the scan's own options. It may register a ``preflight(devices,
+ctx)`` that refuses, before any probe runs, what it could not do (ConfigError: too little
+memory, a case it never gives, a golden file without this device), and a ``count_cases(devices,
+config)`` giving how many ``progress("case")`` events it will send (the scan's progress total).
 """
 
 from __future__ import annotations
@@ -26,13 +32,37 @@ from aegis_cli.ops.case import CaseId
 if TYPE_CHECKING:
     from aegis_cli.backends.base import Device
     from aegis_cli.faults.spec import FaultPlan
+    from aegis_cli.ops.numerics import Thresholds
     from aegis_cli.ops.verdict import Evidence
-    from aegis_cli.scan import ScanOptions
+
+DEFAULT_PROBES = ("gemm", "determinism", "pow2", "memory", "crossdevice")
+DEFAULT_RERUNS = 5  # re-runs of a flagged case (aegis scan --reruns)
+
+
+def _default_thresholds() -> Thresholds:
+    from aegis_cli.ops.numerics import Thresholds  # imports torch: not at `import aegis_cli.probes` (a fast CLI start)
+
+    return Thresholds()
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    """What the probes are asked to do: the part of a scan's options they read."""
+
+    seed: int = 0
+    reruns: int = DEFAULT_RERUNS  # re-runs of a flagged case to confirm it
+    case: str | None = None  # re-run exactly this case id
+    probes: tuple[str, ...] = DEFAULT_PROBES  # every probe of the run (a node probe asks whether it runs alone)
+    probe_options: dict[str, str] = field(default_factory=dict)  # "probe.key" → value (--probe-option)
+    thresholds: Thresholds = field(default_factory=_default_thresholds)
+    golden: str | None = None  # golden fingerprint file to compare against
+    workload: str | None = None  # the GEMM workload (None: the backend's default)
+    keep_flagged: bool = False  # keep each flagged GEMM run as observed (ProbeContext.captured)
 
 
 @dataclass
 class ProbeContext:
-    opts: ScanOptions
+    config: ProbeConfig
     fault: FaultPlan | None
     progress: Callable[..., None]  # progress("case" | "step", device=..., case=...): "case" counts toward the scan's total
     stats: dict[str, Any] = field(default_factory=dict)
@@ -40,12 +70,12 @@ class ProbeContext:
 
     def option(self, probe: str, key: str) -> Any:
         """The value of ``--probe-option probe.key=…`` converted to its declared type, else its default."""
-        raw = getattr(self.opts, "probe_options", {}).get(f"{probe}.{key}")
+        raw = self.config.probe_options.get(f"{probe}.{key}")
         return PROBE_OPTIONS[probe][key][1] if raw is None else convert_option(probe, key, raw)
 
     def case_part(self, probe: str) -> str | None:
         """The part after ``probe/`` of ``--case probe/PART/…`` (what to re-run), else None."""
-        return CaseId.parse(self.opts.case).part(probe) if self.opts.case else None
+        return CaseId.parse(self.config.case).part(probe) if self.config.case else None
 
 
 def bounded(typ: type, lo: float, hi: float, auto: float | None = None) -> Callable[[str], object]:
@@ -74,29 +104,38 @@ def quick_or_full(v: str) -> str:
 
 ProbeFn = Callable[["Device", ProbeContext], "list[Evidence]"]
 NodeProbeFn = Callable[["list[Device]", ProbeContext], "dict[str, list[Evidence]]"]
+Preflight = Callable[["list[Device]", ProbeContext], object]  # raises ConfigError (or GoldenError); result unused
+CaseCount = Callable[["list[Device]", ProbeConfig], int]
 PROBES: dict[str, ProbeFn] = {}
 NODE_PROBES: dict[str, NodeProbeFn] = {}
 PROBE_OPTIONS: dict[str, dict[str, tuple[type, Any, str]]] = {}  # probe → key → (type, default, help)
-DEFAULT_PROBES = ("gemm", "determinism", "pow2", "memory", "crossdevice")
+PREFLIGHTS: dict[str, Preflight] = {}
+CASE_COUNTS: dict[str, CaseCount] = {}
 
 
-def _registrar(table: dict, name: str, options: dict[str, tuple[type, Any, str]] | None):
+def _registrar(table: dict, name: str, options: dict[str, tuple[type, Any, str]] | None, preflight: Preflight | None,
+               count_cases: CaseCount | None = None):
     def deco(fn):
         table[name] = fn
         PROBE_OPTIONS[name] = dict(options or {})
+        if preflight is not None:
+            PREFLIGHTS[name] = preflight
+        if count_cases is not None:
+            CASE_COUNTS[name] = count_cases
         return fn
 
     return deco
 
 
-def register(name: str, options: dict[str, tuple[type, Any, str]] | None = None):
-    """Register a per-device probe ``fn(device, ctx) -> [Evidence]``."""
-    return _registrar(PROBES, name, options)
+def register(name: str, options: dict[str, tuple[type, Any, str]] | None = None, *, preflight: Preflight | None = None,
+             count_cases: CaseCount | None = None):
+    """Register a per-device probe ``fn(device, ctx) -> [Evidence]``, with its preflight and case count."""
+    return _registrar(PROBES, name, options, preflight, count_cases)
 
 
-def register_node(name: str, options: dict[str, tuple[type, Any, str]] | None = None):
-    """Register a node probe ``fn(devices, ctx) -> {device_id: [Evidence]}``."""
-    return _registrar(NODE_PROBES, name, options)
+def register_node(name: str, options: dict[str, tuple[type, Any, str]] | None = None, *, preflight: Preflight | None = None):
+    """Register a node probe ``fn(devices, ctx) -> {device_id: [Evidence]}``, with its preflight."""
+    return _registrar(NODE_PROBES, name, options, preflight)
 
 
 def convert_option(probe: str, key: str, raw: str) -> Any:

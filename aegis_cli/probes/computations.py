@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from aegis_cli.backends import fingerprints
 from aegis_cli.backends.base import Device
 from aegis_cli.faults.spec import FaultPlan
 from aegis_cli.faults.stored import stored_faults
-from aegis_cli.ops import fingerprint
 from aegis_cli.ops.case import case_seed
 from aegis_cli.ops.gemm import GemmOperands, Layout
 
@@ -204,7 +204,7 @@ def localise(expected: torch.Tensor, actual: torch.Tensor, *, tile: tuple[int, i
              limit: int = MAX_SAMPLES) -> dict:
     """Where ``actual`` differs from ``expected``: blocks (by block fingerprint), element
     count, samples with coordinates, bits and XOR mask, GEMM tiles for 2-D outputs."""
-    blocks, count, records = fingerprint.diff_records(expected, actual, LOCAL_BLOCK, limit)
+    blocks, count, records = fingerprints.diff_records(expected, actual, LOCAL_BLOCK, limit)
     shape = tuple(expected.shape)
     tiles = set()
     for r in records:

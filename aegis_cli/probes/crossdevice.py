@@ -23,9 +23,10 @@ import time
 
 import torch
 
+from aegis_cli.backends import fingerprints
 from aegis_cli.backends.base import Device
 from aegis_cli.faults.spec import recent_injections
-from aegis_cli.ops import fingerprint, numerics
+from aegis_cli.ops import numerics
 from aegis_cli.ops.case import CaseId
 from aegis_cli.ops.gemm import GemmOperands, Layout
 from aegis_cli.ops.verdict import Evidence, Verdict
@@ -61,7 +62,7 @@ def selection(devices: list[Device], ctx: ProbeContext) -> list[str]:
     from aegis_cli.ops.errors import ConfigError
 
     names = [n.strip() for n in ctx.option("crossdevice", "only").split(",") if n.strip()]
-    name, case = ctx.case_part("crossdevice"), ctx.opts.case
+    name, case = ctx.case_part("crossdevice"), ctx.config.case
     if name is not None:
         if name not in COMPUTATIONS:
             raise ConfigError(f"case {case!r}: the crossdevice probe has no computation {name!r} "
@@ -71,7 +72,7 @@ def selection(devices: list[Device], ctx: ProbeContext) -> list[str]:
                               f"{', '.join(case_ids(name))})")
         names = [name]
     groups = _groups(devices)
-    if set(ctx.opts.probes) <= {"crossdevice"} and all(len(m) < 2 for m in groups.values()):
+    if set(ctx.config.probes) <= {"crossdevice"} and all(len(m) < 2 for m in groups.values()):
         raise ConfigError("crossdevice compares devices of one model with each other; no two of the scanned devices "
                           f"are of one model ({', '.join(m for _, m in groups)}), so alone it checks nothing")
     for (backend, model), members in groups.items():
@@ -86,7 +87,7 @@ def _run_device(device: Device, names: list[str], ctx: ProbeContext, fault) -> d
     out: dict[str, dict[str, torch.Tensor]] = {}
     for name in names:
         comp = COMPUTATIONS[name]
-        x = comp.inputs(device, sizes_for(device), ctx.opts.seed)
+        x = comp.inputs(device, sizes_for(device), ctx.config.seed)
         res = comp.held(device, x, fault, f"crossdevice/{name}")
         out[name] = {**{f"input:{k}": v for k, v in x.items()}, **res}
         ctx.progress("step", device=device.identity.id, case=f"crossdevice/{name}")
@@ -103,7 +104,7 @@ def _referee(name: str, key: str, results: dict[str, dict], ids: list[str], devi
     if name not in ("checked_gemm", "matmul") or key.startswith("input:"):
         return None
     a0, a1 = results[ids[0]][name][key], results[ids[1]][name][key]
-    _, _, recs = fingerprint.diff_records(a0, a1, limit=REFEREE_POSITIONS)
+    _, _, recs = fingerprints.diff_records(a0, a1, limit=REFEREE_POSITIONS)
     if not recs:
         return None
     a = results[ids[0]][name]["input:a"].cpu().double()  # (M, K); inputs agree (checked first)
@@ -143,13 +144,13 @@ def _evidence(name: str, key: str, culprit: str, ref_dev: str, results: dict, se
     return Evidence(
         check="crossdevice.mismatch", severity=sev, case_id=str(CaseId("crossdevice", (name, key))),
         summary=f"crossdevice.mismatch: {name} {key} on {culprit} differs from {ref_dev}: {loc['elements']} element(s); {why}",
-        op=name, shape=comp.shape(sizes_for(device)), dist="normal", seed=ctx.opts.seed, max_value=1.0,
+        op=name, shape=comp.shape(sizes_for(device)), dist="normal", seed=ctx.config.seed, max_value=1.0,
         elements=loc["elements"], samples=[{"output": key, "reference_device": ref_dev, **s} for s in loc["samples"][:MAX_SAMPLES]],
         tiles=loc["tiles"][:16], localised=loc["localised"], kernel="aegis" if not comp.vendor else "torch",
         injected=recent_injections(fault))
 
 
-@register_node("crossdevice", OPTIONS)
+@register_node("crossdevice", OPTIONS, preflight=selection)
 def crossdevice_probe(devices: list[Device], ctx: ProbeContext) -> dict[str, list[Evidence]]:
     """Same seeded workload on every device; the odd one out is flagged."""
     t0 = time.perf_counter()
@@ -172,7 +173,7 @@ def crossdevice_probe(devices: list[Device], ctx: ProbeContext) -> dict[str, lis
         for name in use:
             keys = sorted(results[ids[0]][name], key=lambda k: not k.startswith("input:"))  # inputs first
             for key in keys:
-                prints = [fingerprint.device_fingerprint(results[i][name][key]) for i in ids]
+                prints = [fingerprints.device_fingerprint(results[i][name][key]) for i in ids]
                 best, odd = majority(prints)
                 if not odd:
                     continue
@@ -188,7 +189,7 @@ def crossdevice_probe(devices: list[Device], ctx: ProbeContext) -> dict[str, lis
                                                           f"{len(agree)} of {len(ids)} {model} devices agree with each other (majority)",
                                                           ctx, by_id[ids[j]], plans[ids[j]]))
                     continue
-                ratios = _referee(name, key, results, [agree[0], ids[odd[0]]], by_id, ctx.opts.thresholds) if len(set(prints)) == 2 else None
+                ratios = _referee(name, key, results, [agree[0], ids[odd[0]]], by_id, ctx.config.thresholds) if len(set(prints)) == 2 else None
                 wrong = [d for d, r in (ratios or {}).items() if r > 1.0]
                 if ratios is not None and len(wrong) == 1:
                     right = next(d for d in ratios if d != wrong[0])

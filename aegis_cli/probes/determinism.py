@@ -2,7 +2,7 @@
 
 Every canonical computation (_common.COMPUTATIONS: our checked GEMM, torch.matmul, SDPA
 forward and backward, RMSNorm, GeLU, SiLU) runs ``runs`` times on one set of seeded
-inputs; each run's outputs are fingerprinted on the device (fingerprint.device_fingerprint:
+inputs; each run's outputs are fingerprinted on the device (fingerprints.device_fingerprint:
 the CUDA kernel for GPU tensors). All runs of a deterministic
 computation must give the same bits:
 
@@ -24,10 +24,10 @@ import time
 import torch
 
 from aegis_cli.backends.base import Device
+from aegis_cli.backends.fingerprints import device_fingerprint
 from aegis_cli.faults.spec import recent_injections
 from aegis_cli.ops.case import CaseId
 from aegis_cli.ops.errors import ConfigError
-from aegis_cli.ops.fingerprint import device_fingerprint
 from aegis_cli.ops.verdict import Evidence, Verdict
 from aegis_cli.probes import ProbeContext, bounded, quick_or_full, register
 from aegis_cli.probes.computations import (
@@ -153,14 +153,14 @@ def determinism_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
         # nothing (another shape, a typo) ran nothing and said HEALTHY
         sizes = sizes_for(device)
         ids = {case_id(n, sizes): n for n in COMPUTATIONS}
-        if ctx.opts.case not in ids:
-            raise ConfigError(f"case {ctx.opts.case!r}: the determinism probe has no such case on {device.identity.id} "
+        if ctx.config.case not in ids:
+            raise ConfigError(f"case {ctx.config.case!r}: the determinism probe has no such case on {device.identity.id} "
                               f"(its cases: {', '.join(ids)})")
-        only = [ids[ctx.opts.case]]
+        only = [ids[ctx.config.case]]
     evidence: list[Evidence] = []
     stats: dict[str, dict] = {}
     for name in only:
-        st, ev = run_computation(device, name, runs, ctx.opts.seed, ctx)
+        st, ev = run_computation(device, name, runs, ctx.config.seed, ctx)
         stats[name] = st
         if ev is not None:
             evidence.append(ev)

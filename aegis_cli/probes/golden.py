@@ -17,10 +17,11 @@ the file has no record for a device's key).
 from __future__ import annotations
 
 from aegis_cli.backends.base import Device
+from aegis_cli.backends.fingerprints import device_block_fingerprints
 from aegis_cli.faults.spec import recent_injections
 from aegis_cli.ops.case import CaseId
 from aegis_cli.ops.errors import ConfigError, GoldenError
-from aegis_cli.ops.fingerprint import device_block_fingerprints, hex64
+from aegis_cli.ops.fingerprint import hex64
 from aegis_cli.ops.verdict import Evidence, Verdict
 from aegis_cli.probes import ProbeContext, register
 from aegis_cli.probes import golden_file as golden
@@ -38,22 +39,28 @@ def _same_layout(doc: dict, name: str, want: dict, got: dict) -> None:
                               f"{made} — record it again with this aegis")
 
 
-@register("golden")
+def preflight(devices: list[Device], ctx: ProbeContext) -> None:
+    """Before any probe runs: the golden file reads, and holds a record for every device."""
+    if ctx.config.golden:
+        golden.check_keys(golden.load(ctx.config.golden), devices)
+
+
+@register("golden", preflight=preflight)
 def golden_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     """Fingerprints of the canonical workloads against a golden file."""
     only = ctx.case_part("golden")  # --case golden/NAME
-    if not ctx.opts.golden:
+    if not ctx.config.golden:
         if only is not None:
-            raise ConfigError(f"case {ctx.opts.case!r} compares against a golden file: give it with --golden FILE")
+            raise ConfigError(f"case {ctx.config.case!r} compares against a golden file: give it with --golden FILE")
         ctx.stats["golden"] = {"compared": False, "reason": "no --golden FILE given"}
         return []
-    doc = golden.load(ctx.opts.golden)
+    doc = golden.load(ctx.config.golden)
     rec = golden.match(doc, device)
     seed, block = int(doc["seed"]), int(doc["block"])
     evidence: list[Evidence] = []
     checked = 0
     if only is not None and only not in rec["computations"]:
-        raise ConfigError(f"case {ctx.opts.case!r}: the golden record {rec['key']!r} has no computation {only!r} "
+        raise ConfigError(f"case {ctx.config.case!r}: the golden record {rec['key']!r} has no computation {only!r} "
                           f"(it has: {', '.join(rec['computations'])})")
     for name, want in rec["computations"].items():
         if only is not None and name != only:
@@ -65,7 +72,7 @@ def golden_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
         checked += len(want["outputs"])
         if not bad:
             continue
-        reruns = max(1, min(ctx.opts.reruns, 3))
+        reruns = max(1, min(ctx.config.reruns, 3))
         seen = [tuple(got[o]["fingerprint"] for o in bad)]
         for _ in range(reruns):
             _, again = golden.fingerprint_outputs(device, name, seed, ctx.fault)
@@ -96,6 +103,6 @@ def golden_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
             op=name, shape=want["shape"], dist="normal", seed=seed, max_value=1.0, elements=elements, samples=samples[:8],
             tiles=tiles[:16], reruns=reruns, reproduced=wrong_runs - 1, distinct_outputs=len(set(seen)),
             injected=recent_injections(ctx.fault)))
-    ctx.stats["golden"] = {"compared": True, "file": ctx.opts.golden, "key": rec["key"], "outputs_checked": checked,
+    ctx.stats["golden"] = {"compared": True, "file": ctx.config.golden, "key": rec["key"], "outputs_checked": checked,
                            "mismatches": len(evidence)}
     return evidence

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from aegis_cli.backends import fingerprints
 from aegis_cli.backends.base import Device
 from aegis_cli.backends.loader import kernel_hashes
 from aegis_cli.ops import fingerprint
@@ -78,7 +79,7 @@ def fingerprint_outputs(device: Device, name: str, seed: int, fault=None, op: st
     tensors = {**{f"input:{k}": v for k, v in x.items()}, **out}
     recs = {}
     for k, t in tensors.items():
-        blocks = fingerprint.device_block_fingerprints(t, BLOCK)  # one pass: the whole is their sum
+        blocks = fingerprints.device_block_fingerprints(t, BLOCK)  # one pass: the whole is their sum
         recs[k] = {"fingerprint": fingerprint.hex64(fingerprint.combine(blocks)), "shape": list(t.shape),
                    "dtype": str(t.dtype).replace("torch.", ""), "blocks": [fingerprint.hex64(b) for b in blocks]}
     return tensors, recs

@@ -29,11 +29,10 @@ import time
 import numpy as np
 import torch
 
-from aegis_cli.backends import nvml
+from aegis_cli.backends import fingerprints, nvml
 from aegis_cli.backends.base import Device
 from aegis_cli.faults.spec import recent_injections
 from aegis_cli.faults.stored import stored_faults
-from aegis_cli.ops import fingerprint
 from aegis_cli.ops.case import CaseId, case_seed
 from aegis_cli.ops.errors import ConfigError, DeviceError
 from aegis_cli.ops.verdict import Evidence, Verdict
@@ -81,7 +80,7 @@ def fill(piece: torch.Tensor, pattern: str, seed: int, gen: torch.Generator) -> 
 
 def block_prints(t: torch.Tensor) -> torch.Tensor:
     """int64 block fingerprints (BLOCK bytes each) of a uint8 buffer, on its device."""
-    return fingerprint.device_block_tensor(t, BLOCK)
+    return fingerprints.device_block_tensor(t, BLOCK)
 
 
 class _Region:
@@ -210,6 +209,12 @@ def check_fits(device: Device, ctx: ProbeContext) -> None:
                           f"available on {device.identity.id}; lower memory.mb")
 
 
+def preflight(devices: list[Device], ctx: ProbeContext) -> None:
+    """Before any probe runs: the CPU buffer fits on every device (check_fits)."""
+    for d in devices:
+        check_fits(d, ctx)
+
+
 def check_case(case: str | None, passes: int) -> None:
     """``--case memory/passN`` (N below ``passes``) or ``memory/nvml``, either of which re-runs
     the whole probe; anything else ran it and reported HEALTHY for a case that does not exist."""
@@ -226,7 +231,7 @@ def check_case(case: str | None, passes: int) -> None:
                           "give memory.passes to re-run a later one")
 
 
-@register("memory", OPTIONS)
+@register("memory", OPTIONS, preflight=preflight)
 def memory_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     """Patterns in most of free memory, fingerprinted, held under load, re-read."""
     mode = ctx.option("memory", "mode")
@@ -234,7 +239,7 @@ def memory_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     fraction = ctx.option("memory", "fraction") or (0.95 if full else 0.90)
     hold = ctx.option("memory", "hold")
     passes = ctx.option("memory", "passes") or (2 if full else 1)
-    check_case(ctx.opts.case, passes)
+    check_case(ctx.config.case, passes)
     check_fits(device, ctx)
     backend = device.identity.backend
     if hold < 0:
@@ -254,7 +259,7 @@ def memory_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     passes_stats = []
     covered = 0
     for pass_no in range(passes):
-        region = _Region(dev, chunk, piece, ctx.opts.seed, pass_no)
+        region = _Region(dev, chunk, piece, ctx.config.seed, pass_no)
         try:
             if dev.type == "cuda":  # the hold's workspace comes out of the free memory first
                 workspace = _hold(dev, 0.0, backend)
@@ -288,7 +293,7 @@ def memory_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
                     summary=(f"memory.bitflip: {n_blocks} block(s) of {BLOCK >> 10} KiB {when} "
                              f"({words_bad} differing 64-bit word(s) in the blocks examined) after {held['seconds']:.1f} s "
                              f"held; chunks {sorted(where)[:8]}"),
-                    op="memory", shape={"bytes": covered}, dist=",".join(PATTERNS), seed=ctx.opts.seed, max_value=1.0,
+                    op="memory", shape={"bytes": covered}, dist=",".join(PATTERNS), seed=ctx.config.seed, max_value=1.0,
                     elements=words_bad, samples=samples, tiles=[[i, b] for i, bl in where.items() for b in bl[:16]][:16],
                     localised=[[s["chunk"], s["offset"]] for s in samples if "offset" in s], reruns=1,
                     reproduced=again, kernel="fingerprint.cu" if dev.type == "cuda" else "cpu",
@@ -311,7 +316,7 @@ def memory_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     if bad:
         evidence.append(Evidence(check="memory.ecc", severity=Verdict.SUSPECT, case_id="memory/nvml",
                                  summary=f"memory.ecc: NVML memory-health counters changed during the probe: {bad}",
-                                 op="memory", seed=ctx.opts.seed, elements=len(bad), samples=[{"before": nv_before, "after": nv_after}]))
+                                 op="memory", seed=ctx.config.seed, elements=len(bad), samples=[{"before": nv_before, "after": nv_after}]))
     ctx.stats["memory"] = {
         "mode": mode, "bytes_covered": covered, "free_bytes_at_start": free, "total_bytes": total,
         "coverage_of_free": round(covered / free, 4) if free else None, "passes": passes_stats,

@@ -67,7 +67,7 @@ def case_id(device: Device, impl: str) -> str:
 def sweep(device: Device, impl: str, step: int, ctx: ProbeContext) -> tuple[dict, Evidence | None]:
     t0 = time.perf_counter()
     m, n, k = shape_for(device)
-    seed = ctx.opts.seed
+    seed = ctx.config.seed
     a = device.generate((m, k), "normal", case_seed(seed, "pow2", "A"))
     b = device.generate((n, k), "normal", case_seed(seed, "pow2", "B"))
     base_ops = GemmOperands(a, b, Layout.FWD)
@@ -147,10 +147,10 @@ def pow2_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
         # --case pow2/IMPL/MxNxK, exactly as this device names its cases: another shape or a
         # trailing typo ran the sweep of IMPL anyway, or nothing, and said HEALTHY
         ids = {case_id(device, impl): impl for impl in IMPLS}
-        if ctx.opts.case not in ids:
-            raise ConfigError(f"case {ctx.opts.case!r}: the pow2 probe has no such case on {device.identity.id} "
+        if ctx.config.case not in ids:
+            raise ConfigError(f"case {ctx.config.case!r}: the pow2 probe has no such case on {device.identity.id} "
                               f"(its cases: {', '.join(ids)})")
-        impls = (ids[ctx.opts.case],)
+        impls = (ids[ctx.config.case],)
     for impl in impls:
         st, ev = sweep(device, impl, step, ctx)
         stats[impl] = st

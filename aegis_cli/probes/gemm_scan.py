@@ -1,0 +1,94 @@
+"""The gemm probe: a workload's training GEMMs, planned into cases and checked by GemmProbe.
+
+A workload (ops/workloads.py: ``--workload``, else ``cpu-quick`` on CPUs and ``llama3-70b``
+on GPUs) gives GEMM shapes, input distributions and power-of-two scales; each (shape,
+distribution) is one GemmCase run at every scale (probes/gemm.py checks and confirms it).
+Before any probe runs, ``preflight`` refuses a workload, a ``--case`` or a largest case that
+could not run on a device; ``count_cases`` is the number of cases the scan's progress counts.
+"""
+
+from __future__ import annotations
+
+from aegis_cli.backends.base import Device, memory_shortfall
+from aegis_cli.ops import workloads
+from aegis_cli.ops.case import CaseId, scale_token
+from aegis_cli.ops.errors import ConfigError
+from aegis_cli.ops.verdict import Evidence
+from aegis_cli.probes import NODE_PROBES, PROBES, ProbeConfig, ProbeContext, load_all, register
+from aegis_cli.probes.gemm import GemmCase, GemmProbe, case_bytes
+
+DEFAULT_CPU_WORKLOAD = "cpu-quick"
+DEFAULT_GPU_WORKLOAD = "llama3-70b"
+
+
+def workload_for(config: ProbeConfig, device: Device) -> workloads.Workload:
+    """The catalog the probe runs on ``device``: ``config.workload``, else the CPU or GPU default."""
+    if config.workload:
+        wl = workloads.load(config.workload)
+    else:
+        wl = workloads.load(DEFAULT_CPU_WORKLOAD if device.identity.backend == "cpu" else DEFAULT_GPU_WORKLOAD)
+    load_all()
+    if wl.name in PROBES or wl.name in NODE_PROBES:  # case ids start with the workload's name
+        raise ConfigError(f"workload name {wl.name!r} is also a probe's: its case ids could not be re-run with --case")
+    return wl
+
+
+def plan_cases(wl: workloads.Workload, seed: int, case: str | None = None) -> list[GemmCase]:
+    cases = [GemmCase(wl.name, shape, dist, seed) for shape in wl.gemms() for dist in wl.scan.distributions]
+    if case is not None:
+        cid = CaseId.parse(case)
+        cases = [c for c in cases if cid.extends(c.group_id)]
+        if not cases:
+            raise ConfigError(f"case {case!r} is not in workload {wl.name!r} (case ids look like "
+                              f"{wl.name}/OP/LAYOUT/DIST/MxNxK/s+0+0)")
+        if cid not in [cases[0].group_id.with_scale(ea, eb) for ea, eb in wl.scan.scales]:
+            # else the scan would run the base scale, ignore it and say HEALTHY
+            raise ConfigError(f"case {case!r}: workload {wl.name!r} has no such scale (its scales: "
+                              f"{', '.join(scale_token(ea, eb) for ea, eb in wl.scan.scales)})")
+    return cases
+
+
+def preflight(devices: list[Device], ctx: ProbeContext) -> None:
+    """Refuse, before any work, a GEMM case that could not fit in a device's memory: the OOM
+    killer would end the scan with no report and no exit code of ours, and a CUDA out-of-memory
+    error half-way would mark a sound GPU ERROR. Two cases, two remedies: the device is too
+    small for the workload (lower its sizes), or other processes hold the memory now (retry
+    when the device is idle). Loading the workload and planning the cases refuses a bad
+    workload or ``--case`` on the way."""
+    config = ctx.config
+    for d in devices:
+        wl = workload_for(config, d)
+        big = max({c.shape for c in plan_cases(wl, config.seed, config.case)}, key=lambda s: case_bytes(s.m, s.n, s.k))
+        need = case_bytes(big.m, big.n, big.k)
+        short = memory_shortfall(d, need)
+        if short is not None:
+            remedy = "lower scan.max_tokens or the model's sizes" if short[0] == "small" else "run the scan when the device is idle"
+            raise ConfigError(f"workload {wl.name!r}: its largest GEMM ({big.op} {big.layout.value} {big.m}x{big.n}x{big.k}) "
+                              f"needs about {need / 2**30:.1f} GiB on {d.identity.id}, {short[1]}; {remedy}")
+
+
+def count_cases(devices: list[Device], config: ProbeConfig) -> int:
+    """The cases the probe will run (one progress "case" each) over ``devices``."""
+    total = 0
+    for d in devices:
+        wl = workload_for(config, d)
+        # a --case at a scale also runs the base scale it is checked against
+        n_scales = (1 if CaseId.parse(config.case).scale == (0, 0) else 2) if config.case else len(wl.scan.scales)
+        total += len(plan_cases(wl, config.seed, config.case)) * n_scales
+    return total
+
+
+@register("gemm", preflight=preflight, count_cases=count_cases)
+def gemm_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
+    """Checked training GEMMs across distributions and power-of-two scales."""
+    config = ctx.config
+    wl = workload_for(config, device)
+    ctx.stats["workload"] = wl.name
+    probe = GemmProbe(device, config.thresholds, reruns=config.reruns, fault=ctx.fault, keep_flagged=config.keep_flagged,
+                      on_case=lambda cid: ctx.progress("case", device=device.identity.id, case=cid))
+    evidence: list[Evidence] = []
+    for case in plan_cases(wl, config.seed, config.case):
+        evidence += probe.run(case, wl.scan.scales, only=config.case)
+    ctx.stats["gemm"] = probe.stats
+    ctx.captured.update(probe.flagged_runs)
+    return evidence
