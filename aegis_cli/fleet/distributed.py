@@ -25,6 +25,9 @@ from aegis_cli.backends.base import node_name
 from aegis_cli.fleet import compare
 from aegis_cli.fleet.history import History
 from aegis_cli.fleet.lock import SweepLock
+from aegis_cli.fleet.plan import plan_devices
+from aegis_cli.fleet.record import SweepOutcome, apply_policy, sweep_doc, write_exports
+from aegis_cli.fleet.workers import run_workers
 from aegis_cli.ops import files
 from aegis_cli.ops.errors import AegisError, DeviceError, LockError
 
@@ -131,8 +134,6 @@ def run_distributed(cfg, log, env: Mapping[str, str], stop=None):
     import torch
     import torch.distributed as dist
 
-    from aegis_cli.fleet.sweep import SweepOutcome, apply_policy, plan_devices, run_workers, sweep_doc, write_exports
-
     started = time.time()
     rank, world, local_rank, local_world = ranks(env)
     for k, v in (("RANK", rank), ("WORLD_SIZE", world)):
@@ -210,8 +211,6 @@ def run_distributed(cfg, log, env: Mapping[str, str], stop=None):
 def fleet_doc(cfg, devices: list[dict], comparison: dict, started: float, sources: list[str]) -> dict:
     """The fleet report: every device's report with its fleet verdict, the comparison and
     its outcome (CONSISTENT, ODD_ONE_OUT, INCONCLUSIVE, NOT_COMPARED)."""
-    from aegis_cli.fleet.sweep import sweep_doc
-
     doc = sweep_doc(cfg, devices, started) if cfg is not None else _bare_doc(devices)
     doc.pop("sweep", None)
     doc["kind"] = "fleet"

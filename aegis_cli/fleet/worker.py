@@ -24,7 +24,7 @@ from dataclasses import replace
 from aegis_cli import report as report_mod
 from aegis_cli.faults.spec import WORKER_MODELS, FaultPlan, parse_spec
 from aegis_cli.fleet.compare import PROBE_KEY, fingerprint_class
-from aegis_cli.fleet.sweep import log_line
+from aegis_cli.fleet.logs import log_line
 from aegis_cli.ops import files, provenance
 from aegis_cli.ops.errors import AegisError, ConfigError
 from aegis_cli.ops.verdict import worst
