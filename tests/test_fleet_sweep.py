@@ -42,7 +42,7 @@ def node_sweep(tmp_path_factory):
     """One sweep of 3 simulated devices: cpu:1 has a permanent exponent bit flip, cpu:2's
     worker hangs past its 6 s timeout."""
     tmp = tmp_path_factory.mktemp("node")
-    cfg = write_config(tmp, budget_seconds=40, device_timeout_seconds=6,
+    cfg = write_config(tmp, budget_seconds=40, device_timeout_seconds=6, drill=True,
                        inject="bitflip:bit=exp,device=cpu:1;hang:seconds=300,device=cpu:2",
                        actions={"on_quarantine": ["scontrol", "update", "nodename={host_short}", "state=drain", "reason=AEGIS: {reason}"],
                                 "on_readmit": ["true"]})
@@ -385,7 +385,7 @@ def test_policy_change_still_runs_the_readmit_action(tmp_path):
     # quarantined for FAULTY (permanent by default), two clean sweeps, then readmit_faulty turned
     # on: the device leaves quarantine, and its readmit command must run (it keyed on the old
     # results re-read under the new config, saw no change and left the node drained)
-    acts_on = {"on_quarantine": ["true"], "on_readmit": ["true", "{host_quarantined}"]}
+    acts_on = {"enabled": True, "on_quarantine": ["true"], "on_readmit": ["true", "{host_quarantined}"]}
     cfg = write_config(tmp_path, actions=acts_on, policy={"probation_sweeps": 2})
     _, acts = _apply(tmp_path, cfg, {"GPU-a": "FAULTY"})
     assert [a.event for a in acts] == ["quarantine"]
@@ -397,10 +397,13 @@ def test_policy_change_still_runs_the_readmit_action(tmp_path):
     assert acts[0].argv == ["true", "0"]
 
 
-def test_quarantine_action_runs_after_a_sweep_killed_before_its_actions(tmp_path):
+def test_quarantine_action_runs_after_a_sweep_killed_before_its_actions(tmp_path, monkeypatch):
     # the killed sweep's transaction landed (FAULTY recorded) but its drain never ran: the next
     # sweep read the device as already quarantined and never announced it
-    cfg = write_config(tmp_path, actions={"on_quarantine": ["drain", "{uuid}"]})
+    (tmp_path / "drain").write_text("#!/bin/sh\nexit 0\n")
+    (tmp_path / "drain").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    cfg = write_config(tmp_path, actions={"enabled": True, "on_quarantine": ["drain", "{uuid}"]})
     from tests.test_fleet_history import doc
 
     with History(load_config(cfg).history.path) as h:

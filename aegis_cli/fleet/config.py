@@ -58,7 +58,8 @@ class SweepConfig:
     prioritize: bool = True
     fingerprint_cases: int = 12
     lock_file: str = "/var/lib/aegis/sweep.lock"
-    inject: str | None = None  # self-test only: faults (and worker test hooks) to inject
+    inject: str | None = None  # self-test only: faults (and worker test hooks) to inject; records nothing
+    drill: bool = False  # with inject: record, quarantine and act as on a real finding (on a history of its own)
     history: HistoryConfig = field(default_factory=HistoryConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     exports: ExportsConfig = field(default_factory=ExportsConfig)
@@ -82,6 +83,20 @@ class SweepConfig:
             from aegis_cli.faults.spec import parse_spec
 
             parse_spec(self.inject, worker=True)
+
+    @property
+    def self_test(self) -> bool:
+        """Faults injected on purpose and no drill: history, actions and exports stay as they were."""
+        return bool(self.inject) and not self.drill
+
+    def worker_budget(self) -> float:
+        """The part of ``budget_seconds`` the workers may use: commands that will run keep up to
+        their timeout (at most half the budget), so a sweep whose devices use all their time
+        still drains a node."""
+        acts = self.actions
+        if self.self_test or not acts.enabled or not (acts.on_quarantine or acts.on_readmit):
+            return self.budget_seconds
+        return self.budget_seconds - min(acts.timeout_seconds, self.budget_seconds / 2)
 
     def _check_probes(self) -> None:
         """Refuse, before any worker starts, probes a worker cannot run: otherwise every device

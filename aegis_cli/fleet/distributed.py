@@ -170,7 +170,7 @@ def run_distributed(cfg, log, env: Mapping[str, str], stop=None):
         device_id, identity, worker_env = _local_device(local_rank, local_world, env)
         with History(cfg.history.path, busy_timeout=cfg.history.busy_timeout_seconds) as hist:
             (plan,) = plan_devices(cfg, [identity], hist.results([identity["uuid"]]), started)
-        (mine,) = run_workers(cfg, [plan], {device_id: identity}, started + cfg.budget_seconds, log, env=worker_env, stop=stop)
+        (mine,) = run_workers(cfg, [plan], {device_id: identity}, started + cfg.worker_budget(), log, env=worker_env, stop=stop)
         mine["rank"] = rank
         gathered = _all_gather_json(mine, coll)
         comparison = compare.compare(gathered)
@@ -179,13 +179,16 @@ def run_distributed(cfg, log, env: Mapping[str, str], stop=None):
         extra = {"rank": rank, "world_size": world, "backend": backend, "comparison": comparison["outcome"]}
         doc = sweep_doc(cfg, [fleet_devices[rank]], started, extra)
         fleet_code = compare.fleet_exit(fleet_devices, comparison["outcome"])
+        host = node_name()
+        peers = [d for i, d in enumerate(fleet_devices) if i != rank and d["device"].get("host") == host]
         with History(cfg.history.path, busy_timeout=cfg.history.busy_timeout_seconds) as hist:
-            # the node's other ranks record first: {host_quarantined} counts their devices
-            states, acts = apply_policy(cfg, hist, doc, log, rank=rank, world_size=world, export=False,
-                                        recorded=lambda: _barrier("waiting for the other ranks to record"))
+            # {host_quarantined} counts the node's other ranks' devices from their reports, so no rank
+            # may record before every rank has read the history
+            states, acts = apply_policy(cfg, hist, doc, log, deadline=started + cfg.budget_seconds, stop=stop, rank=rank,
+                                        world_size=world, export=False, peers=peers,
+                                        before_write=lambda: _barrier("waiting for the other ranks to read the history"))
         _barrier("waiting for every rank's policy")
         if local_rank == 0:
-            host = node_name()
             node_doc = sweep_doc(cfg, [d for d in fleet_devices if d["device"].get("host") == host], started, extra)
             with History(cfg.history.path, busy_timeout=cfg.history.busy_timeout_seconds) as hist:
                 write_exports(cfg, hist, node_doc, log)

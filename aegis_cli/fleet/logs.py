@@ -1,4 +1,5 @@
-"""The sweep's structured log lines (logfmt or JSON lines), shared by the sweep and its workers."""
+"""The sweep's structured log lines (logfmt or JSON lines), shared by the sweep and its workers,
+and how a sweep is told to stop."""
 
 from __future__ import annotations
 
@@ -6,8 +7,14 @@ import json
 import time
 from collections.abc import Callable
 
+from aegis_cli.ops.errors import AegisError
+
 Log = Callable[..., None]  # log(event, level="info", **fields)
 Stop = Callable[[], "str | None"]  # returns why the sweep must stop (e.g. "SIGTERM"), or None
+
+
+class SweepInterrupted(AegisError):
+    """The sweep was asked to stop (SIGTERM, SIGINT): workers and actions killed, nothing recorded."""
 
 
 def log_line(event: str, level: str = "info", fmt: str = "logfmt", **kv) -> str:

@@ -19,10 +19,10 @@ from aegis_cli.fleet import distributed
 from aegis_cli.fleet.config import SweepConfig, check_outputs, load_config
 from aegis_cli.fleet.history import History
 from aegis_cli.fleet.lock import SweepLock
-from aegis_cli.fleet.logs import Log, Stop, log_line
+from aegis_cli.fleet.logs import Log, Stop, SweepInterrupted, log_line
 from aegis_cli.fleet.plan import plan_devices
 from aegis_cli.fleet.record import SweepOutcome, apply_policy, sweep_doc
-from aegis_cli.fleet.workers import SweepInterrupted, run_workers
+from aegis_cli.fleet.workers import run_workers
 
 # the names the CLI takes from here (aegis sweep)
 __all__ = ["SweepConfig", "SweepInterrupted", "SweepOutcome", "load_config", "log_line", "run_sweep"]
@@ -47,11 +47,11 @@ def run_sweep(cfg: SweepConfig, log: Log | None = None, *, environ: dict[str, st
             identities = {d.identity.id: d.identity.to_dict() for d in resolve_devices(cfg.devices)}
             uuids = [i["uuid"] for i in identities.values()]
             plans = plan_devices(cfg, list(identities.values()), hist.results(uuids), started)
-            devices = run_workers(cfg, plans, identities, deadline, log, stop=stop)
+            devices = run_workers(cfg, plans, identities, started + cfg.worker_budget(), log, stop=stop)
             extra = {"plan": [{"device": p.device_id, "priority_cases": p.priority_cases, "probes": p.probes,
                                "past_failures": p.failures, "estimate_seconds": p.estimate} for p in plans]}
             doc = sweep_doc(cfg, devices, started, extra)
-            states, acts = apply_policy(cfg, hist, doc, log)
+            states, acts = apply_policy(cfg, hist, doc, log, deadline=deadline, stop=stop)
     log("sweep_done", exit_code=doc["exit_code"], seconds=round(time.time() - started, 2),
         verdicts=",".join(f"{d['device']['id']}={d['verdict']}" for d in devices))
     return SweepOutcome(doc, states, acts, doc["exit_code"])

@@ -18,13 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aegis_cli.fleet.config import SweepConfig
-from aegis_cli.fleet.logs import Log, Stop
+from aegis_cli.fleet.logs import Log, Stop, SweepInterrupted
 from aegis_cli.fleet.plan import DevicePlan
-from aegis_cli.ops.errors import AegisError
-
-
-class SweepInterrupted(AegisError):
-    """The sweep was asked to stop (SIGTERM, SIGINT): workers killed, nothing recorded."""
 
 
 @dataclass
