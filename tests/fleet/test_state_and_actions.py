@@ -44,7 +44,8 @@ def test_self_test_sweep_leaves_history_quarantine_list_and_metrics_as_they_were
     with History(tmp_path / "history.sqlite") as h:
         counts, results = h.counts(), h.results()
     out = run_sweep(load_config(write_config(tmp_path, actions=actions, inject="bitflip:bit=exp")))
-    assert out.exit_code == 2 and out.doc["fault_injected"] is True and out.actions == []
+    assert out.exit_code == 2, [(d["verdict"], d["error"]) for d in out.doc["devices"]]
+    assert out.doc["fault_injected"] is True and out.actions == []
     assert json.loads((tmp_path / "report.json").read_text())["fault_injected"] is True  # its own report, marked
     assert [(p.read_bytes(), p.stat().st_mtime_ns) for p in exports] == before
     with History(tmp_path / "history.sqlite") as h:
