@@ -183,43 +183,15 @@ def sweep(config_path, log_format, fmt):
               help="Mark the --device gone (replaced, RMA'd): it leaves the quarantine list until it reports results again.")
 def history(config_path, db, ident, since, fmt, retire):
     """A device's record: verdicts over time, failure rate with counts and a 95% bound, quarantine state."""
-    import csv as _csv
-    import io as _io
     import time as _time
 
-    from aegis_cli.fleet.history import History
-    from aegis_cli.fleet.policy import PolicyConfig, history_summary, parse_since
+    from aegis_cli.fleet.summary import history_csv, show_history
 
-    policy = PolicyConfig()
-    if config_path:
-        from aegis_cli.fleet.sweep import load_config
-
-        cfg = load_config(config_path)
-        db, policy = db or cfg.history.path, cfg.policy
-    if not db:
-        _fail("give --db PATH or --config SWEEP.YAML")
-    with History(db, create=False) as hist:
-        if retire is not None:
-            uuids = hist.resolve(ident) if ident else []
-            if len(uuids) != 1:
-                _fail(f"--retire needs --device naming exactly one device (it names {len(uuids)})")
-            hist.retire(uuids[0], retire or "retired by hand")
-            err_console.print(f"retired {uuids[0]}: off the quarantine list from the next export, until it reports again",
-                              highlight=False)
-        doc = history_summary(hist, policy, ident, parse_since(since, _time.time()))
-    if fmt == "json":
-        click.echo(report_mod.render(doc, "json"), nl=False)
-        return
-    rows = [r for d in doc["devices"] for r in d.get("results", [])] if ident else doc["devices"]
-    if fmt == "csv":
-        buf = _io.StringIO()
-        cols = (["ts", "uuid", "host", "device", "verdict", "workload", "evidence", "checks", "error"] if ident else
-                ["uuid", "serial", "name", "last_host", "last_id", "state", "sweeps", "failures", "summary", "last_verdict"])
-        w = _csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore", lineterminator="\n")
-        w.writeheader()
-        for r in rows:
-            w.writerow({k: (" ".join(map(str, v)) if isinstance(v, list) else v) for k, v in r.items()})
-        click.echo(buf.getvalue(), nl=False)
+    doc, retired = show_history(db, config_path, ident, since, retire)
+    if retired:
+        err_console.print(f"retired {retired}: off the quarantine list from the next export, until it reports again", highlight=False)
+    if fmt in ("json", "csv"):
+        click.echo(report_mod.render(doc, "json") if fmt == "json" else history_csv(doc), nl=False)
         return
     console = Console()
     t = Table(title=f"aegis history — {doc['database']}", title_justify="left")

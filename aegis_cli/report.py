@@ -148,7 +148,7 @@ def _json_default(o):
 
 
 CSV_COLUMNS = ["host", "device", "uuid", "name", "verdict", "workload", "gemms", "evidence", "first_check",
-               "first_case", "max_margin", "seconds", "error"]
+               "first_case", "max_margin", "seconds", "error", "fault_injected"]
 
 
 def to_csv(doc: dict) -> str:
@@ -165,7 +165,7 @@ def to_csv(doc: dict) -> str:
                     "gemms": (d["stats"] or {}).get("gemms", 0), "evidence": len(ev),
                     "first_check": ev[0]["check"] if ev else "", "first_case": ev[0]["case_id"] if ev else "",
                     "max_margin": f"{max(margins):.4g}" if margins else "", "seconds": d["timings"]["seconds"],
-                    "error": d["error"] or ""})
+                    "error": d["error"] or "", "fault_injected": "true" if doc.get("fault_injected") else "false"})
     return buf.getvalue()
 
 

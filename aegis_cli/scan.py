@@ -138,9 +138,6 @@ def preflight(opts: ScanOptions, devices: list[Device]) -> None:
             PREFLIGHTS[name](devices, ctx)
 
 
-# fleet/worker.py refuses a sweep worker's unfit workload by this name (it runs the same preflights)
-check_memory = preflight
-
 
 def check_savable(opts: ScanOptions, devices: list[Device]) -> None:
     """Refuse, before any work, GEMM cases whose vTasks no bundle could hold (capture.check_savable)."""

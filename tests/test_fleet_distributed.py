@@ -23,7 +23,7 @@ def free_port() -> int:
 
 
 def test_three_gloo_ranks_flag_exactly_the_faulty_rank(tmp_path):
-    cfg = write_config(tmp_path, devices="auto", inject="bitflip:bit=exp,device=cpu:2",
+    cfg = write_config(tmp_path, devices="auto", inject="bitflip:bit=exp,device=cpu:2", drill=True,
                        distributed={"fleet_report": "fleet.json", "timeout_seconds": 60})
     port, world = free_port(), 3
     t0 = time.time()

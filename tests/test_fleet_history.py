@@ -244,7 +244,7 @@ def test_fleet_wide_queries_take_thousands_of_devices(tmp_path):
     """A fleet's history names more devices than SQLite binds parameters in one statement
     (999 before 3.32): results and last events for long uuid lists are filtered in Python, in
     recording order, and ``aegis history``'s summary covers every device with its own rows."""
-    from aegis_cli.fleet.policy import history_summary
+    from aegis_cli.fleet.summary import history_summary
 
     n = 2 * hist_mod.MAX_BOUND_UUIDS + 7
     uuids = [f"GPU-{i:05d}" for i in range(n)]

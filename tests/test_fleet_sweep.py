@@ -17,8 +17,9 @@ import time
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from aegis_cli.fleet.config import load_config
 from aegis_cli.fleet.history import History, ResultRow
-from aegis_cli.fleet.sweep import load_config, plan_devices
+from aegis_cli.fleet.plan import plan_devices
 from aegis_cli.ops.errors import ConfigError
 from tests.fleet_helpers import aegis, env, start_sweep, wait_for, write_config
 
@@ -41,7 +42,7 @@ def node_sweep(tmp_path_factory):
     """One sweep of 3 simulated devices: cpu:1 has a permanent exponent bit flip, cpu:2's
     worker hangs past its 6 s timeout."""
     tmp = tmp_path_factory.mktemp("node")
-    cfg = write_config(tmp, budget_seconds=40, device_timeout_seconds=6,
+    cfg = write_config(tmp, budget_seconds=40, device_timeout_seconds=6, drill=True,
                        inject="bitflip:bit=exp,device=cpu:1;hang:seconds=300,device=cpu:2",
                        actions={"on_quarantine": ["scontrol", "update", "nodename={host_short}", "state=drain", "reason=AEGIS: {reason}"],
                                 "on_readmit": ["true"]})
@@ -243,16 +244,17 @@ def test_plan_prioritises_failed_devices_and_cases_when_budget_short(tmp_path):
 def test_priority_cases_run_first_and_survive_a_timeout(tmp_path):
     """A budget too short for the full scan: the previously failing case runs first, its
     FAULTY finding stands although the worker is then killed."""
-    from aegis_cli.fleet import sweep as sweep_mod
+    from aegis_cli.fleet import plan as plan_mod
+    from aegis_cli.fleet import workers as workers_mod
 
     cfg = load_config(write_config(tmp_path, devices="cpu:1", device_timeout_seconds=30, inject="bitflip:bit=exp,device=cpu:1"))
     case = "fleet-tiny/mlp_down/fwd/normal/64x64x128/s+0+0"
     ident = {"id": "cpu:1", "uuid": "U1", "host": "h", "backend": "cpu", "index": 1, "name": "cpu"}
-    plan = sweep_mod.DevicePlan("cpu:1", "U1", [case], ["gemm"], 1, 99.0)
+    plan = plan_mod.DevicePlan("cpu:1", "U1", [case], ["gemm"], 1, 99.0)
     os.environ["AEGIS_CPU_DEVICES"] = "2"
     try:
         cfg.inject = "bitflip:bit=exp,device=cpu:1"
-        docs = sweep_mod.run_workers(cfg, [plan], {"cpu:1": ident}, time.time() + 60, lambda *a, **k: None)
+        docs = workers_mod.run_workers(cfg, [plan], {"cpu:1": ident}, time.time() + 60, lambda *a, **k: None)
     finally:
         del os.environ["AEGIS_CPU_DEVICES"]
     (doc,) = docs
@@ -369,7 +371,7 @@ def test_priority_case_caught_again_is_not_lost(tmp_path):
 
 def _apply(tmp_path, cfg_path, verdicts: dict[str, str], logs: list | None = None):
     """One sweep's worth of results through the policy, as apply_policy records them."""
-    from aegis_cli.fleet.sweep import apply_policy
+    from aegis_cli.fleet.record import apply_policy
     from tests.test_fleet_history import doc
 
     cfg = load_config(cfg_path)
@@ -383,7 +385,7 @@ def test_policy_change_still_runs_the_readmit_action(tmp_path):
     # quarantined for FAULTY (permanent by default), two clean sweeps, then readmit_faulty turned
     # on: the device leaves quarantine, and its readmit command must run (it keyed on the old
     # results re-read under the new config, saw no change and left the node drained)
-    acts_on = {"on_quarantine": ["true"], "on_readmit": ["true", "{host_quarantined}"]}
+    acts_on = {"enabled": True, "on_quarantine": ["true"], "on_readmit": ["true", "{host_quarantined}"]}
     cfg = write_config(tmp_path, actions=acts_on, policy={"probation_sweeps": 2})
     _, acts = _apply(tmp_path, cfg, {"GPU-a": "FAULTY"})
     assert [a.event for a in acts] == ["quarantine"]
@@ -395,10 +397,13 @@ def test_policy_change_still_runs_the_readmit_action(tmp_path):
     assert acts[0].argv == ["true", "0"]
 
 
-def test_quarantine_action_runs_after_a_sweep_killed_before_its_actions(tmp_path):
+def test_quarantine_action_runs_after_a_sweep_killed_before_its_actions(tmp_path, monkeypatch):
     # the killed sweep's transaction landed (FAULTY recorded) but its drain never ran: the next
     # sweep read the device as already quarantined and never announced it
-    cfg = write_config(tmp_path, actions={"on_quarantine": ["drain", "{uuid}"]})
+    (tmp_path / "drain").write_text("#!/bin/sh\nexit 0\n")
+    (tmp_path / "drain").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    cfg = write_config(tmp_path, actions={"enabled": True, "on_quarantine": ["drain", "{uuid}"]})
     from tests.test_fleet_history import doc
 
     with History(load_config(cfg).history.path) as h:
@@ -484,7 +489,7 @@ def test_fingerprint_class_separates_aegis_versions():
 
 
 def test_retired_gpu_leaves_the_quarantine_list_until_it_reports_again(tmp_path):
-    from aegis_cli.fleet.sweep import write_exports
+    from aegis_cli.fleet.record import write_exports
 
     cfg_path = write_config(tmp_path)
     _apply(tmp_path, cfg_path, {"GPU-a": "FAULTY", "GPU-b": "HEALTHY"})

@@ -3,19 +3,27 @@ node_exporter, and an optional command per quarantined / re-admitted device.
 
 Commands are argument lists (no shell) built from templates with ``{placeholder}``
 fields (PLACEHOLDERS); they only run when ``actions.enabled`` is true, otherwise each is
-recorded as a dry run. A command runs when a device *changes* state (quarantine or
-re-admission), not on every sweep. Every file is written atomically.
+recorded as a dry run. A command runs when a device's quarantine differs from what a
+command last *did* for it (quarantine or re-admission), not on every sweep: a dry run, a
+command that failed or one the budget left no time for stays pending and runs again at the
+next sweep, until it succeeds. Each runs in its own process group, killed with it at its
+timeout, at the sweep's deadline or when the sweep is stopped. Every file is written atomically.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import string
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 
 from aegis_cli.backends.base import node_name
+from aegis_cli.fleet.logs import Stop, SweepInterrupted
 from aegis_cli.fleet.policy import ACTIVE, DeviceState, check_positive, wilson
 from aegis_cli.ops.errors import ConfigError
 from aegis_cli.ops.files import atomic_write
@@ -62,6 +70,12 @@ class ActionRecord:
         return {"uuid": self.uuid, "event": self.event, "argv": self.argv, "executed": self.executed,
                 "returncode": self.returncode, "output": self.output}
 
+    @property
+    def done(self) -> bool:
+        """The event took effect: its command succeeded, or none is configured for it. A dry run,
+        a failure or a command not run stays pending and is tried again at the next sweep."""
+        return self.argv is None or (self.executed and self.returncode == 0)
+
 
 def render_argv(template: list[str], fields: dict[str, str]) -> list[str]:
     return [arg.format_map(fields) for arg in template]
@@ -75,9 +89,12 @@ def device_fields(dev: dict, st: DeviceState, event: str) -> dict[str, str]:
             "host_quarantined": str(dev.get("host_quarantined", 0))}
 
 
-def run_actions(cfg: ActionsConfig, changes: list[tuple[dict, DeviceState, str]]) -> list[ActionRecord]:
-    """Run (or dry-run) the command for each (device dict, new state, event) change. Every
-    change gets a record, with no command too: the history's record of what was announced."""
+def run_actions(cfg: ActionsConfig, changes: list[tuple[dict, DeviceState, str]], *, deadline: float | None = None,
+                stop: Stop | None = None) -> list[ActionRecord]:
+    """Run (or dry-run) the command for each (device dict, new state, event) change, one after
+    another, each within its timeout and the sweep's ``deadline``. Every change gets a record,
+    with no command too: the history's record of what was announced. Raises SweepInterrupted
+    (the running command killed) when ``stop()`` says so."""
     out = []
     for dev, st, event in changes:
         template = cfg.on_quarantine if event == "quarantine" else cfg.on_readmit
@@ -85,19 +102,49 @@ def run_actions(cfg: ActionsConfig, changes: list[tuple[dict, DeviceState, str]]
             out.append(ActionRecord(dev["uuid"], event, None, executed=False))
             continue
         argv = render_argv(template, device_fields(dev, st, event))
-        rec = ActionRecord(dev["uuid"], event, argv, executed=cfg.enabled)
+        rec = ActionRecord(dev["uuid"], event, argv, executed=False)
         if cfg.enabled:
-            try:
-                p = subprocess.run(argv, shell=False, capture_output=True, text=True, timeout=cfg.timeout_seconds, check=False)
-                rec.returncode, rec.output = p.returncode, (p.stdout + p.stderr)[-2000:]
-            except FileNotFoundError:
-                rec.output = f"command not found: {argv[0]}"
-            except subprocess.TimeoutExpired:
-                rec.output = f"timed out after {cfg.timeout_seconds:g} s"
-            except OSError as exc:
-                rec.output = f"could not run {argv[0]}: {exc.strerror}"
+            timeout = cfg.timeout_seconds if deadline is None else min(cfg.timeout_seconds, deadline - time.time())
+            if timeout <= 0:
+                rec.output = "not run: the sweep's time budget ran out (runs at the next sweep)"
+            else:
+                rec.executed = True
+                rec.returncode, rec.output = run_command(argv, timeout, stop)
         out.append(rec)
     return out
+
+
+def run_command(argv: list[str], timeout: float, stop: Stop | None = None) -> tuple[int | None, str]:
+    """(exit status or None, the tail of its output) of ``argv`` run without a shell in a process
+    group of its own: at ``timeout`` the whole group is killed, so no child it started lives on."""
+    with tempfile.TemporaryFile() as out:
+        try:
+            proc = subprocess.Popen(argv, shell=False, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        except FileNotFoundError:
+            return None, f"command not found: {argv[0]}"
+        except OSError as exc:
+            return None, f"could not run {argv[0]}: {exc.strerror}"
+        end, timed_out = time.monotonic() + timeout, False
+        try:
+            while proc.poll() is None:
+                why = stop() if stop else None
+                if why:
+                    raise SweepInterrupted(f"sweep stopped by {why} while running {argv[0]} (killed), nothing of this sweep recorded")
+                if time.monotonic() >= end:
+                    timed_out = True
+                    break
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=min(0.05, max(0.0, end - time.monotonic())))
+        finally:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)  # its children too, even when it exited first
+            proc.wait()
+        out.seek(0)
+        text = out.read()[-2000:].decode("utf-8", errors="replace")
+    if timed_out:
+        return None, f"timed out after {timeout:g} s; killed with its process group" + (f": {text}" if text else "")
+    return proc.returncode, text
 
 
 def transitions(was_quarantined: dict[str, bool], after: dict[str, DeviceState]) -> dict[str, str]:

@@ -25,6 +25,9 @@ from aegis_cli.backends.base import node_name
 from aegis_cli.fleet import compare
 from aegis_cli.fleet.history import History
 from aegis_cli.fleet.lock import SweepLock
+from aegis_cli.fleet.plan import plan_devices
+from aegis_cli.fleet.record import SweepOutcome, apply_policy, sweep_doc, write_exports
+from aegis_cli.fleet.workers import run_workers
 from aegis_cli.ops import files
 from aegis_cli.ops.errors import AegisError, DeviceError, LockError
 
@@ -131,8 +134,6 @@ def run_distributed(cfg, log, env: Mapping[str, str], stop=None):
     import torch
     import torch.distributed as dist
 
-    from aegis_cli.fleet.sweep import SweepOutcome, apply_policy, plan_devices, run_workers, sweep_doc, write_exports
-
     started = time.time()
     rank, world, local_rank, local_world = ranks(env)
     for k, v in (("RANK", rank), ("WORLD_SIZE", world)):
@@ -169,7 +170,7 @@ def run_distributed(cfg, log, env: Mapping[str, str], stop=None):
         device_id, identity, worker_env = _local_device(local_rank, local_world, env)
         with History(cfg.history.path, busy_timeout=cfg.history.busy_timeout_seconds) as hist:
             (plan,) = plan_devices(cfg, [identity], hist.results([identity["uuid"]]), started)
-        (mine,) = run_workers(cfg, [plan], {device_id: identity}, started + cfg.budget_seconds, log, env=worker_env, stop=stop)
+        (mine,) = run_workers(cfg, [plan], {device_id: identity}, started + cfg.worker_budget(), log, env=worker_env, stop=stop)
         mine["rank"] = rank
         gathered = _all_gather_json(mine, coll)
         comparison = compare.compare(gathered)
@@ -178,13 +179,16 @@ def run_distributed(cfg, log, env: Mapping[str, str], stop=None):
         extra = {"rank": rank, "world_size": world, "backend": backend, "comparison": comparison["outcome"]}
         doc = sweep_doc(cfg, [fleet_devices[rank]], started, extra)
         fleet_code = compare.fleet_exit(fleet_devices, comparison["outcome"])
+        host = node_name()
+        peers = [d for i, d in enumerate(fleet_devices) if i != rank and d["device"].get("host") == host]
         with History(cfg.history.path, busy_timeout=cfg.history.busy_timeout_seconds) as hist:
-            # the node's other ranks record first: {host_quarantined} counts their devices
-            states, acts = apply_policy(cfg, hist, doc, log, rank=rank, world_size=world, export=False,
-                                        recorded=lambda: _barrier("waiting for the other ranks to record"))
+            # {host_quarantined} counts the node's other ranks' devices from their reports, so no rank
+            # may record before every rank has read the history
+            states, acts = apply_policy(cfg, hist, doc, log, deadline=started + cfg.budget_seconds, stop=stop, rank=rank,
+                                        world_size=world, export=False, peers=peers,
+                                        before_write=lambda: _barrier("waiting for the other ranks to read the history"))
         _barrier("waiting for every rank's policy")
         if local_rank == 0:
-            host = node_name()
             node_doc = sweep_doc(cfg, [d for d in fleet_devices if d["device"].get("host") == host], started, extra)
             with History(cfg.history.path, busy_timeout=cfg.history.busy_timeout_seconds) as hist:
                 write_exports(cfg, hist, node_doc, log)
@@ -210,8 +214,6 @@ def run_distributed(cfg, log, env: Mapping[str, str], stop=None):
 def fleet_doc(cfg, devices: list[dict], comparison: dict, started: float, sources: list[str]) -> dict:
     """The fleet report: every device's report with its fleet verdict, the comparison and
     its outcome (CONSISTENT, ODD_ONE_OUT, INCONCLUSIVE, NOT_COMPARED)."""
-    from aegis_cli.fleet.sweep import sweep_doc
-
     doc = sweep_doc(cfg, devices, started) if cfg is not None else _bare_doc(devices)
     doc.pop("sweep", None)
     doc["kind"] = "fleet"

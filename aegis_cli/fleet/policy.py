@@ -180,36 +180,3 @@ def parse_since(text: str | None, now: float) -> float | None:
     except ValueError:
         raise ConfigError(f"--since {text!r}: use a duration like 30d, 12h, 90m or an ISO date (2025-01-31)") from None
     return (dt if dt.tzinfo else dt.replace(tzinfo=timezone.utc)).timestamp()
-
-
-def history_summary(hist, cfg: PolicyConfig, ident: str | None = None, since: float | None = None) -> dict:
-    """What ``aegis history`` shows: per device, its policy state (over the whole history),
-    its failure rate with counts and a Wilson bound over the ``since`` window, and — for one
-    device — every result in the window and the actions taken."""
-    from aegis_cli.ops.errors import HistoryError
-
-    devices = {d["uuid"]: d for d in hist.devices()}
-    uuids = list(devices)
-    if ident:
-        uuids = hist.resolve(ident)
-        if not uuids:
-            raise HistoryError(f"no device matching {ident!r} in {hist.path} (give a UUID, a serial, a UUID prefix or an id like cuda:0)")
-    by = by_device(hist.results(uuids if ident else None))  # one pass: fleets have thousands of devices
-    states = {u: evaluate(u, rs, cfg) for u, rs in by.items()}
-    live = drop_retired(states, hist.retired())
-    out = []
-    for u in uuids:
-        rows = [r for r in by.get(u, ()) if since is None or r.ts >= since]
-        k = sum(r.verdict in ("SUSPECT", "FAULTY") for r in rows)
-        lo, hi = wilson(k, len(rows))
-        st = states.get(u, DeviceState(u))
-        state = st.state if u in live or u not in states else "RETIRED"
-        entry = {**devices.get(u, {"uuid": u}), "state": state, "reason": st.reason, "clean_streak": st.clean_streak,
-                 "sweeps": len(rows), "failures": k, "counts": {v: sum(r.verdict == v for r in rows) for v in st.counts},
-                 "failure_rate_95": [lo, hi], "summary": rate_text(k, len(rows)),
-                 "last_verdict": rows[-1].verdict if rows else None, "last_ts": rows[-1].ts if rows else None}
-        if ident:
-            entry["results"] = [r.to_dict() for r in rows]
-            entry["actions"] = hist.actions(u)
-        out.append(entry)
-    return {"database": str(hist.path), "since": since, "devices": out}

@@ -24,7 +24,7 @@ from dataclasses import replace
 from aegis_cli import report as report_mod
 from aegis_cli.faults.spec import WORKER_MODELS, FaultPlan, parse_spec
 from aegis_cli.fleet.compare import PROBE_KEY, fingerprint_class
-from aegis_cli.fleet.sweep import log_line
+from aegis_cli.fleet.logs import log_line
 from aegis_cli.ops import files, provenance
 from aegis_cli.ops.errors import AegisError, ConfigError
 from aegis_cli.ops.verdict import worst
@@ -49,7 +49,7 @@ def _die_with_parent() -> None:
 def fleet_fingerprints(device, wl, seed: int, fault: FaultPlan | None, limit: int) -> dict[str, str]:
     """Output and accumulator-checksum fingerprints of the first ``limit`` seeded cases at
     scale (0, 0): the same bits on every identical device (compared by fleet/compare.py)."""
-    from aegis_cli.scan import plan_cases
+    from aegis_cli.probes.gemm_scan import plan_cases
 
     out = {}
     for case in plan_cases(wl, seed)[:limit]:
@@ -62,7 +62,8 @@ def fleet_fingerprints(device, wl, seed: int, fault: FaultPlan | None, limit: in
 def run(spec: dict) -> dict:
     from aegis_cli.backends import resolve_devices
     from aegis_cli.probes import load_all
-    from aegis_cli.scan import ScanOptions, check_memory, scan_device, workload_for
+    from aegis_cli.probes.gemm_scan import workload_for
+    from aegis_cli.scan import ScanOptions, preflight, scan_device
 
     device_id = spec["device"]
     hooks, faults, slots = [], [], []
@@ -86,7 +87,7 @@ def run(spec: dict) -> dict:
     inject = ";".join(str(f) for f in faults) or None
     opts = ScanOptions(devices=device_id, workload=spec.get("workload"), seed=spec.get("seed", 0), reruns=spec.get("reruns", 3),
                        inject=inject, probes=tuple(spec.get("probes") or ("gemm",)), command_line=spec.get("command_line", []))
-    check_memory(opts, [device])  # a workload that cannot fit: one line, exit 3, before any work
+    preflight(opts, [device])  # a workload that cannot fit: one line, exit 3, before any work
     plan = FaultPlan(faults, slots=slots) if faults else None
     quiet = lambda *a, **k: None
     priority = {"cases": list(spec.get("priority_cases") or []), "verdicts": {}}
@@ -114,7 +115,7 @@ def run(spec: dict) -> dict:
     log("scanned", device=device_id, verdict=dr.verdict.value, seconds=round(time.time() - t0, 2))
     limit = int(spec.get("fingerprint_cases", 12))
     if limit > 0 and dr.verdict.value != "ERROR":
-        wl = workload_for(opts, device)
+        wl = workload_for(opts.probe_config(), device)
         try:
             fps = fleet_fingerprints(device, wl, opts.seed, plan and plan.for_device(device_id), limit)
             doc["probes"][PROBE_KEY] = {"class": fingerprint_class(doc["device"], provenance.versions(), report_mod.kernel_hashes(),

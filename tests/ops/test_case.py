@@ -13,7 +13,7 @@ from aegis_cli.ops.workloads import load
 from aegis_cli.probes import case_probe, determinism, load_all, pow2
 from aegis_cli.probes.computations import COMPUTATIONS, sizes_for
 from aegis_cli.probes.crossdevice import case_ids as crossdevice_ids
-from aegis_cli.scan import plan_cases
+from aegis_cli.probes.gemm_scan import plan_cases
 from tests.helpers import run_cli
 
 
