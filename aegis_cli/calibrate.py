@@ -1,4 +1,4 @@
-"""Calibration and sensitivity studies (DESIGN §2.1).
+"""Calibration and sensitivity studies (docs/design.md §3).
 
 - ``clean_distribution``: run clean checked GEMMs and record the distribution of the
   normalised checksum differences; the margin is threshold ÷ largest clean value.

@@ -17,6 +17,7 @@ from rich.table import Table
 
 from aegis_cli import render
 from aegis_cli import report as report_mod
+from aegis_cli.backends.threads import apply_thread_policy
 from aegis_cli.ops import files, provenance
 from aegis_cli.ops.errors import AegisError, ExitCode
 from aegis_cli.probes import DEFAULT_PROBES, DEFAULT_RERUNS
@@ -76,6 +77,7 @@ def scan(devices, workload, seed, case, reruns, inject, save_vtasks, probes, gol
     """Scan this node's devices with checked training-shaped GEMMs and print a verdict per device."""
     from aegis_cli.scan import ScanOptions, run_scan, scan_thresholds
 
+    apply_thread_policy()
     opts = ScanOptions(devices=devices, workload=workload, seed=seed, reruns=reruns, inject=inject, case=case,
                        probes=tuple(p.strip() for p in probes.split(",") if p.strip()), golden=golden,
                        thresholds=scan_thresholds(threshold, confirm_margin), command_line=["aegis", *sys.argv[1:]], keep_flagged=bool(save_vtasks))
@@ -128,6 +130,7 @@ def replay(bundles, devices, repeat, scales, inject, max_bundle_size, fmt, outpu
     """Replay the vTasks of bundles (aegis scan --save-vtasks) and say where the fault lies."""
     from aegis_cli.vtask.replay import ReplayOptions, parse_scales, run_replay
 
+    apply_thread_policy()
     opts = ReplayOptions(bundles=list(bundles), devices=devices, repeat=repeat, scales=parse_scales(scales), inject=inject,
                          max_bundle_bytes=max_bundle_size, command_line=["aegis", *sys.argv[1:]])
     rep = render.run_with_progress(run_replay, opts, inject, quiet)
@@ -240,6 +243,7 @@ def golden_record(devices, seed, output):
     from aegis_cli.backends import resolve_devices
     from aegis_cli.probes import golden_file as golden_mod
 
+    apply_thread_policy()
     doc = golden_mod.record(resolve_devices(devices), golden_mod.GOLDEN_SEED if seed is None else seed)
     golden_mod.save(doc, output)
     render.golden_table(Console(stderr=True), doc, output)

@@ -1,7 +1,7 @@
 // gemm_mma.cu — portable checked GEMM on tensor cores via mma.sync (v1, sm_80+).
 //
 // C[M,N] = A[M,K]·B[K,N]: bf16 operands, fp32 accumulation, bf16 output, plus the
-// fp32-accumulator checksums of DESIGN §2.1 taken in the epilogue *before* rounding:
+// fp32-accumulator checksums of docs/design.md §2.2 taken in the epilogue *before* rounding:
 //   row_sums[i, t] = Σ_{j in column tile t} acc[i, j]      (M, ceil(N/128))
 //   col_sums[t, j] = Σ_{i in row tile t}    acc[i, j]      (ceil(M/64), N)
 // i.e. checksum tiles of 64 rows x 128 columns (a CTA computes two of them, one per warp

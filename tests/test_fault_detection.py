@@ -1,4 +1,4 @@
-"""Self-tests (DESIGN §4): every GEMM fault model is caught when it changes a result beyond
+"""Self-tests (docs/design.md §9): every GEMM fault model is caught when it changes a result beyond
 the calibrated noise, and the evidence points at the injected element, row, tile or SM."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Launches go through the one loader/launcher (loader.py) on torch's current strea
 kernel parameters packed here (the TMA descriptors are passed by value as ``__grid_constant__``).
 Who the device is (NVML, MIG) lives in cuda_identity.py.
 
-Fault injection (DESIGN §4): accumulator faults run in the ``AEGIS_INJECT`` build of the
+Fault injection (docs/design.md §9): accumulator faults run in the ``AEGIS_INJECT`` build of the
 same kernel, so the fused checksums see them as they would see hardware; faults/kernel_params.py
 turns the FaultPlan into that build's parameter block. Operand (target=a|b) and output
 (target=out) faults reuse faults/tensor.py on host copies.

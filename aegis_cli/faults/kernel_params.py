@@ -1,4 +1,4 @@
-"""Accumulator faults packed for the CUDA GEMM kernels' ``AEGIS_INJECT`` build (DESIGN §4).
+"""Accumulator faults packed for the CUDA GEMM kernels' ``AEGIS_INJECT`` build (docs/design.md §9).
 
 The kernels read one ``InjectParams`` block (kernels/common.cuh) by value: per-element edits
 (XOR, set or add on the fp32 accumulator, sorted into CSR by checksum tile), a mode per

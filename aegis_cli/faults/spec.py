@@ -1,4 +1,4 @@
-"""Fault models for self-tests and ``aegis scan --inject`` (DESIGN §4).
+"""Fault models for self-tests and ``aegis scan --inject`` (docs/design.md §9).
 
 Grammar (docs/fault-injection.md)::
 

@@ -1,4 +1,4 @@
-"""Fleet sweeps (DESIGN §1, §5): scheduled node sweeps with one worker per device,
+"""Fleet sweeps (docs/fleet.md, docs/architecture.md): scheduled node sweeps with one worker per device,
 per-GPU history in SQLite, a quarantine policy with exports, and cross-device comparison
 over torch.distributed or by merging per-node reports. Library code: never prints or exits.
 
@@ -16,4 +16,5 @@ over torch.distributed or by merging per-node reports. Library code: never print
     sweep.py        the node sweep itself (lock, history, plan, workers, record)
     distributed.py  torchrun/srun mode: all-gather, rank 0 writes the fleet report
     merge.py        `aegis report FILES…`: per-node reports → one fleet table
+    summary.py      `aegis history`: a device's record as a table, JSON or CSV
 """

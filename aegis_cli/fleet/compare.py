@@ -1,4 +1,4 @@
-"""Cross-device comparison (DESIGN §2.3): the same seeded workload on identical devices
+"""Cross-device comparison (docs/design.md §4.1): the same seeded workload on identical devices
 must give the same bits, so the device whose fingerprints disagree with the majority is
 the odd one out.
 

@@ -1,4 +1,4 @@
-"""Cross-node comparison over torch.distributed (DESIGN §2.3, §5).
+"""Cross-node comparison over torch.distributed (docs/design.md §4.1, docs/fleet.md).
 
 When ``aegis sweep`` is launched by torchrun (RANK, WORLD_SIZE, MASTER_ADDR set; under
 srun, export MASTER_ADDR/MASTER_PORT and SLURM_PROCID/SLURM_NTASKS/SLURM_LOCALID stand in),

@@ -1,4 +1,4 @@
-"""Per-device history in an embedded SQLite database (DESIGN §1: track per physical GPU).
+"""Per-device history in an embedded SQLite database (docs/design.md §1: track per physical GPU).
 
 Rows are keyed by the device UUID (and serial where the backend knows it), never by the
 hostname: a GPU moved to another node keeps its record. One sweep is one transaction, so

@@ -1,4 +1,4 @@
-"""Quarantine policy evaluated on a device's history (DESIGN §1: faults come back).
+"""Quarantine policy evaluated on a device's history (docs/design.md §1: faults come back).
 
 A device is ACTIVE, QUARANTINED or on PROBATION (quarantined, with some clean sweeps
 since its last bad one). Walking its results oldest first:

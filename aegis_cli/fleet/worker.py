@@ -22,6 +22,7 @@ import time
 from dataclasses import replace
 
 from aegis_cli import report as report_mod
+from aegis_cli.backends.threads import apply_thread_policy
 from aegis_cli.faults.spec import WORKER_MODELS, FaultPlan, parse_spec
 from aegis_cli.fleet.compare import PROBE_KEY, fingerprint_class
 from aegis_cli.fleet.logs import log_line
@@ -147,6 +148,7 @@ def main(argv: list[str]) -> int:
         spec = json.load(fh)
     log("worker_start", device=spec["device"], pid=os.getpid())
     try:
+        apply_thread_policy()  # its share of the cores (AEGIS_THREADS from the sweep)
         doc = run(spec)
     except AegisError as exc:
         print(f"Error: {exc}", file=sys.stderr, flush=True)

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from aegis_cli.backends import threads
 from aegis_cli.fleet.config import SweepConfig
 from aegis_cli.fleet.logs import Log, Stop, SweepInterrupted
 from aegis_cli.fleet.plan import DevicePlan
@@ -73,12 +74,15 @@ def run_workers(cfg: SweepConfig, plans: list[DevicePlan], identities: dict[str,
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _worker_env(extra: dict[str, str] | None) -> dict[str, str]:
+def _worker_env(extra: dict[str, str] | None, workers: int) -> dict[str, str]:
     """The worker's environment: it must import the aegis this sweep runs. ``python -m`` puts
     the working directory first on sys.path, so workers start in their temp folder (an old
     checkout in the sweep's directory would otherwise shadow the installed package), with the
-    running package's root and absolute PYTHONPATH entries in front."""
+    running package's root and absolute PYTHONPATH entries in front. Workers running side by
+    side divide the cores between them (backends/threads.py) unless the operator set a count."""
     env = {**os.environ, **(extra or {}), "AEGIS_SWEEP_PID": str(os.getpid())}
+    if not env.get("AEGIS_THREADS", "").strip() and not env.get("OMP_NUM_THREADS", "").strip():
+        env["AEGIS_THREADS"] = str(threads.share(workers, env))
     root = str(Path(__file__).resolve().parents[2])
     paths = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys([root, *paths]))
@@ -112,7 +116,7 @@ def _run_workers(cfg: SweepConfig, plans: list[DevicePlan], identities: dict[str
                 with open(w.errlog, "wb") as errfh:
                     w.proc = subprocess.Popen([sys.executable, "-m", "aegis_cli.fleet.worker", spec_path], stdin=subprocess.DEVNULL,
                                               stdout=subprocess.DEVNULL, stderr=errfh, start_new_session=True, cwd=tmp,
-                                              env=_worker_env(env))
+                                              env=_worker_env(env, limit))
                 w.started = now
                 w.deadline = min(now + cfg.device_timeout_seconds, deadline)
                 running.append(w)

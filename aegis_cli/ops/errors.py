@@ -1,7 +1,7 @@
 """The AegisError family and the exit-code contract.
 
 The library raises these; only the CLI turns them into one ``Error: ...`` line and an
-exit code (monitoring-plugin convention, DESIGN §3).
+exit code (monitoring-plugin convention, docs/design.md §7.3).
 """
 
 from __future__ import annotations

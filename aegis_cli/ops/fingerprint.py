@@ -1,4 +1,4 @@
-"""Bitwise tensor fingerprints (DESIGN §2.3), CPU implementation (docs/fingerprints.md).
+"""Bitwise tensor fingerprints (docs/design.md §4.2), CPU implementation (docs/fingerprints.md).
 
 A tensor's bytes, in contiguous row-major order, are read as little-endian 64-bit words
 (the last one zero-padded)::

@@ -81,7 +81,7 @@ class ReferenceChecksums:
 
     row[i, t] = Σ_k A[i, k] · (Σ_{j in tile t} B[k, j]);  row_scale the same with |A|, |B|
     col[t, j] = Σ_k (Σ_{i in tile t} A[i, k]) · B[k, j];  col_scale likewise
-    The scales are the magnitudes the sums are made of (DESIGN §2.1 normalisation).
+    The scales are the magnitudes the sums are made of (docs/design.md §2.4).
     floor is the absolute difference the bottom of the fp32 range alone can make (subnormals
     flushed to zero on FTZ devices, or rounded); it does not scale with the inputs.
     """

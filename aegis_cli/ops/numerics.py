@@ -1,4 +1,4 @@
-"""Checksums, normalisation, thresholds and power-of-two scaling (DESIGN §2.1, §2.3).
+"""Checksums, normalisation, thresholds and power-of-two scaling (docs/design.md §2, §3, §5).
 
 Everything here is device-agnostic torch: it runs where the tensors live, so the CUDA
 backend reuses it for the comparison side. The reference side of a checksum is fp64.

@@ -1,4 +1,4 @@
-"""Evidence → verdict (DESIGN §3).
+"""Evidence → verdict (docs/design.md §7).
 
 HEALTHY  every check ran and stayed inside calibrated noise
 SUSPECT  an unconfirmed signal (a flag that did not reproduce the way corruption would)

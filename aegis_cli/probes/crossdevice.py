@@ -1,4 +1,4 @@
-"""The cross-device probe (DESIGN §2.3): the same seeded workload on every device of the node.
+"""The cross-device probe (docs/design.md §4.1): the same seeded workload on every device of the node.
 
 A node probe: it runs after the per-device probes with all scanned devices. Each device
 draws the same seeded inputs and runs the same canonical computations (_common); inputs and

@@ -1,4 +1,4 @@
-"""The determinism probe (DESIGN §2.3): the same computation, N times, identical inputs.
+"""The determinism probe (docs/design.md §4.1): the same computation, N times, identical inputs.
 
 Every canonical computation (_common.COMPUTATIONS: our checked GEMM, torch.matmul, SDPA
 forward and backward, RMSNorm, GeLU, SiLU) runs ``runs`` times on one set of seeded

@@ -9,7 +9,7 @@ the file has no record for a device's key).
                     wrong bits every time (a device wrong the same way every time), or runs
                     that differ among themselves, a bitwise mismatch between runs of a
                     computation recorded only because it is deterministic on a healthy device
-                    (DESIGN §3, as in the determinism probe), even when later runs return to the
+                    (docs/design.md §7, as in the determinism probe), even when later runs return to the
                     golden bits. Differing blocks (golden block fingerprints) localise it to
                     element ranges.
 """

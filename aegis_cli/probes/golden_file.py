@@ -1,4 +1,4 @@
-"""Golden fingerprints: canonical workloads recorded on a known-good GPU (DESIGN §2.3).
+"""Golden fingerprints: canonical workloads recorded on a known-good GPU (docs/design.md §4.1).
 
 A GPU that is wrong the same way every time passes the determinism probe and, alone in its
 node, the cross-device probe; only a comparison with a result recorded elsewhere sees it.

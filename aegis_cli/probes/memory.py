@@ -1,5 +1,5 @@
 """The memory probe: fill most of a device's free memory with patterns, fingerprint it,
-hold it while compute runs, re-read and compare (DESIGN §1: HBM flips without ECC reports).
+hold it while compute runs, re-read and compare (docs/design.md §1: HBM flips without ECC reports).
 
 Chunks (1 GiB on GPUs) are allocated until ``fraction`` of the free memory is covered and
 filled, in pieces of a few MiB each seeded apart, with a pattern per chunk (rotated each

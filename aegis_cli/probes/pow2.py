@@ -1,4 +1,4 @@
-"""The power-of-two scale probe (DESIGN §2.3): C(2ᵃA, 2ᵇB) = 2ᵃ⁺ᵇ·C(A, B), bit for bit.
+"""The power-of-two scale probe (docs/design.md §5): C(2ᵃA, 2ᵇB) = 2ᵃ⁺ᵇ·C(A, B), bit for bit.
 
 Scaling a bf16 operand by a power of two changes only exponents, so every product, every
 fp32 partial sum and the bf16 output scale exactly, as long as nothing overflows,

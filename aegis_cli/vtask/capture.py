@@ -1,4 +1,4 @@
-"""Capture: one observed GEMM and its flagged evidence as vTasks (DESIGN §3).
+"""Capture: one observed GEMM and its flagged evidence as vTasks (docs/design.md §8).
 
 The caller hands over what ran — the operands as fed, C and the fused sums as observed,
 the evidence a check gave, τ and where it ran — so anything that runs checked GEMMs can

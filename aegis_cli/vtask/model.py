@@ -1,4 +1,4 @@
-"""vTasks: the model (DESIGN §3; normative spec: docs/bundle-format.md).
+"""vTasks: the model (docs/design.md §8; normative spec: docs/bundle-format.md).
 
 A vTask is the minimal context needed to recompute one suspicious computation: the
 operator and its layout, the inputs needed (rows of A plus B for a row check, A plus
