@@ -52,6 +52,7 @@ from aegis_cli.vtask.bundle import read_bundle
 from aegis_cli.vtask.manifest import error as bundle_error
 
 DEFAULT_SCALES = ((0, 0), (-8, 8), (8, -8))
+FLOOR = numerics.Thresholds()  # the calibrated τ (docs/calibration.md): replay never judges below it
 ELEMENT_BUDGET = 1 << 28  # multiply-adds up to which every element is checked against fp64
 MAX_SAMPLES = 8
 SMALL_CPU_GEMM = 1 << 22  # multiply-adds below which a CPU replay uses one thread
@@ -126,10 +127,9 @@ class _VTaskReplay:
         # raised to its accumulation bound at this K where its matrix unit truncates (a vTask captured
         # on a CPU, replayed on a GPU, is judged by the GPU's noise). A bundle's τ is the producer's
         # word: a tiny one would make clean rounding on a healthy device read as FAULTY.
-        floor = numerics.Thresholds()
-        self.tau = max(vt.tau, floor.tau_for(device, vt.gemm.k))
+        self.tau = max(vt.tau, FLOOR.tau_for(device, vt.gemm.k))
         if self.tau > vt.tau:
-            why = (f"this device's accumulation bound at K = {vt.gemm.k}" if device.accumulation_bound(vt.gemm.k) > floor.tau
+            why = (f"this device's accumulation bound at K = {vt.gemm.k}" if device.accumulation_bound(vt.gemm.k) > FLOOR.tau
                    else "the calibrated floor (docs/calibration.md): below it clean rounding can cross τ")
             self.notes.append(f"τ raised from the captured {vt.tau:.3g} to {self.tau:.3g}, {why}")
         self._calibrated: tuple[bool, str] | None = None
@@ -433,7 +433,7 @@ def run_replay(opts: ReplayOptions, progress: Progress | None = None) -> Report:
                     options={"devices": opts.devices, "bundles": list(opts.bundles), "vtasks": total, "repeat": opts.repeat,
                              "scales": [list(s) for s in opts.scales], "threshold": threshold},
                     started=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                    injected=[opts.inject] if opts.inject else [], tau=numerics.Thresholds().tau)
+                    injected=[opts.inject] if opts.inject else [], tau=FLOOR.tau)
     progress("start", total=total * len(devices), devices=[d.identity.id for d in devices])
     for device in devices:
         fault = plan.for_device(device.identity.id) if plan else None
