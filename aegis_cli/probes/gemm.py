@@ -76,7 +76,7 @@ class Finding:
     """A check that fired on one run, as evidence shows it."""
 
     check: str
-    max_value: float  # normalised difference (checksums) or 1.0 (bitwise)
+    max_value: float  # as checks.Signal.max_value
     elements: int
     samples: list[dict] = field(default_factory=list)
     tiles: list[list[int]] = field(default_factory=list)
