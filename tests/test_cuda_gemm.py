@@ -261,8 +261,8 @@ def test_memory_free_and_flagged_runs_kept_on_the_host(tmp_path):
     them still finds their flagged rows against the on-device fp64 reference."""
     from aegis_cli.backends.cuda import CudaDevice
     from aegis_cli.scan import ScanOptions, run_scan
-    from aegis_cli.vtask.bundle import read_bundle
     from aegis_cli.vtask import capture
+    from aegis_cli.vtask.bundle import read_bundle
     from tests.helpers import TINY
 
     d = CudaDevice(0)

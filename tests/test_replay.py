@@ -15,8 +15,8 @@ from aegis_cli.backends import resolve_devices
 from aegis_cli.ops.errors import ConfigError
 from aegis_cli.ops.gemm import Layout
 from aegis_cli.scan import ScanOptions, run_scan
-from aegis_cli.vtask.bundle import BundleWriter, read_bundle
 from aegis_cli.vtask import capture
+from aegis_cli.vtask.bundle import BundleWriter, read_bundle
 from aegis_cli.vtask.replay import ReplayOptions, parse_scales, run_replay
 from tests.helpers import TINY
 from tests.test_vtask import make_vtask

@@ -20,9 +20,9 @@ from aegis_cli.checks.gemm import GEMM_CHECKS
 from aegis_cli.ops import numerics
 from aegis_cli.ops.errors import BundleError
 from aegis_cli.ops.gemm import GemmOperands, Layout
+from aegis_cli.vtask import model as vtask
 from aegis_cli.vtask.bundle import BundleWriter, read_bundle
 from aegis_cli.vtask.model import GemmSpec, VTask
-from aegis_cli.vtask import model as vtask
 
 GOLDEN = Path(__file__).parent / "golden"
 GOLDEN_BUNDLE = GOLDEN / "bundle-v1.aegis"
