@@ -1,22 +1,14 @@
-"""The GEMM checksum probe (DESIGN §2.1, §2.3, §3).
+"""The GEMM checksum probe (docs/design.md §2, §5, §7).
 
 For each training GEMM × input distribution, the probe draws seeded operands once and
-runs them at every power-of-two input scale of the plan. Each run is checked four ways:
-
-  gemm.row_checksum   fp32-accumulator row sums per column tile vs fp64 A·(B·1), |Δ|/s > τ
-  gemm.col_checksum   fp32-accumulator column sums per row tile vs fp64 (1ᵀA)·B, |Δ|/s > τ
-  gemm.output_rowsum  Σ of the bf16 output vs the accumulator row sums, beyond a rigorous
-                      rounding bound (sees store-path faults the fused sums cannot)
-  gemm.pow2_exact     C(2^a·A, 2^b·B) must equal 2^(a+b)·C(A, B) bit for bit
-  gemm.nonfinite      NaN/Inf in C from finite inputs
-
-A flagged case is re-run; the re-runs decide FAULTY vs SUSPECT (verdict.py).
-"""
+runs them at every power-of-two input scale of the plan. Each run goes through the GEMM
+checks (checks/gemm.py: row and column checksums, output row sums, NaN/Inf, and from the
+second scale on the power-of-two exact expectation). A flagged case is re-run; the re-runs
+decide FAULTY vs SUSPECT (checks/judge.py)."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,6 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from aegis_cli.backends.base import Device
+from aegis_cli.checks import gemm as checks
+from aegis_cli.checks import judge
 from aegis_cli.checks.gemm import CHECKSUM_CHECKS
 from aegis_cli.faults.spec import FaultPlan, recent_injections
 from aegis_cli.ops import fingerprint, numerics
@@ -34,7 +28,6 @@ from aegis_cli.ops.verdict import Evidence, Verdict
 
 MAX_SAMPLES = 8
 MAX_LOCALISED = 16
-RIGOROUS = ("gemm.nonfinite", "gemm.output_rowsum", "gemm.pow2_exact")
 
 
 @dataclass(frozen=True)
@@ -79,9 +72,11 @@ class ProbeStats:
 
 
 @dataclass
-class Signal:
+class Finding:
+    """A check that fired on one run, as evidence shows it."""
+
     check: str
-    max_value: float  # normalised difference (checksums) or 1.0 (bitwise)
+    max_value: float  # as checks.Signal.max_value
     elements: int
     samples: list[dict] = field(default_factory=list)
     tiles: list[list[int]] = field(default_factory=list)
@@ -96,6 +91,35 @@ def _sms(tile_sm: torch.Tensor | None, tiles) -> list[int]:
 
 def _bits32(x: float) -> str:
     return f"0x{torch.tensor([x], dtype=torch.float32).view(torch.int32).item() & 0xFFFFFFFF:08x}"
+
+
+def _samples(s: checks.Signal, res: GemmResult, tile_sm: torch.Tensor | None) -> list[dict]:
+    """Evidence samples of one signal: the largest checksum differences, else the first
+    positions, each with its tile (and SM, for checksums) and the values as observed."""
+    tm, tn = res.tile
+    out = []
+    if s.check in CHECKSUM_CHECKS:
+        d, obs, ref = s.diff.cpu(), s.observed.cpu(), s.expected.cpu()
+        for flat in torch.topk(d.reshape(-1), min(MAX_SAMPLES, s.elements)).indices.tolist():
+            r, c = divmod(flat, d.shape[1])
+            tile, o = s.tile(r, c, tm, tn), float(obs[r, c])
+            out.append({**s.position(r, c), "tile": list(tile), "observed": o, "observed_bits": _bits32(o),
+                        "expected": float(ref[r, c]), "normalised_diff": float(d[r, c]),
+                        **({"sm": int(tile_sm[tile])} if tile_sm is not None else {})})
+        return out
+    for r, c in s.where[:MAX_SAMPLES].tolist():
+        sample = {**s.position(r, c), "tile": list(s.tile(r, c, tm, tn))}
+        if s.check == "gemm.output_rowsum":
+            sample.update(output_sum=float(res.c[r, c * tn:(c + 1) * tn].double().sum()),
+                          accumulator_sum=float(res.row_sums[r, c]), bound=float(s.bound[r, c]))
+        else:  # C's bits, against the exact expectation where there is one
+            act = checks.bf16_bits(res.c, r, c)
+            sample.update(actual=f"0x{act:04x}", actual_value=float(res.c[r, c]))
+            if s.expected is not None:
+                exp = checks.bf16_bits(s.expected, r, c)
+                sample.update(expected=f"0x{exp:04x}", expected_value=float(s.expected[r, c]), xor=f"0x{exp ^ act:04x}")
+        out.append(sample)
+    return out
 
 
 KEEP_FLAGGED_BYTES = 2 << 30  # host memory for flagged runs kept as observed (--save-vtasks)
@@ -202,93 +226,31 @@ class GemmProbe:
         self.stats.checksums += res.row_sums.numel() + res.col_sums.numel()
 
     # -- checks ----------------------------------------------------------------------
-    def _signals(self, res: GemmResult, ref: ReferenceChecksums, expected: torch.Tensor | None, tau: float) -> list[Signal]:
-        tm, tn = res.tile
-        out: list[Signal] = []
-        d_row, d_col = numerics.checksum_diffs(res, ref)  # (M, nt_n), (nt_m, N)
-        row_flag, col_flag = d_row > tau, d_col > tau
-        clean = torch.cat([d_row[~row_flag].reshape(-1), d_col[~col_flag].reshape(-1)])
-        if clean.numel():
-            worst = float(clean.max())
+    def _signals(self, res: GemmResult, ref: ReferenceChecksums, expected: torch.Tensor | None, tau: float) -> list[Finding]:
+        checked = checks.check_gemm(res, ref, tau, expected=expected)
+        worst = checked.clean_max()
+        if worst is not None:
             self.stats.clean_max = max(self.stats.clean_max, worst)
             self.stats.clean_ratio = max(self.stats.clean_ratio, worst / tau)
-        tile_sm = res.tile_sm.cpu() if res.tile_sm is not None else None
-        loc = self._localise(row_flag, col_flag, tm, tn)
-        for check, d, flag, sums, refv, is_row in (("gemm.row_checksum", d_row, row_flag, res.row_sums, ref.row, True),
-                                                   ("gemm.col_checksum", d_col, col_flag, res.col_sums, ref.col, False)):
-            n = int(flag.sum())
-            if not n:
-                continue
-            d_h, sums_h, ref_h = d.cpu(), sums.cpu(), refv.cpu()
-            top = torch.topk(d_h.reshape(-1), min(MAX_SAMPLES, n)).indices
-            samples, tiles = [], set()
-            for flat in top.tolist():
-                r, c = divmod(flat, d_h.shape[1])
-                tile_rc = (r // tm, c) if is_row else (r, c // tn)
-                tiles.add(tile_rc)
-                obs = float(sums_h[r, c])
-                samples.append({("row" if is_row else "row_tile"): r, ("col_tile" if is_row else "col"): c,
-                                "tile": list(tile_rc), "observed": obs, "observed_bits": _bits32(obs),
-                                "expected": float(ref_h[r, c]), "normalised_diff": float(d_h[r, c]),
-                                **({"sm": int(tile_sm[tile_rc])} if tile_sm is not None else {})})
-            all_tiles = {((r // tm, c) if is_row else (r, c // tn)) for r, c in flag.nonzero().cpu().tolist()}
-            out.append(Signal(check, float(d_h.max()), n, samples, [list(t) for t in sorted(all_tiles)][:MAX_LOCALISED],
-                              _sms(tile_sm, all_tiles), loc))
-        # rigorous, output-side checks
-        c = res.c
-        if not bool(torch.isfinite(c).all()) and bool(torch.isfinite(ref.row).all()):
-            bad = (~torch.isfinite(c)).nonzero()
-            out.append(self._bitwise_signal("gemm.nonfinite", bad.cpu(), None, c, res, tile_sm))
-        over, ratio, bound = numerics.output_rowsum_excess(res, tn)
-        if bool(over.any()):
-            rows = over.nonzero().cpu()
-            samples = [{"row": int(r), "col_tile": int(t), "tile": [int(r) // tm, int(t)], "output_sum": float(res.c[r, t * tn:(t + 1) * tn].double().sum()),
-                        "accumulator_sum": float(res.row_sums[r, t]), "bound": float(bound[r, t])} for r, t in rows[:MAX_SAMPLES].tolist()]
-            tiles = sorted({(int(r) // tm, int(t)) for r, t in rows.tolist()})
-            out.append(Signal("gemm.output_rowsum", float(ratio[over].max()), int(over.sum()), samples, [list(t) for t in tiles][:MAX_LOCALISED],
-                              _sms(tile_sm, tiles)))
-        if expected is not None:
-            where = numerics.bf16_mismatches(c, expected)
-            if where.numel():
-                out.append(self._bitwise_signal("gemm.pow2_exact", where, expected, c, res, tile_sm))
-        return out
-
-    def _bitwise_signal(self, check: str, where: torch.Tensor, expected: torch.Tensor | None, c: torch.Tensor, res: GemmResult,
-                        tile_sm: torch.Tensor | None) -> Signal:
         tm, tn = res.tile
-        samples = []
-        for r, col in where[:MAX_SAMPLES].tolist():
-            act = int(c[r, col].view(torch.int16).item()) & 0xFFFF
-            s = {"row": r, "col": col, "tile": [r // tm, col // tn], "actual": f"0x{act:04x}", "actual_value": float(c[r, col])}
-            if expected is not None:
-                exp = int(expected[r, col].view(torch.int16).item()) & 0xFFFF
-                s.update(expected=f"0x{exp:04x}", expected_value=float(expected[r, col]), xor=f"0x{exp ^ act:04x}")
-            samples.append(s)
-        tiles = sorted({(r // tm, col // tn) for r, col in where.tolist()})
-        return Signal(check, 1.0, int(where.shape[0]), samples, [list(t) for t in tiles][:MAX_LOCALISED], _sms(tile_sm, tiles),
-                      [[int(r), int(col)] for r, col in where[:MAX_LOCALISED].tolist()])
-
-    @staticmethod
-    def _localise(row_flag: torch.Tensor, col_flag: torch.Tensor, tm: int, tn: int) -> list[list[int]]:
-        """Elements where a flagged row (within its column tile) meets a flagged column
-        (within its row tile): the candidates for a corrupted accumulator element."""
+        tile_sm = res.tile_sm.cpu() if res.tile_sm is not None else None
+        by_check = {s.check: s for s in checked.signals}
+        loc = checks.localise(by_check.get("gemm.row_checksum"), by_check.get("gemm.col_checksum"), tm, tn, MAX_LOCALISED)
         out = []
-        rows = row_flag.nonzero().cpu().tolist()
-        if not rows or len(rows) > 4096:
-            return out
-        cols = col_flag.nonzero().cpu().tolist()
-        by_tile: dict[tuple[int, int], list[int]] = {}
-        for ti, j in cols:
-            by_tile.setdefault((ti, j // tn), []).append(j)
-        for i, t in rows:
-            for j in by_tile.get((i // tm, t), []):
-                out.append([i, j])
-                if len(out) >= MAX_LOCALISED:
-                    return out
+        for s in checked.signals:
+            tiles = s.tiles(tm, tn)
+            if s.check in CHECKSUM_CHECKS:
+                localised = loc
+            elif s.axes == "element":
+                localised = s.where[:MAX_LOCALISED].tolist()
+            else:
+                localised = []
+            out.append(Finding(s.check, s.max_value, s.elements, _samples(s, res, tile_sm), [list(t) for t in tiles][:MAX_LOCALISED],
+                              _sms(tile_sm, tiles), localised))
         return out
 
     # -- confirmation ------------------------------------------------------------------
-    def _confirm(self, case: GemmCase, ea: int, eb: int, res: GemmResult, signals: list[Signal], once, tau: float) -> list[Evidence]:
+    def _confirm(self, case: GemmCase, ea: int, eb: int, res: GemmResult, signals: list[Finding], once, tau: float) -> list[Evidence]:
         fp = lambda r: (fingerprint.fingerprint(r.c), fingerprint.fingerprint(r.row_sums), fingerprint.fingerprint(r.col_sums))
         prints = {fp(res)}
         seen = {s.check: 0 for s in signals}
@@ -309,23 +271,13 @@ class GemmProbe:
                           distinct_outputs=len(prints), kernel=res.kernel,
                           injected=recent_injections(self.fault, case=case.case_id(ea, eb)))
             if sig.check in CHECKSUM_CHECKS:
-                ev.threshold, ev.max_value = tau, sig.max_value
-                ev.margin = sig.max_value / tau if math.isfinite(sig.max_value) else math.inf
+                ev.threshold, ev.max_value, ev.margin = tau, sig.max_value, judge.margin(sig.max_value, tau)
             else:
                 ev.max_value = sig.max_value
-            ev.severity, why = self._judge(ev, sig.check)
-            ev.summary = f"{sig.check}: {sig.elements} element(s) flagged at scale 2^{ea}/2^{eb}; {why}"
+            j = judge.judge((sig.check,), distinct_outputs=len(prints), reproducible=ev.reproduced == ev.reruns,
+                            margin=ev.margin, confirm_margin=self.th.confirm_margin)
+            ev.severity = j.severity
+            ev.summary = (f"{sig.check}: {sig.elements} element(s) flagged at scale 2^{ea}/2^{eb}; "
+                          f"failed {ev.reproduced + 1} of {ev.reruns + 1} runs; {j.why}")
             evidence.append(ev)
         return evidence
-
-    def _judge(self, ev: Evidence, check: str) -> tuple[Verdict, str]:
-        total = ev.reruns + 1
-        failed = ev.reproduced + 1
-        rate = f"failed {failed} of {total} runs"
-        if ev.distinct_outputs > 1:
-            return Verdict.FAULTY, f"{rate}; runs of a deterministic kernel gave {ev.distinct_outputs} different results"
-        if check in RIGOROUS:
-            return Verdict.FAULTY, f"{rate}; an exact expectation was broken"
-        if ev.reproduced == ev.reruns and (ev.margin or 0) >= self.th.confirm_margin:
-            return Verdict.FAULTY, f"{rate}; {ev.margin:.3g}× over threshold, bit-identical every run"
-        return Verdict.SUSPECT, f"{rate}; only {ev.margin:.3g}× over threshold (confirmation needs {self.th.confirm_margin:g}×)"

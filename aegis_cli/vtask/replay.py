@@ -1,14 +1,12 @@
 """``aegis replay`` as a library call: bundles in, a Report (kind="replay") out. Never prints.
 
 Each vTask is replayed ``repeat`` times on each chosen device, at the captured input
-scale and at extra power-of-two scales (exact expectations, DESIGN §2.3), and compared
+scale and at extra power-of-two scales (exact expectations, docs/design.md §5), and compared
 with
-  (a) the fp64 reference: row/column checksums of the replayed (sub-)GEMM with the
-      replaying device's own tile, |Δ|/s > τ (the vTask's τ, never below the calibrated floor
-      or this device's accumulation bound); the bf16-output sum against a rigorous rounding bound; every element against the fp64 product within a
-      rigorous error bound; NaN/Inf from finite inputs;
-  (b) what was observed at capture: the output bits, and the captured checksums — bit for
-      bit when the tiles match, else per-row (per-column) totals across tiles;
+  (a) the fp64 reference, by the scan's own GEMM checks (checks/gemm.py) with the replaying
+      device's own tile and the vTask's τ (never below the calibrated floor or this device's
+      accumulation bound), plus every element against the fp64 product where affordable;
+  (b) what was observed at capture (checks/observed.py);
   (c) its own re-runs, bit for bit, and C(2^x·A, 2^y·B) = 2^(x+y)·C(A, B).
 A row-check vTask holding only the flagged rows replays the sub-GEMM A[rows,:]·B: its row
 checksums are those rows' checksums of the full GEMM (a row sum only involves its own
@@ -18,7 +16,7 @@ Outcome per vTask: ``reproduced`` (a check fired here, the same way every run),
 ``not_reproduced`` (every run clean and bit-identical), ``inconsistent`` (runs of the
 same inputs gave different bits: this device is faulty). A checksum-only flag that fp32
 rounding of these inputs could reach is SUSPECT unless the inputs are verifiably a scan's
-own draw. See docs/bundle-format.md.
+own draw (checks/judge.py decides). See docs/bundle-format.md.
 """
 
 from __future__ import annotations
@@ -37,7 +35,10 @@ import torch
 
 from aegis_cli.backends import resolve_devices
 from aegis_cli.backends.base import Device, memory_shortfall
-from aegis_cli.checks.gemm import CHECKSUM_CHECKS
+from aegis_cli.checks import gemm as checks
+from aegis_cli.checks import judge
+from aegis_cli.checks.gemm import CHECKSUM_CHECKS, ElementReference
+from aegis_cli.checks.observed import compare_with_capture, result_bits_equal, same_bits
 from aegis_cli.faults.spec import FaultPlan, recent_injections
 from aegis_cli.ops import numerics
 from aegis_cli.ops.case import rescaled, split_scale
@@ -52,9 +53,8 @@ from aegis_cli.vtask.bundle import read_bundle
 from aegis_cli.vtask.manifest import error as bundle_error
 
 DEFAULT_SCALES = ((0, 0), (-8, 8), (8, -8))
+FLOOR = numerics.Thresholds()  # the calibrated τ (docs/calibration.md): replay never judges below it
 ELEMENT_BUDGET = 1 << 28  # multiply-adds up to which every element is checked against fp64
-U_ACC = 2.0**-23  # fp32 accumulation unit roundoff, allowing truncating matrix units
-RIGOROUS = ("gemm.output_rowsum", "gemm.nonfinite", "gemm.pow2_exact", "gemm.element_reference")
 MAX_SAMPLES = 8
 SMALL_CPU_GEMM = 1 << 22  # multiply-adds below which a CPU replay uses one thread
 REGENERATE_BYTES = 2 << 30  # memory for regenerating a vTask's inputs where the device's free memory is unknown
@@ -103,15 +103,6 @@ def _torch_device(dev: Device) -> str:
     return "cpu" if dev.identity.backend == "cpu" else f"{dev.identity.backend}:{dev.identity.index}"
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    view = {2: torch.int16, 4: torch.int32}[a.element_size()]
-    return a.shape == b.shape and torch.equal(a.contiguous().view(view), b.contiguous().view(view))
-
-
-def _result_bits_equal(r1: GemmResult, r2: GemmResult) -> bool:
-    return _same_bits(r1.c, r2.c) and _same_bits(r1.row_sums, r2.row_sums) and _same_bits(r1.col_sums, r2.col_sums)
-
-
 @dataclass
 class _Fired:
     elements: int = 0
@@ -135,10 +126,9 @@ class _VTaskReplay:
         # raised to its accumulation bound at this K where its matrix unit truncates (a vTask captured
         # on a CPU, replayed on a GPU, is judged by the GPU's noise). A bundle's τ is the producer's
         # word: a tiny one would make clean rounding on a healthy device read as FAULTY.
-        floor = numerics.Thresholds()
-        self.tau = max(vt.tau, floor.tau_for(device, vt.gemm.k))
+        self.tau = max(vt.tau, FLOOR.tau_for(device, vt.gemm.k))
         if self.tau > vt.tau:
-            why = (f"this device's accumulation bound at K = {vt.gemm.k}" if device.accumulation_bound(vt.gemm.k) > floor.tau
+            why = (f"this device's accumulation bound at K = {vt.gemm.k}" if device.accumulation_bound(vt.gemm.k) > FLOOR.tau
                    else "the calibrated floor (docs/calibration.md): below it clean rounding can cross τ")
             self.notes.append(f"τ raised from the captured {vt.tau:.3g} to {self.tau:.3g}, {why}")
         self._calibrated: tuple[bool, str] | None = None
@@ -149,16 +139,29 @@ class _VTaskReplay:
     def _full_col(self, j: int) -> int:
         return self.col_map[j] if self.col_map is not None else j
 
-    def _fire(self, check: str, value: float, rows=(), cols=(), samples=(), elements: int = 1) -> None:
-        f = self.fired.setdefault(check, _Fired())
-        self._this_run.add(check)
-        f.elements = max(f.elements, elements)
+    def _fire(self, s: checks.Signal, scale: tuple[int, int]) -> None:
+        f = self.fired.setdefault(s.check, _Fired())
+        self._this_run.add(s.check)
+        value = math.inf if s.check == "gemm.nonfinite" else s.max_value  # replay records NaN/Inf as infinitely far
+        f.elements = max(f.elements, s.elements)
         f.max_value = max(f.max_value, value) if math.isfinite(f.max_value) else f.max_value
-        f.rows |= {self._full_row(int(r)) for r in rows}
-        f.cols |= {self._full_col(int(c)) for c in cols}
-        for s in samples:
-            if len(f.samples) < MAX_SAMPLES:
-                f.samples.append(s)
+        f.rows |= {self._full_row(r) for r in s.rows}
+        f.cols |= {self._full_col(c) for c in s.cols}
+        for r, c in s.where[:MAX_SAMPLES - len(f.samples)].tolist():
+            f.samples.append(self._sample(s, r, c, scale))
+
+    def _sample(self, s: checks.Signal, r: int, c: int, scale: tuple[int, int]) -> dict:
+        """One evidence sample: where in the full GEMM, at which scale, and the values (bits for
+        the exact expectation) where the check compares any."""
+        out = {**s.position(r, c, self._full_row, self._full_col), "scale": list(scale)}
+        if s.check in CHECKSUM_CHECKS:
+            out.update(observed=float(s.observed[r, c]), expected=float(s.expected[r, c]), normalised_diff=float(s.diff[r, c]))
+        elif s.check == checks.ELEMENT_CHECK:
+            out.update(actual=float(s.observed[r, c]), expected=float(s.expected[r, c]))
+        elif s.check == "gemm.pow2_exact":
+            act, exp = checks.bf16_bits(s.observed, r, c), checks.bf16_bits(s.expected, r, c)
+            out.update(actual=f"0x{act:04x}", expected=f"0x{exp:04x}", xor=f"0x{act ^ exp:04x}")
+        return out
 
     def run(self) -> dict:
         t0 = time.perf_counter()
@@ -168,14 +171,9 @@ class _VTaskReplay:
         tile = dev.tile
         ref0 = dev.reference_checksums(ops0, tile)
         m, n, k = ops0.mnk
-        exact0 = bound0 = None
-        if _checks_elements(m, n, k):
-            a64, b64 = ops0.a_mk.double(), ops0.b_kn.double()
-            exact0 = a64 @ b64  # (M', N') exact up to fp64 rounding
-            mag = a64.abs() @ b64.abs()
-            gamma = k * U_ACC / (1 - k * U_ACC)
-            bound0 = (exact0.abs() + gamma * mag) * (numerics.U_BF16 * (1 + 2.0**-6)) + gamma * mag * 1.01
-            floor = numerics.subnormal_slack(k)  # does not scale with the inputs
+        element_ref = None
+        if checks.checks_elements(m, n, k, ELEMENT_BUDGET):
+            element_ref = ElementReference.of(ops0)
         else:
             why = "is above the budget" if m * n * k > ELEMENT_BUDGET else "has K too deep for a finite rounding bound"
             self.notes.append(f"element-level fp64 comparison skipped ({m}x{n}x{k} {why})")
@@ -192,8 +190,7 @@ class _VTaskReplay:
             scales_run.append([x, y])
             ops = scaled(ops0, x, y) if (x, y) != (0, 0) else ops0
             ref = scaled_reference(ref0, x + y)
-            f = 2.0 ** (x + y)
-            exact, bound = (exact0 * f, bound0 * f + floor) if exact0 is not None else (None, None)
+            scaled_ref = element_ref.at_scale(x + y) if element_ref is not None else None
             expected = numerics.pow2_scale(base_c, x + y) if base_c is not None else None
             reps: list[GemmResult] = []
             for _ in range(self.opts.repeat):
@@ -202,10 +199,11 @@ class _VTaskReplay:
                 self.stats.flops += 2 * m * n * k
                 self.stats.checksums += res.row_sums.numel() + res.col_sums.numel()
                 self._this_run = set()
-                self._signals(res, ref, exact, bound, expected, (x, y))
+                for s in checks.check_gemm(res, ref, self.tau, expected=expected, element_ref=scaled_ref).signals:
+                    self._fire(s, (x, y))
                 for check in self._this_run:
                     self.fired[check].runs += 1
-                if not any(_result_bits_equal(res, r) for r in reps):
+                if not any(result_bits_equal(res, r) for r in reps):
                     reps.append(res)
             distinct_max = max(distinct_max, len(reps))
             if (x, y) == (0, 0):
@@ -214,93 +212,11 @@ class _VTaskReplay:
         capture = self._compare_capture(first0) if first0 is not None else {"matches": None, "detail": "not run"}
         return self._outcome(distinct_max, scales_run, skipped, capture, time.perf_counter() - t0)
 
-    # -- (a) fp64 reference and (c) exact expectations ---------------------------------------
-    def _signals(self, res: GemmResult, ref, exact, bound, expected, scale) -> None:
-        tau = self.tau
-        tn = res.tile[1]
-        d_row, d_col = numerics.checksum_diffs(res, ref)
-        for check, d, obs, rv, is_row in (("gemm.row_checksum", d_row, res.row_sums, ref.row, True),
-                                          ("gemm.col_checksum", d_col, res.col_sums, ref.col, False)):
-            flag = d > tau
-            if bool(flag.any()):
-                where = flag.nonzero().cpu()
-                dmax = float(d.max())
-                samples = []
-                for r, c in where[:MAX_SAMPLES].tolist():
-                    key = ({"row": self._full_row(r), "col_tile": c} if is_row else {"row_tile": r, "col": self._full_col(c)})
-                    samples.append({**key, "scale": list(scale), "observed": float(obs[r, c]), "expected": float(rv[r, c]),
-                                    "normalised_diff": float(d[r, c])})
-                rows = where[:, 0].tolist() if is_row else []
-                cols = where[:, 1].tolist() if not is_row else []
-                self._fire(check, dmax, rows, cols, samples, int(flag.sum()))
-        c = res.c
-        finite_c = torch.isfinite(c)
-        if not bool(finite_c.all()):
-            bad = (~finite_c).nonzero().cpu()
-            self._fire("gemm.nonfinite", math.inf, bad[:, 0].tolist(), bad[:, 1].tolist(),
-                       [{"row": self._full_row(r), "col": self._full_col(cc), "scale": list(scale)} for r, cc in bad[:MAX_SAMPLES].tolist()],
-                       int(bad.shape[0]))
-        over, ratio, _bound = numerics.output_rowsum_excess(res, tn)
-        if bool(over.any()):
-            where = over.nonzero().cpu()
-            self._fire("gemm.output_rowsum", float(ratio[over].max()), where[:, 0].tolist(), (),
-                       [{"row": self._full_row(r), "col_tile": t, "scale": list(scale)} for r, t in where[:MAX_SAMPLES].tolist()],
-                       int(over.sum()))
-        if exact is not None:
-            err = torch.nan_to_num((c.double() - exact).abs(), nan=math.inf)
-            bad_el = err > bound
-            if bool(bad_el.any()):
-                where = bad_el.nonzero().cpu()
-                ratio = float((err / bound.clamp(min=1e-300))[bad_el].max())
-                self._fire("gemm.element_reference", ratio, where[:, 0].tolist(), where[:, 1].tolist(),
-                           [{"row": self._full_row(r), "col": self._full_col(cc), "scale": list(scale), "actual": float(c[r, cc]),
-                             "expected": float(exact[r, cc])} for r, cc in where[:MAX_SAMPLES].tolist()], int(bad_el.sum()))
-        where = numerics.bf16_mismatches(c, expected) if expected is not None else torch.empty((0, 2))
-        if where.numel():
-            ci, ei = c.view(torch.int16), expected.view(torch.int16)
-            self._fire("gemm.pow2_exact", 1.0, where[:, 0].tolist(), where[:, 1].tolist(),
-                       [{"row": self._full_row(r), "col": self._full_col(cc), "scale": list(scale),
-                         "actual": f"0x{int(ci[r, cc]) & 0xFFFF:04x}", "expected": f"0x{int(ei[r, cc]) & 0xFFFF:04x}",
-                         "xor": f"0x{(int(ci[r, cc]) ^ int(ei[r, cc])) & 0xFFFF:04x}"} for r, cc in where[:MAX_SAMPLES].tolist()],
-                       int(where.shape[0]))
-
-    # -- (b) what was observed at capture -------------------------------------------------------
     def _compare_capture(self, res: GemmResult) -> dict:
-        vt = self.vt
-        parts, matches = [], []
         # the CPU backend's BLAS picks its summation order by the GEMM's shape: a sub-GEMM's bits need
         # not be the full GEMM's even on a healthy device, so there only tolerant comparisons hold
-        exact = vt.gemm.subset == "full" or self.dev.shape_independent_sums
-        cap_c = vt.tensors.get("c")
-        if cap_c is not None and not exact:
-            parts.append("output not compared bit for bit (a subset, on a device whose sums depend on the shape)")
-        elif cap_c is not None:
-            c = res.c.to("cpu")
-            if _same_bits(c, cap_c):
-                parts.append("output bit-identical to the capture")
-                matches.append(True)
-            else:
-                diff = (c.view(torch.int16) != cap_c.view(torch.int16))
-                parts.append(f"{int(diff.sum())} of {diff.numel()} output elements differ from the capture")
-                matches.append(False)
-        for role, obs, axis in (("row_sums", res.row_sums, 1), ("col_sums", res.col_sums, 0)):
-            cap = vt.tensors.get(role)
-            if cap is None:
-                continue
-            obs = obs.to("cpu")
-            if exact and tuple(res.tile) == tuple(vt.gemm.tile) and obs.shape == cap.shape:
-                same = _same_bits(obs, cap)
-                parts.append(f"{role} {'bit-identical to' if same else 'differ from'} the capture")
-            else:  # other tile: compare per-row (per-column) totals across tiles
-                a, b = obs.double().sum(axis), cap.double().sum(axis)
-                tol = (obs.double().abs().sum(axis) + cap.double().abs().sum(axis)) * 2.0**-20 + 1e-300
-                same = bool(((a - b).abs() <= tol).all())
-                how = f"tiles {list(res.tile)} vs {list(vt.gemm.tile)}" if tuple(res.tile) != tuple(vt.gemm.tile) else "a subset"
-                parts.append(f"{role} totals {'agree with' if same else 'differ from'} the capture ({how})")
-            matches.append(same)
-        if not matches:
-            return {"matches": None, "detail": "nothing observed at capture to compare with"}
-        return {"matches": all(matches), "detail": "; ".join(parts)}
+        exact = self.vt.gemm.subset == "full" or self.dev.shape_independent_sums
+        return compare_with_capture(res, self.vt.tensors, self.vt.gemm.tile, exact)
 
     # -- were these the scan's own inputs? ---------------------------------------------------------
     def calibrated(self) -> tuple[bool, str]:
@@ -334,38 +250,38 @@ class _VTaskReplay:
             tried = True
             drawn = draw_operands(generate, g.layout, g.m, g.n, g.k, vt.dist, vt.seed, group)
             a, b = g.sub_operands(numerics.pow2_scale(drawn.a, vt.scale[0]), numerics.pow2_scale(drawn.b, vt.scale[1]))
-            if all(_same_bits(x.to("cpu"), y) for x, y in zip((a, b), stored, strict=True)):
+            if all(same_bits(x.to("cpu"), y) for x, y in zip((a, b), stored, strict=True)):
                 return True, ""
         if not tried:
             return False, claim + f"its {g.m}x{g.n}x{g.k} inputs are too large to regenerate here and check against it"
         return False, claim + "its inputs are not the scan's draw from it (seed and case id)"
 
     # -- outcome and what it means ---------------------------------------------------------------
+    def _rounding_doubt(self, cs: list[float]) -> str | None:
+        """τ is calibrated for the scan's input distributions; a vTask of other data (another
+        producer's) may round past it: there a checksum flag that fp32 rounding of these inputs
+        could explain confirms nothing on its own."""
+        vt, dev = self.vt, self.dev
+        ceiling = numerics.accumulation_ceiling(vt.gemm.k, max(dev.tile)) + dev.accumulation_bound(vt.gemm.k)
+        if not cs or max(cs) > ceiling or self.calibrated()[0]:
+            return None
+        return (f"checksum differences (≤ {max(cs):.3g}·s) are within what fp32 rounding of these inputs "
+                f"can reach ({ceiling:.3g}·s){self.calibrated()[1]}: SUSPECT, not FAULTY")
+
     def _outcome(self, distinct: int, scales_run, skipped, capture: dict, seconds: float) -> dict:
         vt, dev = self.vt, self.dev
         fired = sorted(self.fired)
-        margin = None
         own = vt.check in CHECKSUM_CHECKS and vt.check in self.fired  # the margin of the check it was saved for
         cs = [self.fired[c].max_value for c in ((vt.check,) if own else CHECKSUM_CHECKS) if c in self.fired]
-        if cs:
-            margin = max(cs) / self.tau if all(math.isfinite(x) for x in cs) else math.inf
+        margin = judge.margin(max(cs), self.tau) if cs else None
         runs_total = self.opts.repeat * len(scales_run)
-        if distinct > 1:
-            outcome, severity = "inconsistent", Verdict.FAULTY
-        elif fired:
-            outcome = "reproduced"
-            rigorous = [c for c in fired if c in RIGOROUS]
-            # τ is calibrated for the scan's input distributions; a vTask of other data (another
-            # producer's) may round past it: there a checksum flag that fp32 rounding of these
-            # inputs could explain confirms nothing on its own
-            ceiling = numerics.accumulation_ceiling(vt.gemm.k, max(dev.tile)) + dev.accumulation_bound(vt.gemm.k)
-            within = not rigorous and bool(cs) and max(cs) <= ceiling and not self.calibrated()[0]
-            if within:
-                self.notes.append(f"checksum differences (≤ {max(cs):.3g}·s) are within what fp32 rounding of these inputs "
-                                  f"can reach ({ceiling:.3g}·s){self.calibrated()[1]}: SUSPECT, not FAULTY")
-            severity = Verdict.FAULTY if rigorous or ((margin or 0) >= vt.confirm_margin and not within) else Verdict.SUSPECT
-        else:
-            outcome, severity = "not_reproduced", Verdict.HEALTHY
+        outcome = "inconsistent" if distinct > 1 else "reproduced" if fired else "not_reproduced"
+        # with one distinct result per scale, every run of the same inputs fired the same checks
+        j = judge.judge(fired, distinct_outputs=distinct, reproducible=True, margin=margin,
+                        confirm_margin=vt.confirm_margin, rounding_doubt=lambda: self._rounding_doubt(cs))
+        severity = j.severity
+        if j.doubted:
+            self.notes.append(j.why)
         prov = vt.provenance
         same_device = bool(prov.get("gpu_uuid")) and prov.get("gpu_uuid") == dev.identity.uuid
         where = f"{prov.get('gpu_uuid', 'unknown device')} on {prov.get('host', 'unknown host')}"
@@ -475,18 +391,12 @@ def load_bundles(paths: list[str], max_bytes: int | None = None) -> list[vtask.B
     return bundles
 
 
-def _checks_elements(m: int, n: int, k: int) -> bool:
-    """Whether replay checks every element against the fp64 product: within its budget, and
-    below K = 2²², where γ_K has no finite value (and inf·0 would be a NaN bound)."""
-    return m * n * k <= ELEMENT_BUDGET and k * U_ACC < 0.5
-
-
 def replay_bytes(vt: vtask.VTask) -> int:
     """Upper estimate of the memory replaying ``vt`` holds at its peak: a scan case of its
     (sub-)GEMM (probes.gemm.case_bytes), plus, where every element is checked, the fp64 exact
     product, magnitudes and bound and one scale's fp64 error terms (12 fp64 values per output)."""
     m, n, k = vt.gemm.m_sub, vt.gemm.n_sub, vt.gemm.k
-    elements = 96 * m * n if _checks_elements(m, n, k) else 0
+    elements = 96 * m * n if checks.checks_elements(m, n, k, ELEMENT_BUDGET) else 0
     return case_bytes(m, n, k) + elements
 
 
@@ -522,7 +432,7 @@ def run_replay(opts: ReplayOptions, progress: Progress | None = None) -> Report:
                     options={"devices": opts.devices, "bundles": list(opts.bundles), "vtasks": total, "repeat": opts.repeat,
                              "scales": [list(s) for s in opts.scales], "threshold": threshold},
                     started=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                    injected=[opts.inject] if opts.inject else [], tau=numerics.Thresholds().tau)
+                    injected=[opts.inject] if opts.inject else [], tau=FLOOR.tau)
     progress("start", total=total * len(devices), devices=[d.identity.id for d in devices])
     for device in devices:
         fault = plan.for_device(device.identity.id) if plan else None
