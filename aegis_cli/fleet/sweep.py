@@ -27,6 +27,7 @@ from pathlib import Path
 
 from aegis_cli import report as report_mod
 from aegis_cli.backends.base import node_name
+from aegis_cli.fleet import statefiles
 from aegis_cli.fleet.actions import ActionRecord, ActionsConfig, prometheus_text, run_actions, transitions, write_quarantine_list
 from aegis_cli.fleet.history import History, ResultRow
 from aegis_cli.fleet.lock import SweepLock
@@ -457,6 +458,7 @@ def run_sweep(cfg: SweepConfig, log: Log | None = None, *, environ: dict[str, st
     environ = os.environ if environ is None else environ
     from aegis_cli.fleet import distributed
 
+    statefiles.preflight(cfg.history.path, cfg.lock_file)  # a linked, FIFO, empty or read-only history; lock_file = history
     # an export path that cannot be written fails the sweep now, not after every device ran
     own = {os.path.realpath(cfg.history.path): "history.path", os.path.realpath(cfg.lock_file): "lock_file"}
     for key, path in (("exports.report", cfg.exports.report), ("exports.quarantine_list", cfg.exports.quarantine_list),
