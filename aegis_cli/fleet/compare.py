@@ -157,7 +157,8 @@ def apply(devices: list[dict], comparison: dict) -> list[dict]:
                        "seed": d.get("seed", 0), "reruns": 0, "reproduced": 0, "reproduction": "compared across devices",
                        "distinct_outputs": 1})
         d["evidence"] = ev
-        d["verdict"] = worst([Verdict(d["verdict"]), *(Verdict(e["severity"]) for e in ev)]).value
+        if ev:  # with none, the verdict stands as it is (and a fleet has many such devices)
+            d["verdict"] = worst([Verdict(d["verdict"]), *(Verdict(e["severity"]) for e in ev)]).value
         out.append(d)
     return out
 
