@@ -20,9 +20,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import sqlite3
 import stat
+import tempfile
 from pathlib import Path
 
+from aegis_cli.ops import files
 from aegis_cli.ops.errors import ConfigError, HistoryError, LockError
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
@@ -149,11 +152,6 @@ def create_database(path: Path, initialise) -> None:
     runs on a private temp file beside it, which is then hard-linked into place. link() never
     follows or replaces what is there (a link planted meanwhile fails it), and when another
     process (a rank of the same node) got there first, its database is the one used."""
-    import sqlite3
-    import tempfile
-
-    from aegis_cli.ops import files
-
     prefix = f".{path.name}."
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
