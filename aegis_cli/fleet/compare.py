@@ -15,9 +15,10 @@ apart from the per-device Verdict enum. Clean checksum noise far above the class
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
-import statistics
+import math
 from collections import Counter
 
 from aegis_cli.ops.verdict import Verdict, overall_exit, worst
@@ -82,11 +83,7 @@ def compare(devices: list[dict]) -> dict:
                     g_odd.add(k)
         inconclusive += g_inc
         g["outcome"] = INCONCLUSIVE if g_inc else ODD_ONE_OUT if g_odd else CONSISTENT
-        noise = {k: (m.get("noise") or {}).get("clean_max") for k, m in zip(keys, members, strict=True)}
-        for k, v in noise.items():
-            others = [x for kk, x in noise.items() if kk != k and isinstance(x, (int, float)) and x > 0]
-            if isinstance(v, (int, float)) and others and v > NOISE_OUTLIER * statistics.median(others):
-                outliers.append({"device": k, "clean_max": v, "class_median": statistics.median(others)})
+        outliers += _noise_outliers(keys, members)
     outcomes = {g["outcome"] for g in out_groups}
     outcome = next((o for o in (INCONCLUSIVE, ODD_ONE_OUT, CONSISTENT) if o in outcomes), NOT_COMPARED)
     note = {INCONCLUSIVE: "devices disagree with no majority: a software cause (library, driver, nondeterministic kernel) "
@@ -97,6 +94,42 @@ def compare(devices: list[dict]) -> dict:
                           "with the fingerprints of a sweep: scan reports carry none)"}[outcome]
     return {"outcome": outcome, "note": note, "groups": out_groups, "odd": list(odd.values()),
             "inconclusive_cases": inconclusive[:50], "noise_outliers": outliers}
+
+
+def _measured(x) -> bool:
+    """A clean noise level to compare: a finite number. A non-finite one (JSON's Infinity, NaN,
+    or aegis's own "inf") is no measurement, never an outlier."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _median_without(ordered: list[float], value: float) -> float | None:
+    """The median of ``ordered`` (sorted) with one occurrence of ``value`` left out when it is
+    there: each device's class median without itself, in O(log n) instead of a new list per device."""
+    i = bisect.bisect_left(ordered, value)
+    drop = i if i < len(ordered) and ordered[i] == value else None
+    n = len(ordered) - (drop is not None)
+    if n == 0:
+        return None
+
+    def at(j: int) -> float:  # j-th element of ordered with ``drop`` removed
+        return ordered[j + 1] if drop is not None and j >= drop else ordered[j]
+
+    return at(n // 2) if n % 2 else (at(n // 2 - 1) + at(n // 2)) / 2
+
+
+def _noise_outliers(keys: list[str], members: list[dict]) -> list[dict]:
+    """Devices whose clean noise is over NOISE_OUTLIER× the median of the class's other devices
+    (those with a positive measurement); linear in the class after one sort."""
+    noise = [(m.get("noise") or {}).get("clean_max") for m in members]
+    ordered = sorted(x for x in noise if _measured(x) and x > 0)
+    out = []
+    for k, v in zip(keys, noise, strict=True):
+        if not _measured(v):
+            continue
+        median = _median_without(ordered, v) if v > 0 else _median_without(ordered, math.inf)
+        if median is not None and v > NOISE_OUTLIER * median:
+            out.append({"device": k, "clean_max": v, "class_median": median})
+    return out
 
 
 def apply(devices: list[dict], comparison: dict) -> list[dict]:
@@ -124,7 +157,8 @@ def apply(devices: list[dict], comparison: dict) -> list[dict]:
                        "seed": d.get("seed", 0), "reruns": 0, "reproduced": 0, "reproduction": "compared across devices",
                        "distinct_outputs": 1})
         d["evidence"] = ev
-        d["verdict"] = worst([Verdict(d["verdict"]), *(Verdict(e["severity"]) for e in ev)]).value
+        if ev:  # with none, the verdict stands as it is (and a fleet has many such devices)
+            d["verdict"] = worst([Verdict(d["verdict"]), *(Verdict(e["severity"]) for e in ev)]).value
         out.append(d)
     return out
 

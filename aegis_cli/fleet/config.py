@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from aegis_cli.fleet import statefiles
 from aegis_cli.fleet.actions import ActionsConfig
 from aegis_cli.fleet.policy import PolicyConfig, check_positive
 from aegis_cli.ops import config as config_mod
@@ -153,7 +154,9 @@ def load_config(path: str | os.PathLike) -> SweepConfig:
 
 def check_outputs(cfg: SweepConfig) -> None:
     """Every path the sweep will write is writable and none is another's: an export that cannot
-    be written fails the sweep now, not after every device ran."""
+    be written fails the sweep now, not after every device ran. A linked, FIFO, empty or
+    read-only history, or a lock_file that is the history, is refused here too."""
+    statefiles.preflight(cfg.history.path, cfg.lock_file)
     own = {os.path.realpath(cfg.history.path): "history.path", os.path.realpath(cfg.lock_file): "lock_file"}
     for key, path in (("exports.report", cfg.exports.report), ("exports.quarantine_list", cfg.exports.quarantine_list),
                       ("exports.prometheus_textfile", cfg.exports.prometheus_textfile),

@@ -6,7 +6,10 @@ a sweep killed at any point (SIGTERM, SIGKILL, power loss) leaves either all of 
 or none; WAL mode lets ``aegis history`` read while a sweep writes.
 
 Opening is careful: a file that is not SQLite (bad header), fails ``PRAGMA quick_check``,
-or carries a schema newer than this aegis raises HistoryError and is never written to.
+or carries a schema newer than this aegis raises HistoryError and is never written to; so
+does a path that is a link, a FIFO, empty or read-only (fleet/statefiles.py). A new
+database is created complete beside its path and linked into place, so no process ever
+sees it half made.
 
 Schema (``PRAGMA user_version`` = len(MIGRATIONS)):
   devices(uuid PK, serial, name, backend, first_seen, last_seen, last_host, last_id)
@@ -26,9 +29,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from aegis_cli.fleet import statefiles
 from aegis_cli.ops.errors import HistoryError
 
-SQLITE_MAGIC = b"SQLite format 3\x00"
 # uuids bound as statement parameters at most; longer lists are filtered in Python (SQLite caps a
 # statement's variables: 999 before 3.32, and a fleet-wide list is thousands of devices long)
 MAX_BOUND_UUIDS = 500
@@ -61,6 +64,17 @@ MIGRATIONS: list[str] = [
     """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
+
+
+def _initialise(conn: sqlite3.Connection) -> None:
+    """A new database: every migration, then WAL (kept in the file's header)."""
+    conn.execute("BEGIN")
+    for migration in MIGRATIONS:
+        for stmt in filter(str.strip, migration.split(";")):
+            conn.execute(stmt)
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+    conn.execute("COMMIT")
+    conn.execute("PRAGMA journal_mode=WAL")
 
 
 def _uuid_filter(uuids: list[str] | None) -> tuple[str, list[str], set[str] | None]:
@@ -106,43 +120,26 @@ class ResultRow:
                 "checks": self.checks, "cases": self.cases, "sweep_id": self.sweep_id}
 
 
-def _check_header(path: Path) -> None:
-    try:
-        with path.open("rb") as fh:
-            head = fh.read(100)
-    except OSError as exc:
-        raise HistoryError(f"history database {path}: cannot read ({exc.strerror})") from None
-    if not head:
-        return  # an empty file is a new database
-    if not head.startswith(SQLITE_MAGIC):
-        raise HistoryError(f"history database {path} is not an SQLite database (header {head[:16]!r}); it was left untouched — "
-                           "move it aside to start a new history, or point history.path elsewhere")
-    if len(head) < 100:
-        raise HistoryError(f"history database {path} is truncated ({len(head)} bytes, shorter than an SQLite header); "
-                           "it was left untouched — restore it from a backup or move it aside")
-
-
 class History:
     """The history database. Use as a context manager; every method raises HistoryError."""
 
     def __init__(self, path: str | Path, *, busy_timeout: float = 30.0, create: bool = True):
+        """``create``: the sweep's writer, which makes a missing database and refuses one it
+        could not write; without it (``aegis history``) a missing database is an error."""
         self.path = Path(path)
-        exists = self.path.exists()
-        if not create and not exists:
-            raise HistoryError(f"history database {self.path} does not exist (no sweep has recorded anything yet)")
-        if exists:
-            _check_header(self.path)
-        elif not self.path.parent.is_dir():
-            try:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise HistoryError(f"history database {self.path}: cannot create its folder ({exc.strerror})") from None
+        if statefiles.lstat(self.path) is None:
+            if not create:
+                raise HistoryError(f"history database {self.path} does not exist (no sweep has recorded anything yet)")
+            statefiles.create_database(self.path, _initialise)
+        statefiles.check_database(self.path, write=create)
         try:
             self.conn = sqlite3.connect(self.path, timeout=busy_timeout, isolation_level=None)
         except sqlite3.Error as exc:
             raise HistoryError(f"history database {self.path}: cannot open ({exc})") from None
         try:
             self._open(busy_timeout)
+            if create:  # what the checks above cannot see (a read-only mount SQLite fell back to): ask SQLite
+                self._probe_write()
         except BaseException:
             self.conn.close()
             raise
@@ -164,8 +161,17 @@ class History:
                     raise self._fail(exc.what, exc.error) from None
                 time.sleep(0.05)
 
+    def _probe_write(self) -> None:
+        try:
+            self.conn.execute("BEGIN IMMEDIATE")
+            self.conn.execute("ROLLBACK")
+        except sqlite3.Error as exc:
+            raise self._fail("checking it can be written", exc) from None
+
     def _fail(self, what: str, exc: sqlite3.Error) -> HistoryError:
         msg = str(exc)
+        if "readonly" in msg or "read-only" in msg:
+            return statefiles.read_only(self.path, msg)
         if _is_locked(exc):
             return HistoryError(f"history database {self.path} is locked by another process ({msg}) while {what}; "
                                 "try again when the other sweep has finished")

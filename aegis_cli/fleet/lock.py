@@ -9,6 +9,7 @@ sweeps lock two different inodes).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
@@ -18,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from aegis_cli.fleet.statefiles import check_lock_path
 from aegis_cli.ops.errors import LockError
 
 
@@ -66,10 +68,16 @@ class SweepLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
+        # never through a link (a dangling one would create its target as root) and never
+        # blocking on a FIFO: _not_a_lock_file then refuses what is not a regular file
+        check_lock_path(self.path)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
         except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise LockError(f"lock file {self.path} is a symbolic link (aegis never follows one there: give the real "
+                                "path); it was left untouched") from None
             raise LockError(f"cannot open lock file {self.path}: {exc.strerror}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -1,13 +1,17 @@
 """``aegis report FILES…``: merge per-node JSON reports into one fleet report, for sites
 that prefer independent cron runs to a distributed launch.
 
-Every device of every report is kept, latest report first when one device (UUID) appears
-twice; devices that carry fingerprints (sweep reports) are compared across the fleet as in
-a distributed sweep (fleet/compare.py).
+Every report is checked whole before anything is merged: the fields the merge, the
+comparison and the renderers read have their types (a wrong one is one line naming file,
+entry and field), and nothing is nested deeper than MAX_DEPTH. Each device (UUID) appears
+once, from the latest report that has it; its entries in older reports are listed in the
+fleet report's ``duplicates``, never dropped without a word. Devices that carry fingerprints
+(sweep reports) are compared across the fleet as in a distributed sweep (fleet/compare.py).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 
 from aegis_cli.fleet import compare
@@ -18,6 +22,29 @@ from aegis_cli.ops.verdict import Verdict
 
 KINDS = ("scan", "sweep", "fleet", "replay")
 MAX_REPORT_BYTES = 1 << 30  # a fleet report of many thousand devices stays far below
+MAX_DEPTH = 32  # an aegis report nests about 8 deep; every renderer walks what it is given
+STAT_KEYS = ("gemms", "checksums", "flops", "skipped_scales")  # numbers the CSV and Prometheus output print
+NOISE_KEYS = ("threshold", "clean_max", "margin")  # numbers, or what files.sanitize writes for inf and nan
+_NONFINITE = ("inf", "-inf", "nan")
+
+
+def _too_deep(doc) -> bool:
+    """Whether ``doc`` nests containers more than MAX_DEPTH deep. Level by level, not
+    recursively (the check must not be what recurses), and fast: it reads every value."""
+    level, depth = [doc], 1
+    while level:
+        below = []
+        for obj in level:
+            below += [v for v in (obj.values() if obj.__class__ is dict else obj) if v.__class__ is dict or v.__class__ is list]
+        if below and depth >= MAX_DEPTH:
+            return True
+        level, depth = below, depth + 1
+    return False
+
+
+def _number(v, *, named: tuple[str, ...] = ()) -> bool:
+    """A JSON number (not a boolean), or one of the strings ``named``."""
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) or (isinstance(v, str) and v in named)
 
 
 def load_report(path: str) -> dict:
@@ -30,6 +57,8 @@ def load_report(path: str) -> dict:
         raise ConfigError(f"{path}: not a JSON report ({exc})") from None
     if not isinstance(doc, dict) or doc.get("kind") not in KINDS or not isinstance(doc.get("devices"), list):
         raise ConfigError(f"{path}: not an aegis report (expected a JSON object with kind in {', '.join(KINDS)} and devices)")
+    if _too_deep(doc):
+        raise ConfigError(f"{path}: not an aegis report (nested over {MAX_DEPTH} levels deep)")
     major = str(doc.get("schema_version", "")).split(".")[0]
     if major != "1":
         raise ConfigError(f"{path}: report schema_version {doc.get('schema_version')!r} is not supported (1.x)")
@@ -39,6 +68,8 @@ def load_report(path: str) -> dict:
     injected = doc.get("injected") or []
     if not isinstance(injected, list) or not all(isinstance(i, str) for i in injected):  # merged as a sorted set
         raise ConfigError(f"{path}: injected must be a list of strings")
+    if doc.get("fault_injected") is not None and not isinstance(doc["fault_injected"], bool):  # "false" is truthy
+        raise ConfigError(f"{path}: fault_injected must be true or false, got {doc['fault_injected']!r}")
     seed = doc.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):  # compared across the reports
         raise ConfigError(f"{path}: seed must be an integer, got {type(seed).__name__}")
@@ -76,14 +107,17 @@ def _check_device(path: str, i: int, d) -> None:
     for key in ("error", "workload"):
         if d.get(key) is not None and not isinstance(d[key], str):
             raise ConfigError(f"{where}: {key} must be a string")
-    timings = d.get("timings") or {}
-    if (not isinstance(d.get("stats") or {}, dict) or not isinstance(timings, dict)
-            or not isinstance(timings.get("seconds", 0) or 0, (int, float))):
-        raise ConfigError(f"{where}: stats and timings must be objects, timings.seconds a number")
     probes = d.get("probes") or {}
-    noise = d.get("noise") or {}
-    if not isinstance(probes, dict) or not isinstance(noise, dict):
+    if not isinstance(probes, dict) or not isinstance(d.get("noise") or {}, dict):
         raise ConfigError(f"{where}: probes and noise must be objects")
+    if not isinstance(d.get("stats") or {}, dict) or not isinstance(d.get("timings") or {}, dict):
+        raise ConfigError(f"{where}: stats and timings must be objects")
+    for key, numbers, named in (("stats", STAT_KEYS, ()), ("timings", ("seconds", "gemm_tflops"), ()),
+                                ("noise", NOISE_KEYS, _NONFINITE)):
+        obj = d.get(key) or {}
+        for k in numbers:  # printed into the CSV and the Prometheus file, compared across devices
+            if obj.get(k) is not None and not _number(obj[k], named=named):
+                raise ConfigError(f"{where}: {key}.{k} must be a number, got {str(json.dumps(obj[k]))[:40]}")
     fp = probes.get(compare.PROBE_KEY)
     if fp is None:
         return
@@ -98,15 +132,32 @@ def _check_device(path: str, i: int, d) -> None:
 def merge(paths: list[str]) -> dict:
     if not paths:
         raise ConfigError("aegis report: give at least one JSON report")
+    # millions of small acyclic containers: the cycle collector would re-scan them all at every
+    # collection it triggers (half the time of a 10^5-device merge), finding nothing to free
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _merge(paths)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _merge(paths: list[str]) -> dict:
     docs = [(p, load_report(p)) for p in paths]
     docs.sort(key=lambda pd: pd[1].get("finished") or pd[1].get("started") or "", reverse=True)
-    seen, devices = set(), []
+    kept: dict[str, str] = {}  # uuid → the report its entry comes from
+    duplicates: dict[str, dict] = {}
+    devices = []
     for path, doc in docs:
         for d in doc["devices"]:
             uuid = d["device"]["uuid"]
-            if uuid in seen:
+            if uuid in kept:  # an older run of the same GPU (or a report given twice)
+                dup = duplicates.setdefault(uuid, {"uuid": uuid, "kept": kept[uuid], "superseded": []})
+                dup["superseded"].append({"source": path, "finished": doc.get("finished"),
+                                          "verdict": d.get("local_verdict", d["verdict"])})
                 continue
-            seen.add(uuid)
+            kept[uuid] = path
             # what the table, CSV and Prometheus output read, for entries that leave it out (all optional)
             d = {**d, "workload": d.get("workload") or "", "error": d.get("error"), "stats": d.get("stats"),
                  "timings": {"seconds": None, **(d.get("timings") or {})}}
@@ -126,4 +177,5 @@ def merge(paths: list[str]) -> dict:
     out["command_line"] = ["aegis", "report", *paths]
     out["fault_injected"] = any(doc.get("fault_injected") for _, doc in docs)
     out["injected"] = sorted({i for _, doc in docs for i in doc.get("injected") or []})
+    out["duplicates"] = list(duplicates.values())
     return out

@@ -8,11 +8,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +19,7 @@ from aegis_cli.backends import threads
 from aegis_cli.fleet.config import SweepConfig
 from aegis_cli.fleet.logs import Log, Stop, SweepInterrupted
 from aegis_cli.fleet.plan import DevicePlan
+from aegis_cli.ops import files
 
 
 @dataclass
@@ -67,11 +66,10 @@ def run_workers(cfg: SweepConfig, plans: list[DevicePlan], identities: dict[str,
     """One worker process per device (at most ``max_parallel`` at once); device reports in
     ``plans`` order. Workers are killed on timeout, on the sweep's deadline and on exit."""
     stop = stop or (lambda: None)
-    tmp = tempfile.mkdtemp(prefix="aegis-sweep-")
-    try:
+    # removed after (the reports are read by now; the workers' logs live on only in the sweep's
+    # log), and by the next sweep when this one is killed
+    with files.work_dir("aegis-sweep-") as tmp:
         return _run_workers(cfg, plans, identities, deadline, log, env, stop, tmp)
-    finally:  # the reports are read by now; the workers' logs live on only in the sweep's log
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _worker_env(extra: dict[str, str] | None, workers: int) -> dict[str, str]:

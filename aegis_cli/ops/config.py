@@ -7,6 +7,8 @@ loader so every key keeps its line), unknown keys rejected, values type-checked.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import stat
 import types
 import typing
@@ -20,6 +22,14 @@ from aegis_cli.ops.errors import ConfigError
 
 _PLAIN_TAGS = {f"tag:yaml.org,2002:{t}" for t in ("str", "int", "float", "bool", "null", "map", "seq")}
 MAX_INPUT_BYTES = 64 << 20  # configs, catalogs and golden files are kilobytes
+# values built beyond the file's own nodes, through aliases: an alias bomb (each level's list
+# holding the previous level several times) is billions after 9 levels, from a few hundred bytes
+MAX_ALIAS_EXPANSION = 100_000
+# the largest number a float option takes: every one is a duration (1e9 s is 31 years); past it
+# deadlines and timeouts overflow (a timedelta ends at 1e9 days)
+MAX_FLOAT = 1e9
+# YAML 1.2 floats that YAML 1.1 (PyYAML) reads as strings: 1e300, 1E-3, +2e5 (no dot, or no exponent sign)
+_YAML12_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 def read_input_text(path: str | Path, max_bytes: int = MAX_INPUT_BYTES) -> str:
@@ -56,23 +66,43 @@ class Located(dict):
     line: int
 
 
-def _construct(node: yaml.Node) -> Any:
+def _size(root: yaml.Node) -> int:
+    """Nodes in the composed document, each counted once however many aliases point at it."""
+    seen, stack = set(), [root]
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            stack += [n for kv in node.value for n in kv]
+        elif isinstance(node, yaml.SequenceNode):
+            stack += node.value
+    return len(seen)
+
+
+def _construct(node: yaml.Node, budget: list[int]) -> Any:
+    """The value of ``node``; ``budget`` ([nodes left]) bounds what aliases expand to."""
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise ConfigError(f"line {node.start_mark.line + 1}: malformed YAML: aliases expand to over "
+                          f"{MAX_ALIAS_EXPANSION} values more than the file holds (an alias bomb?)")
     if node.tag not in _PLAIN_TAGS:  # no python/object, binary or custom tags, ever
         raise ConfigError(f"line {node.start_mark.line + 1}: malformed YAML: unsupported tag {node.tag!r}")
     if isinstance(node, yaml.MappingNode):
         out = Located()
         out.lines, out.line = {}, node.start_mark.line + 1
         for k, v in node.value:
-            key = _construct(k)
+            key = _construct(k, budget)
             if not isinstance(key, str):
                 raise ConfigError(f"line {k.start_mark.line + 1}: keys must be strings, got {key!r}")
             if key in out:
                 raise ConfigError(f"line {k.start_mark.line + 1}: duplicate key {key!r}")
-            out[key] = _construct(v)
+            out[key] = _construct(v, budget)
             out.lines[key] = k.start_mark.line + 1
         return out
     if isinstance(node, yaml.SequenceNode):
-        return [_construct(v) for v in node.value]
+        return [_construct(v, budget) for v in node.value]
     # the safe constructor of the node itself: a re-serialised empty scalar (``key:`` with no
     # value, which YAML reads as null) did not parse back
     return SafeConstructor().construct_object(node, deep=True)
@@ -93,7 +123,7 @@ def load_yaml(path: Path) -> Any:
     if node is None:
         raise ConfigError(f"{path}: empty file")
     try:
-        return _construct(node)
+        return _construct(node, [_size(node) + MAX_ALIAS_EXPANSION])
     except RecursionError:
         raise ConfigError(f"{path}: malformed YAML: nested too deeply") from None
     except ConfigError as exc:
@@ -141,8 +171,14 @@ def _coerce(value: Any, tp: Any, src: str, parent: Any, key: str) -> Any:
         inner = args[0] if args else Any
         items = [_coerce(v, inner, src, parent, key) for v in value]
         return tuple(items) if origin is tuple else items
+    if tp is float and isinstance(value, str) and _YAML12_FLOAT.fullmatch(value.strip()):
+        value = float(value)  # a number to YAML 1.2 and to every reader, a string only to YAML 1.1
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        value = float(value)
+    if tp is float and isinstance(value, float) and math.isfinite(value) and abs(value) > MAX_FLOAT:
+        raise ConfigError(f"{_where(src, parent, key)}: {key} must be a finite number of at most {MAX_FLOAT:g}, got {value:g}")
+    if tp is float and isinstance(value, float):
+        return value
     if tp in (int, float, str, bool) and (not isinstance(value, tp) or (tp is int and isinstance(value, bool))):
         raise ConfigError(f"{_where(src, parent, key)}: {key} must be {tp.__name__}, got {_shown(value)}")
     return value
@@ -160,6 +196,8 @@ def from_dict(cls: type, data: Any, src: str) -> Any:
     kwargs = {k: _coerce(v, hints[k], src, data, k) for k, v in data.items()}
     try:
         return cls(**kwargs)
+    except ValueError as exc:  # a value __post_init__ could not take (a bad format string, say)
+        raise ConfigError(f"{_where(src, data)}: invalid value: {exc}") from None
     except TypeError as exc:
         missing = [n for n, f in fields.items() if n not in data and f.default is dataclasses.MISSING
                    and f.default_factory is dataclasses.MISSING]
