@@ -6,8 +6,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import grimp
-from importlinter.cli import lint_imports
+import pytest
+
+# dev tools ([dev] extra), absent from a bare GPU image that runs only the gpu tier
+grimp = pytest.importorskip("grimp")
+lint_imports = pytest.importorskip("importlinter.cli").lint_imports
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGE = REPO / "aegis_cli"
