@@ -11,15 +11,32 @@ import io
 
 import click
 from rich.console import Console
-from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from aegis_cli import report as report_mod
 from aegis_cli.ops import files
 
 VERDICT_STYLE = {"HEALTHY": "bold green", "SUSPECT": "bold yellow", "FAULTY": "bold red", "ERROR": "bold magenta"}
+INJECTED = ("  (FAULTS INJECTED ON PURPOSE)", "bold red")
 err_console = Console(stderr=True)
+
+# Every string that comes from a report (host and workload names, errors, summaries, merged
+# reports from other nodes) is drawn as Text, never parsed as markup: "[/bold]" in a host name
+# would end a style that was never opened (an error), "[green]fine[/green]" would lose its brackets.
+
+
+def _lit(value: object) -> Text:
+    return Text("" if value is None else str(value))
+
+
+def _verdict(word: str, styles: dict[str, str] = VERDICT_STYLE) -> Text:
+    return Text(str(word), style=styles.get(word, ""))
+
+
+def _title(text: str, injected: bool) -> Text:
+    return Text.assemble(text, INJECTED) if injected else Text(text)
 
 
 def emit(doc: dict, fmt: str, output: str | None, table_fn) -> None:
@@ -41,35 +58,32 @@ def verdict_table(console: Console, doc: dict) -> None:
     """``aegis scan``: a row per device, its error and first evidence, and how to re-run a case."""
     from aegis_cli.scan import rerun_commands  # imports torch: only when a scan table is drawn
 
-    title = f"aegis {doc['kind']} — seed {doc['seed']}"
-    if doc.get("fault_injected"):
-        title += "  [bold red](FAULTS INJECTED ON PURPOSE)[/]"
-    t = Table(title=title, title_justify="left")
+    t = Table(title=_title(f"aegis {doc['kind']} — seed {doc['seed']}", doc.get("fault_injected")), title_justify="left")
     for col in ("device", "verdict", "GEMMs", "noise margin", "evidence", "time"):
         t.add_column(col, no_wrap=True)
     t.add_column("name / uuid", overflow="fold")
     for d in doc["devices"]:
         noise = d.get("noise") or {}
         margin = noise.get("margin")
-        t.add_row(d["device"]["id"], f"[{VERDICT_STYLE[d['verdict']]}]{d['verdict']}[/]",
-                  str((d.get("stats") or {}).get("gemms", "")),
+        t.add_row(_lit(d["device"]["id"]), _verdict(d["verdict"]),
+                  _lit((d.get("stats") or {}).get("gemms", "")),
                   f"{margin:.0f}×" if isinstance(margin, (int, float)) else "—",
                   str(len(d["evidence"])), f"{d['timings']['seconds']:.1f}s",
-                  f"{d['device']['name']}\n{d['device']['uuid']}")
+                  _lit(f"{d['device']['name']}\n{d['device']['uuid']}"))
     console.print(t)
     for d in doc["devices"]:
         if d.get("error"):
-            console.print(f"[bold magenta]{d['device']['id']} ERROR:[/] {d['error']}", highlight=False)
+            console.print(Text.assemble((f"{d['device']['id']} ERROR:", "bold magenta"), f" {d['error']}"), highlight=False)
         for e in d["evidence"][:10]:
-            style = VERDICT_STYLE[e["severity"]]
             where = f" tiles {e['tiles'][:4]}" if e.get("tiles") else ""
             sms = f" SMs {e['sms'][:8]}" if e.get("sms") else ""
-            console.print(f"[{style}]{e['severity']}[/] {d['device']['id']} {e['case_id']}\n    {e['summary']}{where}{sms}", highlight=False)
+            console.print(Text.assemble(_verdict(e["severity"]), f" {d['device']['id']} {e['case_id']}\n    {e['summary']}{where}{sms}"),
+                          highlight=False)
         if len(d["evidence"]) > 10:
             console.print(f"    … {len(d['evidence']) - 10} more evidence records (use --format json)")
     for command in rerun_commands(doc):
         # soft_wrap: a command broken over lines by the console would not paste back whole
-        console.print(f"Re-run one case: {escape(command)}", highlight=False, soft_wrap=True)
+        console.print(_lit(f"Re-run one case: {command}"), highlight=False, soft_wrap=True)
 
 
 def run_with_progress(run, opts, inject: str | None, quiet: bool):
@@ -81,7 +95,7 @@ def run_with_progress(run, opts, inject: str | None, quiet: bool):
         from aegis_cli.faults.spec import parse_spec
 
         parse_spec(inject)
-        banner = f"[bold red]FAULT INJECTION ACTIVE:[/] {escape(inject)} — results below are a self-test, not a diagnosis"
+        banner = Text.assemble(("FAULT INJECTION ACTIVE:", "bold red"), f" {inject} — results below are a self-test, not a diagnosis")
     show = not quiet and err_console.is_terminal
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err_console, transient=True, disable=not show) as progress:
@@ -90,12 +104,13 @@ def run_with_progress(run, opts, inject: str | None, quiet: bool):
 
 def warn_never_fired(rep) -> None:
     for spec in rep.never_fired or []:
-        err_console.print(f"[bold yellow]Warning:[/] injected fault {escape(spec)!r} never fired (its device=/op= matched nothing "
-                          "this run checked, or it changed no element there): the verdicts above are no self-test of it",
+        err_console.print(Text.assemble(("Warning:", "bold yellow"), f" injected fault {spec!r} never fired (its device=/op= matched "
+                                        "nothing this run checked, or it changed no element there): the verdicts above are no "
+                                        "self-test of it"),
                           highlight=False, soft_wrap=True)
 
 
-def _progress_callback(progress: Progress | None, banner: str | None = None):
+def _progress_callback(progress: Progress | None, banner: Text | None = None):
     task = {}
 
     def cb(event: str, **info) -> None:
@@ -116,16 +131,14 @@ _REPLAY_ROWS = 40  # per-vTask rows shown in the table; --format json has them a
 
 def replay_table(console: Console, doc: dict) -> None:
     title = f"aegis replay — {doc['options']['vtasks']} vTask(s) × {doc['options']['repeat']} run(s) per scale"
-    if doc.get("fault_injected"):
-        title += "  [bold red](FAULTS INJECTED ON PURPOSE)[/]"
-    t = Table(title=title, title_justify="left")
+    t = Table(title=_title(title, doc.get("fault_injected")), title_justify="left")
     for col in ("device", "name", "uuid", "verdict", "reproduced", "not reproduced", "inconsistent", "GEMMs", "time"):
         t.add_column(col, overflow="fold")
     for d in doc["devices"]:
         r = (d.get("probes") or {}).get("replay", {})
-        t.add_row(d["device"]["id"], d["device"]["name"], d["device"]["uuid"], f"[{VERDICT_STYLE[d['verdict']]}]{d['verdict']}[/]",
+        t.add_row(_lit(d["device"]["id"]), _lit(d["device"]["name"]), _lit(d["device"]["uuid"]), _verdict(d["verdict"]),
                   str(r.get("reproduced", 0)), str(r.get("not_reproduced", 0)), str(r.get("inconsistent", 0)),
-                  str((d.get("stats") or {}).get("gemms", "")), f"{d['timings']['seconds']:.1f}s")
+                  _lit((d.get("stats") or {}).get("gemms", "")), f"{d['timings']['seconds']:.1f}s")
     console.print(t)
     v = Table(title="vTasks", title_justify="left")
     for col in ("device", "vTask", "captured check", "outcome", "checks fired here", "matches capture", "severity"):
@@ -133,7 +146,7 @@ def replay_table(console: Console, doc: dict) -> None:
     shown, meanings = 0, {}
     for d in doc["devices"]:
         if d.get("error"):
-            console.print(f"[bold magenta]{d['device']['id']} ERROR:[/] {d['error']}", highlight=False)
+            console.print(Text.assemble((f"{d['device']['id']} ERROR:", "bold magenta"), f" {d['error']}"), highlight=False)
         for o in (d.get("probes") or {}).get("replay", {}).get("outcomes", []):
             meanings.setdefault((d["device"]["id"], o["label"], o["meaning"]), 0)
             meanings[(d["device"]["id"], o["label"], o["meaning"])] += 1
@@ -141,38 +154,35 @@ def replay_table(console: Console, doc: dict) -> None:
                 continue
             shown += 1
             mc = {True: "yes", False: "no", None: "—"}[o["matches_capture"]]
-            v.add_row(d["device"]["id"], o["id"], o["check"], f"[{_OUTCOME_STYLE[o['outcome']]}]{o['label']}[/]",
-                      ", ".join(o["checks_fired"]) or "—", mc, f"[{VERDICT_STYLE[o['severity']]}]{o['severity']}[/]")
+            v.add_row(_lit(d["device"]["id"]), _lit(o["id"]), _lit(o["check"]), Text(o["label"], style=_OUTCOME_STYLE.get(o["outcome"], "")),
+                      _lit(", ".join(o["checks_fired"]) or "—"), mc, _verdict(o["severity"]))
     console.print(v)
     total = sum(meanings.values())
     if total > shown:
         console.print(f"    … {total - shown} more vTasks (use --format json)")
     console.print("What it means:")
     for (dev, label, meaning), count in meanings.items():
-        console.print(f"  {dev}: {count} vTask(s) {label} — {escape(meaning)}", highlight=False)
+        console.print(_lit(f"  {dev}: {count} vTask(s) {label} — {meaning}"), highlight=False)
 
 
 def fleet_table(console: Console, doc: dict) -> None:
-    title = f"aegis {doc['kind']} — {len(doc['devices'])} device(s)"
-    if doc.get("fault_injected"):
-        title += "  [bold red](FAULTS INJECTED ON PURPOSE)[/]"
-    t = Table(title=title, title_justify="left")
+    t = Table(title=_title(f"aegis {doc['kind']} — {len(doc['devices'])} device(s)", doc.get("fault_injected")), title_justify="left")
     for col in ("host", "device", "uuid", "verdict", "own verdict", "state", "evidence", "error"):
         t.add_column(col, overflow="fold")
     policy = doc.get("policy") or {}
     for d in doc["devices"]:
         own = d.get("local_verdict", d["verdict"])
         st = policy.get(d["device"]["uuid"], {})
-        t.add_row(d["device"].get("host", ""), d["device"]["id"], d["device"]["uuid"], f"[{VERDICT_STYLE[d['verdict']]}]{d['verdict']}[/]",
-                  own, st.get("state", ""), str(len(d.get("evidence") or [])), (d.get("error") or "")[:80])
+        t.add_row(_lit(d["device"].get("host", "")), _lit(d["device"]["id"]), _lit(d["device"]["uuid"]), _verdict(d["verdict"]),
+                  _lit(own), _lit(st.get("state", "")), str(len(d.get("evidence") or [])), _lit((d.get("error") or "")[:80]))
     console.print(t)
     for d in doc["devices"]:
         for e in (d.get("evidence") or [])[:5]:
-            console.print(f"[{VERDICT_STYLE[e['severity']]}]{e['severity']}[/] {d['device'].get('host', '')}/{d['device']['id']} "
-                          f"{e['check']} {e['case_id']}\n    {e['summary']}", highlight=False)
+            console.print(Text.assemble(_verdict(e["severity"]), f" {d['device'].get('host', '')}/{d['device']['id']} "
+                                        f"{e['check']} {e['case_id']}\n    {e['summary']}"), highlight=False)
     cmp_ = doc.get("comparison")
     if cmp_:
-        console.print(f"cross-device comparison: [bold]{cmp_['outcome']}[/] — {cmp_['note']}", highlight=False)
+        console.print(Text.assemble("cross-device comparison: ", (str(cmp_["outcome"]), "bold"), f" — {cmp_['note']}"), highlight=False)
 
 
 def sweep_logger(fmt: str):
@@ -190,16 +200,16 @@ def info_table(console: Console, doc: dict) -> None:
     t.add_column("key")
     t.add_column("value", overflow="fold")
     for k, v in doc["versions"].items():
-        t.add_row(k, v)
+        t.add_row(_lit(k), _lit(v))
     for b in doc["backends"]:
-        t.add_row(f"backend {b['name']}", "available" if b["available"] else f"unavailable ({b.get('reason', '')})")
+        t.add_row(f"backend {b['name']}", _lit("available" if b["available"] else f"unavailable ({b.get('reason', '')})"))
     for d in doc["devices"]:
-        t.add_row(d["id"], f"{d['name']}  uuid {d['uuid']}")
+        t.add_row(_lit(d["id"]), _lit(f"{d['name']}  uuid {d['uuid']}"))
     for k, v in doc["paths"].items():
-        t.add_row(k, v)
-    t.add_row("workloads", ", ".join(doc["workloads"]))
+        t.add_row(_lit(f"{k} path" if k == "workloads" else k), _lit(v))  # "workloads" names the catalogs below
+    t.add_row("workloads", _lit(", ".join(doc["workloads"])))
     for p in doc["probes"]:
-        t.add_row(f"probe {p['name']}", p["summary"] + ("  (default)" if p["default"] else ""))
+        t.add_row(f"probe {p['name']}", _lit(p["summary"] + ("  (default)" if p["default"] else "")))
     for k, v in doc["kernel_hashes"].items():
         t.add_row(f"kernel {k}", v)
     console.print(t)
@@ -207,12 +217,12 @@ def info_table(console: Console, doc: dict) -> None:
 
 def golden_table(console: Console, doc: dict, output: str) -> None:
     """``aegis golden record``: one row per record key of the golden file written to ``output``."""
-    t = Table(title=f"golden fingerprints → {output}", title_justify="left")
+    t = Table(title=_lit(f"golden fingerprints → {output}"), title_justify="left")
     for col in ("key", "devices", "computations", "outputs"):
         t.add_column(col, overflow="fold")
     for r in doc["records"]:
         k = r["key"]
-        t.add_row(f"{k['model']} · driver {k.get('driver')} · cuda {k.get('cuda')} · torch {k['torch']} · kernels {k['kernels']}",
+        t.add_row(_lit(f"{k['model']} · driver {k.get('driver')} · cuda {k.get('cuda')} · torch {k['torch']} · kernels {k['kernels']}"),
                   str(len(r["devices"])), ", ".join(r["computations"]),
                   str(sum(len(c["outputs"]) for c in r["computations"].values())))
     console.print(t)

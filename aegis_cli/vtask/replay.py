@@ -285,7 +285,6 @@ class _VTaskReplay:
         prov = vt.provenance
         same_device = bool(prov.get("gpu_uuid")) and prov.get("gpu_uuid") == dev.identity.uuid
         where = f"{prov.get('gpu_uuid', 'unknown device')} on {prov.get('host', 'unknown host')}"
-        injected = " (the capture had faults injected on purpose)" if prov.get("injected") else ""
         if outcome == "inconsistent":
             meaning = (f"identical inputs gave {distinct} different results on this device: a deterministic GEMM must not "
                        "differ between runs, so this device is faulty")
@@ -296,11 +295,15 @@ class _VTaskReplay:
         elif outcome == "reproduced":
             meaning = (f"reproduces on this device too, not only on {where}: a computation that fails on every device points "
                        "at the data or the software, not at one GPU (unless this device is faulty as well)")
+        elif same_device and prov.get("injected"):  # a self-test's capture: its fault was put there, not found
+            meaning = ("does not reproduce on the capturing device without its injection: the capture had faults injected on "
+                       "purpose (a self-test), so this says nothing about the device; replay with the same --inject")
         elif same_device:
-            meaning = (f"does not reproduce on the capturing device now{injected}: an intermittent fault or a transient; "
+            meaning = ("does not reproduce on the capturing device now: an intermittent fault or a transient; "
                        "replay with more --repeat, or keep the device under watch")
         else:
-            meaning = f"does not reproduce here: if this device is healthy, this points at the capturing GPU {where}{injected}"
+            meaning = f"does not reproduce here: if this device is healthy, this points at the capturing GPU {where}" + (
+                " — but the capture had faults injected on purpose (a self-test)" if prov.get("injected") else "")
         return {"id": vt.id, "check": vt.check, "case_id": vt.case_id, "op": vt.op, "layout": vt.gemm.layout.value,
                 "shape": {"m": vt.gemm.m, "n": vt.gemm.n, "k": vt.gemm.k}, "subset": vt.gemm.subset,
                 "replayed_shape": {"m": vt.gemm.m_sub, "n": vt.gemm.n_sub, "k": vt.gemm.k}, "capture_scale": list(vt.scale),
