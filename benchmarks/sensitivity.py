@@ -49,7 +49,7 @@ def main() -> None:
         "",
         f"**r for ≥ 99% detection: fp32-accumulator {res.r99_fp32:.3g}, bf16-output {res.r99_bf16:.3g} — "
         f"{res.r99_bf16 / res.r99_fp32:.3g}× smaller perturbations are caught from the accumulator.**",
-        "The published AEGIS ablation found ~10⁴×; `tests/test_sensitivity.py` asserts ≥ 10³× on every CI run.",
+        "The published AEGIS ablation found ~10⁴×; `tests/calibrate/test_sensitivity.py` asserts ≥ 10³× on every CI run.",
         "",
         "| r | fp32-accumulator detection | bf16-output detection |",
         "|---:|---:|---:|",

@@ -21,9 +21,9 @@ from aegis_cli.fleet.logs import SweepInterrupted
 from aegis_cli.fleet.policy import DeviceState
 from aegis_cli.fleet.record import apply_policy
 from aegis_cli.fleet.sweep import run_sweep
+from tests.fleet.test_history import doc
+from tests.fleet.test_sweep import alive
 from tests.fleet_helpers import aegis, env, wait_for, write_config
-from tests.test_fleet_history import doc
-from tests.test_fleet_sweep import alive
 
 QUIET = lambda *a, **k: None
 

@@ -10,7 +10,7 @@ import pytest
 from aegis_cli.fleet.history import History
 from aegis_cli.fleet.summary import history_csv, show_history
 from aegis_cli.ops.errors import ConfigError
-from tests.test_fleet_history import doc
+from tests.fleet.test_history import doc
 
 
 @pytest.fixture

@@ -372,7 +372,7 @@ def test_priority_case_caught_again_is_not_lost(tmp_path):
 def _apply(tmp_path, cfg_path, verdicts: dict[str, str], logs: list | None = None):
     """One sweep's worth of results through the policy, as apply_policy records them."""
     from aegis_cli.fleet.record import apply_policy
-    from tests.test_fleet_history import doc
+    from tests.fleet.test_history import doc
 
     cfg = load_config(cfg_path)
     with History(cfg.history.path) as h:
@@ -404,7 +404,7 @@ def test_quarantine_action_runs_after_a_sweep_killed_before_its_actions(tmp_path
     (tmp_path / "drain").chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     cfg = write_config(tmp_path, actions={"enabled": True, "on_quarantine": ["drain", "{uuid}"]})
-    from tests.test_fleet_history import doc
+    from tests.fleet.test_history import doc
 
     with History(load_config(cfg).history.path) as h:
         h.record_sweep(doc({"GPU-a": "FAULTY"}))

@@ -24,7 +24,7 @@ from aegis_cli.vtask import model as vtask
 from aegis_cli.vtask.bundle import BundleWriter, read_bundle
 from aegis_cli.vtask.model import GemmSpec, VTask
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 GOLDEN_BUNDLE = GOLDEN / "bundle-v1.aegis"
 GOLDEN_CREATED = "2026-01-01T00:00:00+00:00"
 
@@ -181,7 +181,7 @@ def test_crash_during_rename_keeps_the_old_bundle(tmp_path, monkeypatch):
 
 # -- golden bundle: the format cannot drift silently ---------------------------------------------
 def golden_vtasks() -> list[VTask]:
-    """The content of tests/golden/bundle-v1.aegis (regenerate: python tests/test_vtask.py)."""
+    """The content of tests/golden/bundle-v1.aegis (regenerate: python tests/vtask/test_model.py)."""
     full = make_vtask("golden/fwd/full/gemm.row_checksum", Layout.FWD, 6, 10, 8, tile=(4, 4), seed=11)
     full.observed = {"severity": "FAULTY", "max_normalised_diff": math.inf, "elements": 1, "samples": [{"row": 2, "col_tile": 1}],
                      "fingerprints": {"c": "0123456789abcdef"}}

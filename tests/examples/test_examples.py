@@ -16,7 +16,7 @@ import yaml
 from aegis_cli.fleet.actions import ActionsConfig, render_argv
 from aegis_cli.fleet.sweep import load_config
 
-EX = Path(__file__).resolve().parent.parent / "examples"
+EX = Path(__file__).resolve().parents[2] / "examples"
 FAKE = """#!/bin/sh
 printf '%s\\n' "$(basename "$0") $*" >> "$FAKE_LOG"
 case "$1 $2" in

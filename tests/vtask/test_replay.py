@@ -19,7 +19,7 @@ from aegis_cli.vtask import capture, from_scan
 from aegis_cli.vtask.bundle import BundleWriter, read_bundle
 from aegis_cli.vtask.replay import ReplayOptions, parse_scales, run_replay
 from tests.helpers import TINY
-from tests.test_vtask import make_vtask
+from tests.vtask.test_model import make_vtask
 
 CASE = "cpu-quick/qkv/fwd/normal/192x384x256/s+0+0"
 FAULT = "bitflip:target=acc,bit=exp"

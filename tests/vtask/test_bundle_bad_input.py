@@ -17,7 +17,7 @@ from aegis_cli.ops.errors import BundleError
 from aegis_cli.ops.gemm import GemmOperands, Layout
 from aegis_cli.vtask.bundle import BundleWriter, read_bundle
 from aegis_cli.vtask.model import GemmSpec, Limits, VTask
-from tests.test_vtask import make_vtask
+from tests.vtask.test_model import make_vtask
 
 
 def _valid(path: Path) -> bytes:

@@ -49,5 +49,5 @@ def test_cuda_backend_import_is_lazy() -> None:
             "assert 'cupy' not in sys.modules, 'cupy imported at import time'; "
             "b = c.CudaBackend(); print(b.name)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          cwd=Path(__file__).resolve().parent.parent)
+                          cwd=Path(__file__).resolve().parents[2])
     assert proc.returncode == 0, proc.stderr

@@ -10,7 +10,7 @@ import pytest
 from tests.helpers import TINY, run_cli
 
 jsonschema = pytest.importorskip("jsonschema")
-SCHEMA = json.loads((Path(__file__).parent.parent / "docs" / "report.schema.json").read_text())
+SCHEMA = json.loads((Path(__file__).resolve().parents[2] / "docs" / "report.schema.json").read_text())
 
 
 @pytest.mark.parametrize(

@@ -125,7 +125,7 @@ def test_sigkill_during_writes_keeps_whole_sweeps(tmp_path):
     script = textwrap.dedent(f"""
         import sys; sys.path.insert(0, {str(hist_mod.__file__.rsplit('/aegis_cli/', 1)[0])!r})
         from aegis_cli.fleet.history import History
-        from tests.test_fleet_history import doc
+        from tests.fleet.test_history import doc
         h = History({str(db)!r})
         print("ready", flush=True)
         while True:
