@@ -127,6 +127,7 @@ def _progress_callback(progress: Progress | None, banner: Text | None = None):
 
 _OUTCOME_STYLE = {"reproduced": "bold red", "not_reproduced": "bold green", "inconsistent": "bold magenta"}
 _REPLAY_ROWS = 40  # per-vTask rows shown in the table; --format json has them all
+FLEET_ROWS = 200  # devices shown in a fleet table; --format json and csv have them all
 
 
 def replay_table(console: Console, doc: dict) -> None:
@@ -170,19 +171,36 @@ def fleet_table(console: Console, doc: dict) -> None:
     for col in ("host", "device", "uuid", "verdict", "own verdict", "state", "evidence", "error"):
         t.add_column(col, overflow="fold")
     policy = doc.get("policy") or {}
-    for d in doc["devices"]:
+    shown = _fleet_rows(doc["devices"])
+    for d in shown:
         own = d.get("local_verdict", d["verdict"])
         st = policy.get(d["device"]["uuid"], {})
         t.add_row(_lit(d["device"].get("host", "")), _lit(d["device"]["id"]), _lit(d["device"]["uuid"]), _verdict(d["verdict"]),
                   _lit(own), _lit(st.get("state", "")), str(len(d.get("evidence") or [])), _lit((d.get("error") or "")[:80]))
     console.print(t)
-    for d in doc["devices"]:
+    if len(shown) < len(doc["devices"]):
+        counts: dict[str, int] = {}
+        for d in doc["devices"]:
+            counts[str(d["verdict"])] = counts.get(str(d["verdict"]), 0) + 1
+        console.print(_lit(f"… {len(doc['devices']) - len(shown)} more devices not shown (all: "
+                           + ", ".join(f"{n} {v}" for v, n in sorted(counts.items())) + "; use --format json or csv)"))
+    for d in shown:
         for e in (d.get("evidence") or [])[:5]:
             console.print(Text.assemble(_verdict(e["severity"]), f" {d['device'].get('host', '')}/{d['device']['id']} "
                                         f"{e['check']} {e['case_id']}\n    {e['summary']}"), highlight=False)
     cmp_ = doc.get("comparison")
     if cmp_:
         console.print(Text.assemble("cross-device comparison: ", (str(cmp_["outcome"]), "bold"), f" — {cmp_['note']}"), highlight=False)
+
+
+def _fleet_rows(devices: list[dict]) -> list[dict]:
+    """The devices a fleet table shows: all of them up to FLEET_ROWS (a table of a million rows
+    helps no one and takes minutes to draw), else every device that is not HEALTHY first, in
+    report order, then healthy ones up to the limit."""
+    if len(devices) <= FLEET_ROWS:
+        return devices
+    worse = [d for d in devices if d["verdict"] != "HEALTHY"][:FLEET_ROWS]
+    return worse + [d for d in devices if d["verdict"] == "HEALTHY"][:FLEET_ROWS - len(worse)]
 
 
 def sweep_logger(fmt: str):

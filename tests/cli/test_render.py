@@ -67,3 +67,21 @@ def test_replaying_a_self_tests_capture_does_not_advise_watching_for_an_intermit
     for o in json.loads(out.read_text())["devices"][0]["probes"]["replay"]["outcomes"]:
         assert o["outcome"] == "not_reproduced" and o["same_device"]
         assert "intermittent" not in o["meaning"] and "self-test" in o["meaning"] and "injected on purpose" in o["meaning"]
+
+
+def test_a_large_fleet_table_shows_the_devices_that_matter_and_counts_the_rest():
+    import io
+
+    from rich.console import Console
+
+    from aegis_cli import render
+
+    devices = [{"device": {"id": f"cuda:{i % 8}", "uuid": f"GPU-{i}", "host": f"n{i // 8}"}, "verdict": "HEALTHY", "evidence": []}
+               for i in range(5000)]
+    devices[4321]["verdict"] = "FAULTY"
+    console = Console(file=io.StringIO(), width=200)
+    render.fleet_table(console, {"kind": "fleet", "devices": devices})
+    out = console.file.getvalue()
+    rows = [line for line in out.splitlines() if "GPU-" in line]
+    assert len(rows) == render.FLEET_ROWS and "GPU-4321" in rows[0] and "FAULTY" in rows[0]
+    assert f"… {5000 - render.FLEET_ROWS} more devices not shown (all: 1 FAULTY, 4999 HEALTHY" in out
