@@ -19,6 +19,7 @@ fp64's own error (≈ K·2⁻⁵³ of Σ|a||b|) is 2⁻³⁰ of the bounds and i
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -102,3 +103,11 @@ def _ratio(observed: torch.Tensor, exact: torch.Tensor, bound: torch.Tensor) -> 
     infinitely far."""
     err = torch.nan_to_num((observed.double() - exact).abs(), nan=math.inf, posinf=math.inf)
     return torch.where(err == 0, torch.zeros_like(err), err / bound.clamp(min=1e-300))
+
+
+def merged(found: Iterable[Recompute | None]) -> Recompute | None:
+    """Everything several recomputations found, as one (None if none ran)."""
+    out = None
+    for r in found:
+        out = r.merge(out) if r is not None else out
+    return out
