@@ -52,12 +52,17 @@ def test_a_healthy_result_is_within_rounding_everywhere(axes, dist):
     assert rc.entries == _all(axes).shape[0] and rc.elements == rc.entries * span
 
 
-@pytest.mark.parametrize("axes", ["row", "col"])
-def test_a_corrupted_accumulator_sum_is_beyond_the_bound(axes):
+def _one_entry(axes: str):
+    """A healthy run, every position of one axis, one of them drawn, and that axis's sums."""
     ops, res = _run(random.randrange(2**31))
     where = _all(axes)
     r, c = where[random.randrange(where.shape[0])].tolist()
-    sums = res.row_sums if axes == "row" else res.col_sums
+    return ops, res, where, (r, c), res.row_sums if axes == "row" else res.col_sums
+
+
+@pytest.mark.parametrize("axes", ["row", "col"])
+def test_a_corrupted_accumulator_sum_is_beyond_the_bound(axes):
+    ops, res, where, (r, c), sums = _one_entry(axes)
     sums[r, c] += 3 * _bound(ops, axes, r, c)  # C untouched: only the fused sum is wrong
     rc = recheck.recompute(ops, res, axes, where)
     assert rc.wrong and rc.beyond_bound == 1 and 2.5 < rc.worst_ratio < 3.5
@@ -65,10 +70,7 @@ def test_a_corrupted_accumulator_sum_is_beyond_the_bound(axes):
 
 @pytest.mark.parametrize("axes", ["row", "col"])
 def test_a_rounding_sized_difference_is_within(axes):
-    ops, res = _run(random.randrange(2**31))
-    where = _all(axes)
-    r, c = where[random.randrange(where.shape[0])].tolist()
-    sums = res.row_sums if axes == "row" else res.col_sums
+    ops, res, where, (r, c), sums = _one_entry(axes)
     x = sums[r, c : c + 1]
     for _ in range(4):  # four fp32 ulps: far more than τ = 1e-10 allows, far less than rounding can reach
         x.copy_(torch.nextafter(x, torch.tensor([math.inf])))
