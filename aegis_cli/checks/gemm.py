@@ -187,6 +187,14 @@ def checks_elements(m: int, n: int, k: int, budget: int) -> bool:
     return m * n * k <= budget and k * U_ACC < 0.5
 
 
+def element_bound(exact: torch.Tensor, mag: torch.Tensor, k: int) -> torch.Tensor:
+    """How far a healthy bf16 C element can lie from its fp64 value ``exact`` (``mag`` = Σ|a||b|
+    of its K products), less the subnormal slack: γ_K of fp32 accumulation (u = 2⁻²³, truncating
+    units allowed), then one bf16 rounding of the accumulated value."""
+    gamma = k * U_ACC / (1 - k * U_ACC)
+    return (exact.abs() + gamma * mag) * (numerics.U_BF16 * (1 + 2.0**-6)) + gamma * mag * 1.01
+
+
 @dataclass
 class ElementReference:
     """The fp64 product of a GEMM's operands and a rigorous bound on how far a healthy bf16
@@ -202,10 +210,7 @@ class ElementReference:
         a64, b64 = ops.a_mk.double(), ops.b_kn.double()
         k = a64.shape[1]
         exact = a64 @ b64
-        mag = a64.abs() @ b64.abs()
-        gamma = k * U_ACC / (1 - k * U_ACC)
-        bound = (exact.abs() + gamma * mag) * (numerics.U_BF16 * (1 + 2.0**-6)) + gamma * mag * 1.01
-        return cls(exact, bound, numerics.subnormal_slack(k))
+        return cls(exact, element_bound(exact, a64.abs() @ b64.abs(), k), numerics.subnormal_slack(k))
 
     def at_scale(self, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(product, bound) for operands scaled by 2^e in all (exact in fp64)."""

@@ -78,6 +78,9 @@ class Evidence:
     distinct_outputs: int = 1  # distinct output fingerprints over the original and its re-runs
     kernel: str = ""
     injected: list[dict] = field(default_factory=list)
+    # checksum checks: what recomputing the flagged checksums in fp64 found (checks/recompute.py):
+    # {"entries", "elements", "beyond_bound", "worst_ratio"}; None where not recomputed
+    recompute: dict | None = None
 
     @property
     def reproduction(self) -> str:

@@ -18,6 +18,7 @@ import torch
 from aegis_cli.backends.base import Device
 from aegis_cli.checks import gemm as checks
 from aegis_cli.checks import judge
+from aegis_cli.checks import recompute as recheck
 from aegis_cli.checks.gemm import CHECKSUM_CHECKS
 from aegis_cli.faults.spec import FaultPlan, recent_injections
 from aegis_cli.ops import fingerprint, numerics
@@ -82,6 +83,8 @@ class Finding:
     tiles: list[list[int]] = field(default_factory=list)
     sms: list[int] = field(default_factory=list)
     localised: list[list[int]] = field(default_factory=list)
+    axes: str = ""  # as checks.Signal.axes
+    worst: torch.Tensor | None = None  # checksums: the worst flagged positions, to recompute in fp64
 
 
 def _sms(tile_sm: torch.Tensor | None, tiles) -> list[int]:
@@ -203,7 +206,7 @@ class GemmProbe:
             if (ea, eb) == (0, 0):
                 base = res
             if signals and (only is None or cid == only):
-                evidence += self._confirm(case, ea, eb, res, signals, once, tau)
+                evidence += self._confirm(case, ea, eb, res, signals, once, tau, ops)
                 if self.keep_flagged:
                     self._keep(cid, res)
             self.on_case(cid)
@@ -246,11 +249,15 @@ class GemmProbe:
             else:
                 localised = []
             out.append(Finding(s.check, s.max_value, s.elements, _samples(s, res, tile_sm), [list(t) for t in tiles][:MAX_LOCALISED],
-                              _sms(tile_sm, tiles), localised))
+                              _sms(tile_sm, tiles), localised, s.axes,
+                              recheck.worst_positions(s) if s.check in CHECKSUM_CHECKS else None))
         return out
 
     # -- confirmation ------------------------------------------------------------------
-    def _confirm(self, case: GemmCase, ea: int, eb: int, res: GemmResult, signals: list[Finding], once, tau: float) -> list[Evidence]:
+    def _confirm(self, case: GemmCase, ea: int, eb: int, res: GemmResult, signals: list[Finding], once, tau: float,
+                 ops: GemmOperands) -> list[Evidence]:
+        """Re-run a flagged case; judge each signal by its reproduction and, for a checksum, by
+        recomputing its worst flagged entries in fp64 from ``ops`` (checks/recompute.py)."""
         fp = lambda r: (fingerprint.fingerprint(r.c), fingerprint.fingerprint(r.row_sums), fingerprint.fingerprint(r.col_sums))
         prints = {fp(res)}
         seen = {s.check: 0 for s in signals}
@@ -270,12 +277,15 @@ class GemmProbe:
                           sms=sig.sms, localised=sig.localised, reruns=self.reruns, reproduced=seen[sig.check],
                           distinct_outputs=len(prints), kernel=res.kernel,
                           injected=recent_injections(self.fault, case=case.case_id(ea, eb)))
+            rc = None
             if sig.check in CHECKSUM_CHECKS:
                 ev.threshold, ev.max_value, ev.margin = tau, sig.max_value, judge.margin(sig.max_value, tau)
+                rc = recheck.recompute(ops, res, sig.axes, sig.worst)
+                ev.recompute = rc.to_dict() if rc is not None else None
             else:
                 ev.max_value = sig.max_value
             j = judge.judge((sig.check,), distinct_outputs=len(prints), reproducible=ev.reproduced == ev.reruns,
-                            margin=ev.margin, confirm_margin=self.th.confirm_margin)
+                            margin=ev.margin, confirm_margin=self.th.confirm_margin, recompute=rc)
             ev.severity = j.severity
             ev.summary = (f"{sig.check}: {sig.elements} element(s) flagged at scale 2^{ea}/2^{eb}; "
                           f"failed {ev.reproduced + 1} of {ev.reruns + 1} runs; {j.why}")

@@ -16,13 +16,13 @@ Outcome per vTask: ``reproduced`` (a check fired here, the same way every run),
 ``not_reproduced`` (every run clean and bit-identical), ``inconsistent`` (runs of the
 same inputs gave different bits: this device is faulty). A checksum-only flag that fp32
 rounding of these inputs could reach is SUSPECT unless the inputs are verifiably a scan's
-own draw (checks/judge.py decides). See docs/bundle-format.md.
+own draw; one whose flagged checksums, recomputed in fp64, lie within a rigorous rounding bound
+is SUSPECT in any case (checks/recompute.py; checks/judge.py decides). See docs/bundle-format.md.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import re
 import sys
@@ -37,27 +37,28 @@ from aegis_cli.backends import resolve_devices
 from aegis_cli.backends.base import Device, memory_shortfall
 from aegis_cli.checks import gemm as checks
 from aegis_cli.checks import judge
+from aegis_cli.checks import recompute as recheck
 from aegis_cli.checks.gemm import CHECKSUM_CHECKS, ElementReference
-from aegis_cli.checks.observed import compare_with_capture, result_bits_equal, same_bits
+from aegis_cli.checks.observed import compare_with_capture, result_bits_equal
 from aegis_cli.faults.spec import FaultPlan, recent_injections
 from aegis_cli.ops import numerics
 from aegis_cli.ops.case import rescaled, split_scale
 from aegis_cli.ops.errors import AegisError, BundleError, ConfigError
 from aegis_cli.ops.gemm import GemmResult
 from aegis_cli.ops.verdict import Evidence, Verdict, worst
-from aegis_cli.probes.gemm import ProbeStats, case_bytes, draw_operands, scaled, scaled_reference
+from aegis_cli.probes.gemm import ProbeStats, case_bytes, scaled, scaled_reference
 from aegis_cli.probes.gemm import clean_median as clean_median_of
 from aegis_cli.report import DeviceReport, Report
 from aegis_cli.vtask import model as vtask
 from aegis_cli.vtask.bundle import read_bundle
 from aegis_cli.vtask.manifest import error as bundle_error
+from aegis_cli.vtask.scan_draw import is_scan_draw
 
 DEFAULT_SCALES = ((0, 0), (-8, 8), (8, -8))
 FLOOR = numerics.Thresholds()  # the calibrated τ (docs/calibration.md): replay never judges below it
 ELEMENT_BUDGET = 1 << 28  # multiply-adds up to which every element is checked against fp64
 MAX_SAMPLES = 8
 SMALL_CPU_GEMM = 1 << 22  # multiply-adds below which a CPU replay uses one thread
-REGENERATE_BYTES = 2 << 30  # memory for regenerating a vTask's inputs where the device's free memory is unknown
 OUTCOMES = {"reproduced": "reproduced here", "not_reproduced": "not reproduced here",
             "inconsistent": "inconsistent between runs"}
 
@@ -132,6 +133,8 @@ class _VTaskReplay:
                    else "the calibrated floor (docs/calibration.md): below it clean rounding can cross τ")
             self.notes.append(f"τ raised from the captured {vt.tau:.3g} to {self.tau:.3g}, {why}")
         self._calibrated: tuple[bool, str] | None = None
+        self.recomputed: dict[str, recheck.Recompute] = {}  # check → its flagged checksums recomputed in fp64
+        self._rechecked: set[tuple] = set()  # (scale, check) already recomputed
 
     def _full_row(self, i: int) -> int:
         return self.row_map[i] if self.row_map is not None else i
@@ -201,6 +204,7 @@ class _VTaskReplay:
                 self._this_run = set()
                 for s in checks.check_gemm(res, ref, self.tau, expected=expected, element_ref=scaled_ref).signals:
                     self._fire(s, (x, y))
+                    self._recheck(s, (x, y), ops, res)
                 for check in self._this_run:
                     self.fired[check].runs += 1
                 if not any(result_bits_equal(res, r) for r in reps):
@@ -212,6 +216,16 @@ class _VTaskReplay:
         capture = self._compare_capture(first0) if first0 is not None else {"matches": None, "detail": "not run"}
         return self._outcome(distinct_max, scales_run, skipped, capture, time.perf_counter() - t0)
 
+    def _recheck(self, s: checks.Signal, scale: tuple[int, int], ops, res: GemmResult) -> None:
+        """Recompute a checksum signal's worst flagged entries in fp64 (checks/recompute.py), once
+        per scale: the repeats of one scale are bit-identical, or the device is inconsistent anyway."""
+        if s.check not in CHECKSUM_CHECKS or (scale, s.check) in self._rechecked:
+            return
+        self._rechecked.add((scale, s.check))
+        rc = recheck.recompute(ops, res, s.axes, recheck.worst_positions(s))
+        if rc is not None:
+            self.recomputed[s.check] = rc.merge(self.recomputed.get(s.check))
+
     def _compare_capture(self, res: GemmResult) -> dict:
         # the CPU backend's BLAS picks its summation order by the GEMM's shape: a sub-GEMM's bits need
         # not be the full GEMM's even on a healthy device, so there only tolerant comparisons hold
@@ -220,65 +234,36 @@ class _VTaskReplay:
 
     # -- were these the scan's own inputs? ---------------------------------------------------------
     def calibrated(self) -> tuple[bool, str]:
-        """(whether τ's calibration holds for this vTask's inputs, why not). It holds for the scan's
-        draws from its input distributions. ``dist`` is only a label any producer can write, so it
-        counts when the inputs regenerate bit for bit from (dist, seed, case id) as the scan drew
-        them (GemmCase.operands), on this device's backend or the CPU's. Computed once, and only
-        when a verdict depends on it."""
+        """(whether τ's calibration holds for this vTask's inputs, why not): whether they are a
+        scan's own draw (vtask/scan_draw.py). Computed once, and only when a verdict depends on it."""
         if self._calibrated is None:
-            self._calibrated = self._regenerate()
+            self._calibrated = is_scan_draw(self.dev, self.vt)
         return self._calibrated
 
-    def _regenerate(self) -> tuple[bool, str]:
-        vt, g = self.vt, self.vt.gemm
-        if vt.dist not in numerics.DISTRIBUTIONS:
-            return False, ""
-        claim = f"; dist {vt.dist!r} is claimed, but "
-        group, scale = split_scale(vt.case_id or "")
-        if vt.seed is None or scale is None:
-            return False, claim + "without the scan's seed and case id its inputs cannot be checked against it"
-        # generating fills fp32 (plus three more for heavy tails), then rounds to bf16
-        need = 18 * (g.m * g.k + g.k * g.n)
-        backends = [(self.dev.generate, self.dev.memory_free())]
-        if self.dev.identity.backend != "cpu":
-            backends.append((functools.partial(numerics.generate_bf16, device="cpu"), None))
-        stored = (vt.tensors["a"], vt.tensors["b"])
-        tried = False
-        for generate, free in backends:
-            if need > (free if free is not None else REGENERATE_BYTES):
-                continue
-            tried = True
-            drawn = draw_operands(generate, g.layout, g.m, g.n, g.k, vt.dist, vt.seed, group)
-            a, b = g.sub_operands(numerics.pow2_scale(drawn.a, vt.scale[0]), numerics.pow2_scale(drawn.b, vt.scale[1]))
-            if all(same_bits(x.to("cpu"), y) for x, y in zip((a, b), stored, strict=True)):
-                return True, ""
-        if not tried:
-            return False, claim + f"its {g.m}x{g.n}x{g.k} inputs are too large to regenerate here and check against it"
-        return False, claim + "its inputs are not the scan's draw from it (seed and case id)"
-
     # -- outcome and what it means ---------------------------------------------------------------
-    def _rounding_doubt(self, cs: list[float]) -> str | None:
+    def _rounding_doubt(self, cs: list[float], rc: recheck.Recompute | None) -> str | None:
         """τ is calibrated for the scan's input distributions; a vTask of other data (another
         producer's) may round past it: there a checksum flag that fp32 rounding of these inputs
-        could explain confirms nothing on its own."""
-        vt, dev = self.vt, self.dev
-        ceiling = numerics.accumulation_ceiling(vt.gemm.k, max(dev.tile)) + dev.accumulation_bound(vt.gemm.k)
-        if not cs or max(cs) > ceiling or self.calibrated()[0]:
+        could explain (its recomputation ``rc`` found nothing beyond the rigorous bound, or K is too
+        deep for a finite one) confirms nothing on its own, and the note says why τ does not hold."""
+        if not cs or (rc is not None and rc.wrong) or self.calibrated()[0]:
             return None
+        found = rc.describe() if rc is not None else f"no finite rounding bound at K = {self.vt.gemm.k}"
         return (f"checksum differences (≤ {max(cs):.3g}·s) are within what fp32 rounding of these inputs "
-                f"can reach ({ceiling:.3g}·s){self.calibrated()[1]}: SUSPECT, not FAULTY")
+                f"can reach ({found}){self.calibrated()[1]}: SUSPECT, not FAULTY")
 
     def _outcome(self, distinct: int, scales_run, skipped, capture: dict, seconds: float) -> dict:
         vt, dev = self.vt, self.dev
         fired = sorted(self.fired)
         own = vt.check in CHECKSUM_CHECKS and vt.check in self.fired  # the margin of the check it was saved for
-        cs = [self.fired[c].max_value for c in ((vt.check,) if own else CHECKSUM_CHECKS) if c in self.fired]
+        names = [c for c in ((vt.check,) if own else CHECKSUM_CHECKS) if c in self.fired]
+        cs, rc = [self.fired[c].max_value for c in names], recheck.merged(self.recomputed.get(c) for c in names)
         margin = judge.margin(max(cs), self.tau) if cs else None
         runs_total = self.opts.repeat * len(scales_run)
         outcome = "inconsistent" if distinct > 1 else "reproduced" if fired else "not_reproduced"
         # with one distinct result per scale, every run of the same inputs fired the same checks
         j = judge.judge(fired, distinct_outputs=distinct, reproducible=True, margin=margin,
-                        confirm_margin=vt.confirm_margin, rounding_doubt=lambda: self._rounding_doubt(cs))
+                        confirm_margin=vt.confirm_margin, rounding_doubt=lambda: self._rounding_doubt(cs, rc), recompute=rc)
         severity = j.severity
         if j.doubted:
             self.notes.append(j.why)
@@ -309,7 +294,7 @@ class _VTaskReplay:
                 "replayed_shape": {"m": vt.gemm.m_sub, "n": vt.gemm.n_sub, "k": vt.gemm.k}, "capture_scale": list(vt.scale),
                 "outcome": outcome, "label": OUTCOMES[outcome], "severity": severity.value, "checks_fired": fired,
                 "captured_check_fired": vt.check in self.fired, "tau": self.tau, "margin": margin, "runs": runs_total,
-                "distinct_outputs": distinct, "scales_run": scales_run, "scales_skipped": skipped,
+                "distinct_outputs": distinct, "recompute": rc.to_dict() if rc else None, "scales_run": scales_run, "scales_skipped": skipped,
                 "matches_capture": capture["matches"], "capture_comparison": capture["detail"],
                 "same_device": same_device, "captured_on": where, "meaning": meaning, "notes": self.notes,
                 "seconds": round(seconds, 4)}
@@ -328,7 +313,7 @@ def _evidence(vt: vtask.VTask, out: dict, fired: dict[str, _Fired], bundle: str,
                   reruns=max(out["runs"] - 1, 0), reproduced=max(min(f.runs, out['runs']) - 1, 0), distinct_outputs=out["distinct_outputs"],
                   injected=recent_injections(fault))
     if check in CHECKSUM_CHECKS:
-        ev.threshold, ev.max_value, ev.margin = out["tau"], f.max_value, out["margin"]
+        ev.threshold, ev.max_value, ev.margin, ev.recompute = out["tau"], f.max_value, out["margin"], out["recompute"]
     else:
         ev.max_value = f.max_value
     return ev

@@ -7,6 +7,7 @@ import math
 import pytest
 
 from aegis_cli.checks import judge
+from aegis_cli.checks.recompute import Recompute
 from aegis_cli.ops.verdict import Verdict
 
 
@@ -61,3 +62,28 @@ def test_nothing_fired_is_healthy():
 def test_margin_of_a_non_finite_difference_is_infinite():
     assert judge.margin(2e-3, 1e-6) == pytest.approx(2000.0)
     assert judge.margin(math.inf, 1e-6) == math.inf
+
+
+# -- the fp64 recomputation of flagged checksums (checks/recompute.py) ------------------------------
+WITHIN = Recompute(entries=64, elements=8192, beyond_bound=0, worst_ratio=0.9)
+BEYOND = Recompute(entries=64, elements=8192, beyond_bound=3, worst_ratio=1e4)
+
+
+def test_a_reproducible_flag_within_rounding_is_suspect_and_names_numerics():
+    j = judge.judge(["gemm.row_checksum"], distinct_outputs=1, reproducible=True, margin=27.6, confirm_margin=1.0,
+                    recompute=WITHIN)
+    assert j.severity is Verdict.SUSPECT and j.doubted
+    assert j.why.startswith("numerics: threshold too tight for this input? 27.6× over threshold") and "within" in j.why
+
+
+def test_a_reproducible_flag_beyond_rounding_stays_faulty():
+    j = judge.judge(["gemm.col_checksum"], distinct_outputs=1, reproducible=True, margin=27.6, confirm_margin=1.0,
+                    recompute=BEYOND)
+    assert j == judge.Judgement(Verdict.FAULTY, "27.6× over threshold, bit-identical every run")
+
+
+def test_rigorous_checks_and_distinct_outputs_outrank_the_recomputation():
+    for checks, distinct in ((["gemm.row_checksum", "gemm.pow2_exact"], 1), (["gemm.row_checksum"], 2)):
+        j = judge.judge(checks, distinct_outputs=distinct, reproducible=True, margin=5.0, confirm_margin=1.0,
+                        recompute=WITHIN)
+        assert j.severity is Verdict.FAULTY
