@@ -17,6 +17,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import torch
+
 from aegis_cli.backends.base import Device
 from aegis_cli.checks import vote as voting
 from aegis_cli.ops import numerics
@@ -40,6 +42,7 @@ class GroupRuns:
         self.scales: dict[Key, _Scale] = {}
         self.mismatched: list[Key] = []  # scales whose first run broke the pow2 expectation, in run order
         self._base_print: int | None = None
+        self._inexact = 0
 
     def first(self, key: Key, res: GemmResult, mismatched: bool) -> None:
         """The first run of scale ``key``; ``mismatched``: its C broke 2^(a+b)·C of the base run."""
@@ -96,8 +99,16 @@ class GroupRuns:
                     return key, res
         return None
 
-    def _print(self, key: Key, res: GemmResult) -> int:
-        return self.device.fingerprint(numerics.pow2_scale(res.c, -(key[0] + key[1])))
+    def _print(self, key: Key, res: GemmResult):
+        """The fingerprint of C scaled back to the base scale; a C that does not come back
+        exactly (an element corrupted out of the range where scaling is exact) gets bits of
+        its own, which no other run shares."""
+        e = key[0] + key[1]
+        back = numerics.pow2_scale(res.c, -e)
+        if e and not torch.equal(numerics.pow2_scale(back, e).view(torch.int16), res.c.view(torch.int16)):
+            self._inexact += 1
+            return ("not exactly scalable", key, self._inexact)
+        return self.device.fingerprint(back)
 
     def _host(self, res: GemmResult) -> GemmResult:
         host = self.device.to_host

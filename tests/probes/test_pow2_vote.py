@@ -180,3 +180,24 @@ def test_gpu_permanent_faults_are_still_faulty(cuda_dev):
 @pytest.mark.gpu
 def test_gpu_the_vote_costs_nothing_without_a_mismatch(cuda_dev):
     no_mismatch_no_extra_launches(cuda_dev)
+
+
+def test_a_run_that_does_not_scale_back_exactly_shares_no_bits():
+    """A corrupted element that leaves the exact range when scaled back (2^-120 · 2^-32 flushes
+    to zero) must not come back equal to the base run and hide the mismatch from the vote."""
+    from aegis_cli.ops.gemm import GemmResult
+    from aegis_cli.probes.gemm_runs import GroupRuns
+
+    def res(c):
+        return GemmResult(c=c, row_sums=torch.zeros(2, 1), col_sums=torch.zeros(1, 2), tile=(128, 128))
+
+    clean = torch.zeros(2, 2, dtype=torch.bfloat16)
+    bad = clean.clone()
+    bad[0, 0] = 2.0**-120
+    runs = GroupRuns(CpuDevice())
+    runs.first((0, 0), res(clean), mismatched=False)
+    runs.first((16, 16), res(bad), mismatched=True)
+    runs.first((-8, 8), res(clean), mismatched=False)
+    assert runs.prints((16, 16)) != runs.prints((0, 0)) == runs.prints((-8, 8))
+    v = runs.vote()
+    assert v.decided and v.odd == ((1, 0),)
