@@ -17,6 +17,7 @@ from aegis_cli.ops import workloads
 from aegis_cli.ops.numerics import Thresholds
 from aegis_cli.ops.verdict import Verdict
 from aegis_cli.probes.gemm import GemmCase, GemmProbe
+from tests.backends.test_cuda_gemm import _kernels
 
 POW2 = "gemm.pow2_exact"
 SCALES = [[0, 0], [-16, -16], [16, 16], [-8, 8]]
@@ -145,41 +146,41 @@ def test_two_scales_that_disagree_fall_back_to_the_base_run():
 
 # -- GPU: the same with the CUDA kernels (accumulator faults injected inside the kernel) -----
 
-def _kernels() -> list[str]:
-    if not torch.cuda.is_available():
-        return ["mma"]
-    return ["mma", "wgmma"] if torch.cuda.get_device_capability(0) == (9, 0) else ["mma"]
-
-
-@pytest.fixture(scope="module", params=["mma", "wgmma"])
-def cuda_dev(request):
+def cuda(kernel: str):
     from aegis_cli.backends.cuda import CudaDevice
 
-    if request.param not in _kernels():
+    if kernel not in _kernels():
         pytest.skip("wgmma needs sm_90")
-    return CudaDevice(0, kernel=request.param)
+    return CudaDevice(0, kernel=kernel)
+
+
+KERNELS = pytest.mark.parametrize("kernel", ["mma", "wgmma"])
 
 
 @pytest.mark.gpu
+@KERNELS
 @pytest.mark.parametrize("spec", ONE_SHOT)
-def test_gpu_a_fault_once_in_the_base_run_is_the_base_runs(cuda_dev, spec):
-    base_fault_blames_the_base(cuda_dev, spec)
+def test_gpu_a_fault_once_in_the_base_run_is_the_base_runs(kernel, spec):
+    base_fault_blames_the_base(cuda(kernel), spec)
 
 
 @pytest.mark.gpu
+@KERNELS
 @pytest.mark.parametrize("spec", ONE_SHOT)
-def test_gpu_a_fault_once_in_a_scaled_run_is_that_runs(cuda_dev, spec):
-    scaled_fault_blames_that_run(cuda_dev, spec)
+def test_gpu_a_fault_once_in_a_scaled_run_is_that_runs(kernel, spec):
+    scaled_fault_blames_that_run(cuda(kernel), spec)
 
 
 @pytest.mark.gpu
-def test_gpu_permanent_faults_are_still_faulty(cuda_dev):
-    permanent_faults_stay_faulty(cuda_dev)
+@KERNELS
+def test_gpu_permanent_faults_are_still_faulty(kernel):
+    permanent_faults_stay_faulty(cuda(kernel))
 
 
 @pytest.mark.gpu
-def test_gpu_the_vote_costs_nothing_without_a_mismatch(cuda_dev):
-    no_mismatch_no_extra_launches(cuda_dev)
+@KERNELS
+def test_gpu_the_vote_costs_nothing_without_a_mismatch(kernel):
+    no_mismatch_no_extra_launches(cuda(kernel))
 
 
 def test_a_run_that_does_not_scale_back_exactly_shares_no_bits():
