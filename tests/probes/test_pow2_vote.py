@@ -110,7 +110,7 @@ def no_mismatch_no_extra_launches(dev) -> None:
     _, _, probe = run(dev, None)
     assert probe.stats.gemms == len(SCALES)
     # a fault every scale scales exactly (a sign flip): confirmation re-runs, as before, no vote
-    ev, _, probe = run(dev, "bitflip:bit=sign,seed=1")
+    ev, _, probe = run(dev, "bitflip:bit=sign,count=4,seed=1")
     assert ev and not _pow2(ev) and probe.stats.gemms == len(SCALES) * (1 + RERUNS)
 
 
