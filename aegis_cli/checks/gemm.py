@@ -27,9 +27,10 @@ from aegis_cli.ops import numerics
 from aegis_cli.ops.gemm import GemmOperands, GemmResult, ReferenceChecksums
 
 CHECKSUM_CHECKS = ("gemm.row_checksum", "gemm.col_checksum")
+POW2_CHECK = "gemm.pow2_exact"
 
 
-GEMM_CHECKS = (*CHECKSUM_CHECKS, "gemm.output_rowsum", "gemm.pow2_exact", "gemm.nonfinite")
+GEMM_CHECKS = (*CHECKSUM_CHECKS, "gemm.output_rowsum", POW2_CHECK, "gemm.nonfinite")
 ELEMENT_CHECK = "gemm.element_reference"
 U_ACC = 2.0**-23  # fp32 accumulation unit roundoff, allowing truncating matrix units
 
@@ -161,7 +162,7 @@ def pow2_signal(c: torch.Tensor, expected: torch.Tensor) -> Signal | None:
     where = numerics.bf16_mismatches(c, expected)
     if not where.numel():
         return None
-    return Signal("gemm.pow2_exact", 1.0, where, "element", observed=c, expected=expected)
+    return Signal(POW2_CHECK, 1.0, where, "element", observed=c, expected=expected)
 
 
 def localise(rows: Signal | None, cols: Signal | None, tm: int, tn: int, limit: int) -> list[list[int]]:

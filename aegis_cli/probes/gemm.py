@@ -17,7 +17,7 @@ import torch
 
 from aegis_cli.backends.base import Device
 from aegis_cli.checks import gemm as checks
-from aegis_cli.checks import judge
+from aegis_cli.checks import judge, vote
 from aegis_cli.checks import recompute as recheck
 from aegis_cli.checks.gemm import CHECKSUM_CHECKS
 from aegis_cli.faults.spec import FaultPlan, recent_injections
@@ -26,6 +26,7 @@ from aegis_cli.ops.case import CaseId, case_seed
 from aegis_cli.ops.errors import ConfigError
 from aegis_cli.ops.gemm import GemmOperands, GemmResult, GemmShape, Layout, ReferenceChecksums
 from aegis_cli.ops.verdict import Evidence, Verdict
+from aegis_cli.probes.gemm_runs import GroupRuns
 
 MAX_SAMPLES = 8
 MAX_LOCALISED = 16
@@ -181,6 +182,7 @@ class GemmProbe:
         med = clean_median(dev, base_ops, base_ref) if self.fault is not None and self.fault.needs_clean_median() else None
         evidence: list[Evidence] = []
         base: GemmResult | None = None
+        runs, onces = GroupRuns(dev), {}
         mag = numerics.magnitudes(base_ops)  # once per case, not per scale
         for ea, eb in sorted(scales, key=lambda s: s != [0, 0]):  # the base runs first
             cid = case.case_id(ea, eb)
@@ -205,13 +207,84 @@ class GemmProbe:
             self._count(case.shape, res)
             if (ea, eb) == (0, 0):
                 base = res
+            # a broken pow2 expectation says the base run or this one is wrong, not which: the
+            # vote below decides, once every scale has run; the other checks are this run's own
+            runs.first((ea, eb), res, mismatched=any(s.check == checks.POW2_CHECK for s in signals))
+            onces[(ea, eb)] = once
+            signals = [s for s in signals if s.check != checks.POW2_CHECK]
             if signals and (only is None or cid == only):
-                evidence += self._confirm(case, ea, eb, res, signals, once, tau, ops)
+                evidence += self._confirm(case, ea, eb, res, signals, runs.recording((ea, eb), once), tau, ops)
                 if self.keep_flagged:
                     self._keep(cid, res)
             self.on_case(cid)
+        if runs.mismatched:
+            evidence += self._vote(case, runs, onces)
         self.stats.seconds += time.perf_counter() - t0
         return evidence
+
+    # -- the power-of-two vote (docs/design.md §5) ---------------------------------------
+    def _vote(self, case: GemmCase, runs: GroupRuns, onces: dict) -> list[Evidence]:
+        """Evidence of the runs a broken pow2 expectation implicates (checks/vote.py): the base
+        is re-run up to ``reruns`` times, the scales vote, and each scale with runs off the
+        majority, re-run as often, gets one finding counting its own runs that are off.
+        Undecided: each mismatched scale against the base run, as the check compared them."""
+        n = 1 + self.reruns
+
+        def again(key):
+            def run():
+                res, _ = onces[key]()
+                self._count(case.shape, res)
+                return res
+            return run
+
+        runs.top_up((0, 0), again((0, 0)), n)
+        v = runs.vote()
+        if v.decided:
+            scales = list(runs.scales)
+            reference, keys = v.majority, [scales[i] for i in sorted({i for i, _ in v.odd})]
+            how = f"differ from the result {v.votes} of {v.scales} scales agree on (scaled back)"
+        else:
+            reference, keys = runs.prints((0, 0))[0], runs.mismatched
+            how = (f"differ from the base run's; no result was shared by more than half the {v.scales} scales "
+                   "(each scale's runs agreeing), so the vote could not say which run is wrong")
+        evidence = []
+        for key in keys:
+            if vote.failures(runs.prints(key), reference):
+                runs.top_up(key, again(key), n)  # off the reference: how often does it fail?
+            prints = runs.prints(key)
+            k = vote.failures(prints, reference)
+            if k:
+                evidence.append(self._vote_evidence(case, key, runs, prints, reference, k, how))
+        return evidence
+
+    def _vote_evidence(self, case: GemmCase, key, runs: GroupRuns, prints: list, reference, k: int, how: str) -> Evidence:
+        """One scale's finding: its first run off ``reference`` against a run that gave it, both
+        brought to this scale (exactly), and how many of its runs were off."""
+        (ea, eb), s, host = key, case.shape, self.device.to_host
+        cid = case.case_id(ea, eb)
+        odd, ref = runs.result(next(p for p in prints if p != reference), key), runs.result(reference, key)
+        ev = Evidence(check=checks.POW2_CHECK, severity=Verdict.SUSPECT, case_id=cid, summary="", op=s.op,
+                      layout=s.layout.value, shape={"m": s.m, "n": s.n, "k": s.k}, dist=case.dist, scale=[ea, eb],
+                      seed=case.seed, max_value=1.0, reruns=len(prints) - 1, reproduced=k - 1,
+                      distinct_outputs=len(set(prints)), kernel=odd[1].kernel if odd else "",
+                      injected=recent_injections(self.fault, case=cid))
+        if odd is not None and ref is not None:
+            at_scale = lambda kept: numerics.pow2_scale(host(kept[1].c), ea + eb - sum(kept[0]))
+            shown = dataclasses.replace(odd[1], c=at_scale(odd), tile_sm=None if odd[1].tile_sm is None else host(odd[1].tile_sm))
+            found = checks.pow2_signal(shown.c, at_scale(ref))
+            if found is not None:
+                tiles = found.tiles(*shown.tile)
+                ev.elements, ev.samples = found.elements, _samples(found, shown, shown.tile_sm)
+                ev.tiles, ev.sms = [list(t) for t in tiles][:MAX_LOCALISED], _sms(shown.tile_sm, tiles)
+                ev.localised = found.where[:MAX_LOCALISED].tolist()
+        j = judge.judge((checks.POW2_CHECK,), distinct_outputs=len(set(prints)), reproducible=k == len(prints),
+                        margin=None, confirm_margin=self.th.confirm_margin)
+        ev.severity = j.severity
+        ev.summary = (f"{checks.POW2_CHECK}: {ev.elements} element(s) at scale 2^{ea}/2^{eb} {how}; "
+                      f"failed {k} of {len(prints)} runs; {j.why}")
+        if self.keep_flagged and cid not in self.flagged_runs and odd is not None and odd[0] == key:
+            self._keep(cid, odd[1])
+        return ev
 
     def _keep(self, cid: str, res: GemmResult) -> None:
         size = sum(t.numel() * t.element_size() for t in (res.c, res.row_sums, res.col_sums))
