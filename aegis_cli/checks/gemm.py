@@ -1,4 +1,4 @@
-"""The GEMM checks (DESIGN §2.1, §2.3): pure functions from one run's result, its fp64
+"""The GEMM checks (docs/design.md §2, §5): pure functions from one run's result, its fp64
 reference and τ to signals. The scan's GEMM probe and replay run these same checks:
 
   gemm.row_checksum       fp32-accumulator row sums per column tile vs fp64 A·(B·1), |Δ|/s > τ

@@ -1,4 +1,4 @@
-"""FAULTY or SUSPECT: the one judgement of GEMM evidence (DESIGN §3), for the scan's
+"""FAULTY or SUSPECT: the one judgement of GEMM evidence (docs/design.md §7), for the scan's
 confirmation re-runs and for replay alike.
 
 In order:
