@@ -21,7 +21,7 @@ from aegis_cli.checks import judge, vote
 from aegis_cli.checks import recompute as recheck
 from aegis_cli.checks.gemm import CHECKSUM_CHECKS
 from aegis_cli.faults.spec import FaultPlan, recent_injections
-from aegis_cli.ops import fingerprint, numerics
+from aegis_cli.ops import numerics
 from aegis_cli.ops.case import CaseId, case_seed
 from aegis_cli.ops.errors import ConfigError
 from aegis_cli.ops.gemm import GemmOperands, GemmResult, GemmShape, Layout, ReferenceChecksums
@@ -331,7 +331,9 @@ class GemmProbe:
                  ops: GemmOperands) -> list[Evidence]:
         """Re-run a flagged case; judge each signal by its reproduction and, for a checksum, by
         recomputing its worst flagged entries in fp64 from ``ops`` (checks/recompute.py)."""
-        fp = lambda r: (fingerprint.fingerprint(r.c), fingerprint.fingerprint(r.row_sums), fingerprint.fingerprint(r.col_sums))
+        # fingerprinted where the result lives (the GPU kernel on CUDA): copying every re-run's C
+        # to the host made a device that fails every launch take minutes to diagnose
+        fp = lambda r: (self.device.fingerprint(r.c), self.device.fingerprint(r.row_sums), self.device.fingerprint(r.col_sums))
         prints = {fp(res)}
         seen = {s.check: 0 for s in signals}
         for _ in range(self.reruns):
