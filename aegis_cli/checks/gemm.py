@@ -32,7 +32,6 @@ POW2_CHECK = "gemm.pow2_exact"
 
 GEMM_CHECKS = (*CHECKSUM_CHECKS, "gemm.output_rowsum", POW2_CHECK, "gemm.nonfinite")
 ELEMENT_CHECK = "gemm.element_reference"
-U_ACC = 2.0**-23  # fp32 accumulation unit roundoff, allowing truncating matrix units
 
 # what a signal's positions index, and the sample keys that name them
 _POSITION_KEYS = {"row": ("row", "col_tile"), "col": ("row_tile", "col"), "element": ("row", "col")}
@@ -185,14 +184,14 @@ def localise(rows: Signal | None, cols: Signal | None, tm: int, tn: int, limit: 
 def checks_elements(m: int, n: int, k: int, budget: int) -> bool:
     """Whether every element can be checked against the fp64 product: at most ``budget``
     multiply-adds, and K below 2²², where γ_K has no finite value (inf·0 would be a NaN bound)."""
-    return m * n * k <= budget and k * U_ACC < 0.5
+    return m * n * k <= budget and math.isfinite(numerics.gamma_acc(k))
 
 
 def element_bound(exact: torch.Tensor, mag: torch.Tensor, k: int) -> torch.Tensor:
     """How far a healthy bf16 C element can lie from its fp64 value ``exact`` (``mag`` = Σ|a||b|
     of its K products), less the subnormal slack: γ_K of fp32 accumulation (u = 2⁻²³, truncating
     units allowed), then one bf16 rounding of the accumulated value."""
-    gamma = k * U_ACC / (1 - k * U_ACC)
+    gamma = numerics.gamma_acc(k)
     return (exact.abs() + gamma * mag) * (numerics.U_BF16 * (1 + 2.0**-6)) + gamma * mag * 1.01
 
 

@@ -18,6 +18,7 @@ fp64's own error (≈ K·2⁻⁵³ of Σ|a||b|) is 2⁻³⁰ of the bounds and i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -52,8 +53,7 @@ class Recompute:
                          self.beyond_bound + other.beyond_bound, max(self.worst_ratio, other.worst_ratio))
 
     def to_dict(self) -> dict:
-        return {"entries": self.entries, "elements": self.elements, "beyond_bound": self.beyond_bound,
-                "worst_ratio": self.worst_ratio}
+        return dataclasses.asdict(self)
 
     def describe(self) -> str:
         return (f"{self.entries} flagged checksum(s) and {self.elements} output element(s) recomputed in fp64: "

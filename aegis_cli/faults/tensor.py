@@ -1,4 +1,4 @@
-"""Torch implementations of the fault models in ``inject`` (CPU reference path).
+"""Torch implementations of the fault models of ``faults/spec.py`` (CPU reference path).
 
 The CPU backend calls ``apply_operands`` on the operand tiles it feeds the product,
 ``apply_acc`` on the fp32 accumulator before the fused checksums, and ``apply_out`` on the

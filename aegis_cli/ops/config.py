@@ -171,14 +171,16 @@ def _coerce(value: Any, tp: Any, src: str, parent: Any, key: str) -> Any:
         inner = args[0] if args else Any
         items = [_coerce(v, inner, src, parent, key) for v in value]
         return tuple(items) if origin is tuple else items
-    if tp is float and isinstance(value, str) and _YAML12_FLOAT.fullmatch(value.strip()):
-        value = float(value)  # a number to YAML 1.2 and to every reader, a string only to YAML 1.1
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if tp is float and isinstance(value, float) and math.isfinite(value) and abs(value) > MAX_FLOAT:
-        raise ConfigError(f"{_where(src, parent, key)}: {key} must be a finite number of at most {MAX_FLOAT:g}, got {value:g}")
-    if tp is float and isinstance(value, float):
-        return value
+    if tp is float:
+        if isinstance(value, str) and _YAML12_FLOAT.fullmatch(value.strip()):
+            value = float(value)  # a number to YAML 1.2 and to every reader, a string only to YAML 1.1
+        elif isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if isinstance(value, float):
+            if math.isfinite(value) and abs(value) > MAX_FLOAT:
+                raise ConfigError(f"{_where(src, parent, key)}: {key} must be a finite number of at most {MAX_FLOAT:g}, "
+                                  f"got {value:g}")
+            return value
     if tp in (int, float, str, bool) and (not isinstance(value, tp) or (tp is int and isinstance(value, bool))):
         raise ConfigError(f"{_where(src, parent, key)}: {key} must be {tp.__name__}, got {_shown(value)}")
     return value

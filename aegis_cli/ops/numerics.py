@@ -20,6 +20,7 @@ BF16_MAX = 3.3895313892515355e38
 SUM_LIMIT = BF16_MAX / 4  # what any fp32 partial sum of a checked GEMM must stay below (margin 4)
 U_BF16 = 2.0**-8  # unit roundoff of bf16 (8-bit significand, round to nearest)
 U_FP32 = 2.0**-24
+U_ACC = 2.0**-23  # fp32 accumulation unit roundoff, allowing truncating matrix units (chopping)
 FP32_MIN_NORMAL = BF16_MIN_NORMAL  # the most one fp32 operation loses at the bottom of the range (FTZ flush)
 CHECKSUM_SPAN = 128  # the most outputs one fused checksum sums (the largest tile side of any backend)
 
@@ -255,13 +256,19 @@ def abs_max_along(x: torch.Tensor, dim: int, chunk: int = 1 << 22) -> torch.Tens
     return torch.stack([x.narrow(dim, i, min(step, n - i)).abs().amax(dim) for i in range(0, n, step)]).amax(0).double()
 
 
+def gamma_acc(n: int) -> float:
+    """γ_n = n·u/(1 − n·u) of n fp32 accumulation steps, u = U_ACC (truncating units allowed):
+    the relative error bound of an n-term sum; inf where n·u ≥ ½ (no finite bound)."""
+    nu = n * U_ACC
+    return nu / (1 - nu) if nu < 0.5 else math.inf
+
+
 def accumulation_ceiling(k: int, span: int) -> float:
     """Worst-case |Δ|/s of an fp32 checksum of ``span`` K-deep dot products, whatever the data:
     each of the K + span adds may round (or, on a truncating matrix unit, chop) by 2⁻²³ of a
     partial sum ≤ s. Far above the calibrated τ, which holds for the scan's input distributions;
     on other data a flag below this ceiling may be rounding, not corruption."""
-    n = (k + span) * 2.0**-23
-    return n / (1 - n) if n < 0.5 else math.inf
+    return gamma_acc(k + span)
 
 
 def pow2_exact_safe(ops: GemmOperands | Magnitudes | None, ea: int, eb: int) -> bool:
