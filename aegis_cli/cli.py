@@ -13,7 +13,6 @@ import traceback
 import click
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from aegis_cli import render
 from aegis_cli import report as report_mod
@@ -21,7 +20,7 @@ from aegis_cli.backends.threads import apply_thread_policy
 from aegis_cli.ops import files, provenance
 from aegis_cli.ops.errors import AegisError, ExitCode
 from aegis_cli.probes import DEFAULT_PROBES, DEFAULT_RERUNS
-from aegis_cli.render import VERDICT_STYLE, err_console
+from aegis_cli.render import err_console
 
 
 class State:
@@ -186,8 +185,6 @@ def sweep(config_path, log_format, fmt):
               help="Mark the --device gone (replaced, RMA'd): it leaves the quarantine list until it reports results again.")
 def history(config_path, db, ident, since, fmt, retire):
     """A device's record: verdicts over time, failure rate with counts and a 95% bound, quarantine state."""
-    import time as _time
-
     from aegis_cli.fleet.summary import history_csv, show_history
 
     doc, retired = show_history(db, config_path, ident, since, retire)
@@ -196,23 +193,7 @@ def history(config_path, db, ident, since, fmt, retire):
     if fmt in ("json", "csv"):
         click.echo(report_mod.render(doc, "json") if fmt == "json" else history_csv(doc), nl=False)
         return
-    console = Console()
-    t = Table(title=f"aegis history — {doc['database']}", title_justify="left")
-    for col in ("uuid", "serial", "last seen on", "state", "record", "last verdict"):
-        t.add_column(col, overflow="fold")
-    for d in doc["devices"]:
-        state = d["state"] + (f" ({d['clean_streak']} clean)" if d["state"] != "ACTIVE" else "")
-        t.add_row(d["uuid"], d.get("serial") or "", f"{d.get('last_host', '')} {d.get('last_id', '')}", state, d["summary"],
-                  d["last_verdict"] or "")
-    console.print(t)
-    for d in doc["devices"]:
-        if d.get("reason"):
-            console.print(f"{d['uuid']}: {d['reason']}", highlight=False)
-        for r in d.get("results", []):
-            when = _time.strftime("%Y-%m-%d %H:%M:%S", _time.localtime(r["ts"]))
-            style = VERDICT_STYLE.get(r["verdict"], "")
-            console.print(f"  {when}  {r['host']} {r['device']}  [{style}]{r['verdict']}[/]  {' '.join(r['checks'])} {r['error'] or ''}",
-                          highlight=False)
+    render.history_table(Console(), doc)
 
 
 @cli.command("report")

@@ -8,6 +8,7 @@ Importing this module touches no torch: the library is imported where a table ne
 from __future__ import annotations
 
 import io
+import time
 
 import click
 from rich.console import Console
@@ -244,3 +245,23 @@ def golden_table(console: Console, doc: dict, output: str) -> None:
                   str(len(r["devices"])), ", ".join(r["computations"]),
                   str(sum(len(c["outputs"]) for c in r["computations"].values())))
     console.print(t)
+
+
+def history_table(console: Console, doc: dict) -> None:
+    """``aegis history``: a row per device (state, record, last verdict), then each device's reason and results."""
+    t = Table(title=f"aegis history — {doc['database']}", title_justify="left")
+    for col in ("uuid", "serial", "last seen on", "state", "record", "last verdict"):
+        t.add_column(col, overflow="fold")
+    for d in doc["devices"]:
+        state = d["state"] + (f" ({d['clean_streak']} clean)" if d["state"] != "ACTIVE" else "")
+        t.add_row(d["uuid"], d.get("serial") or "", f"{d.get('last_host', '')} {d.get('last_id', '')}", state, d["summary"],
+                  d["last_verdict"] or "")
+    console.print(t)
+    for d in doc["devices"]:
+        if d.get("reason"):
+            console.print(f"{d['uuid']}: {d['reason']}", highlight=False)
+        for r in d.get("results", []):
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["ts"]))
+            style = VERDICT_STYLE.get(r["verdict"], "")
+            console.print(f"  {when}  {r['host']} {r['device']}  [{style}]{r['verdict']}[/]  {' '.join(r['checks'])} {r['error'] or ''}",
+                          highlight=False)

@@ -159,9 +159,8 @@ def count_cases(opts: ScanOptions, devices: list[Device]) -> int:
 
 def scan_thresholds(tau: float | None, margin: float | None) -> numerics.Thresholds:
     """The default thresholds with the given ``--threshold`` / ``--confirm-margin`` (None: default)."""
-    base = numerics.Thresholds()
-    return numerics.Thresholds(tau=base.tau if tau is None else tau, tau_bf16=base.tau_bf16,
-                      confirm_margin=base.confirm_margin if margin is None else margin)
+    given = {"tau": tau, "confirm_margin": margin}
+    return dataclasses.replace(numerics.Thresholds(), **{k: v for k, v in given.items() if v is not None})
 
 
 def check_reruns(n: int, name: str = "--reruns") -> None:

@@ -106,10 +106,6 @@ class SensitivityResult:
         """How far the production τ sits above the largest clean fp32 difference."""
         return self.tau / self.fp32_clean_max if self.fp32_clean_max > 0 else math.inf
 
-    @property
-    def hits_per_trial(self) -> float:
-        return self.setup.rate * self.setup.m * self.setup.n
-
     def to_dict(self) -> dict:
         cal, trial = self.setup.seeds()
         out = {"setup": asdict(self.setup), "calibration_seeds": cal, "trial_seeds": trial}

@@ -26,7 +26,7 @@ from aegis_cli.ops.case import CaseId, case_seed
 from aegis_cli.ops.errors import ConfigError
 from aegis_cli.ops.gemm import GemmOperands, GemmResult, GemmShape, Layout, ReferenceChecksums
 from aegis_cli.ops.verdict import Evidence, Verdict
-from aegis_cli.probes.gemm_runs import GroupRuns
+from aegis_cli.probes.gemm_runs import GroupRuns, on_host
 
 MAX_SAMPLES = 8
 MAX_LOCALISED = 16
@@ -290,10 +290,7 @@ class GemmProbe:
         size = sum(t.numel() * t.element_size() for t in (res.c, res.row_sums, res.col_sums))
         if self.kept_bytes + size > KEEP_FLAGGED_BYTES:
             return
-        host = self.device.to_host
-        self.flagged_runs[cid] = dataclasses.replace(
-            res, c=host(res.c), row_sums=host(res.row_sums), col_sums=host(res.col_sums),
-            tile_sm=None if res.tile_sm is None else host(res.tile_sm))
+        self.flagged_runs[cid] = on_host(self.device, res)
         self.kept_bytes += size
 
     def _count(self, shape: GemmShape, res: GemmResult) -> None:
@@ -308,6 +305,8 @@ class GemmProbe:
         if worst is not None:
             self.stats.clean_max = max(self.stats.clean_max, worst)
             self.stats.clean_ratio = max(self.stats.clean_ratio, worst / tau)
+        if not checked.signals:  # a clean run (nearly every run): no tile→SM copy back to the host
+            return []
         tm, tn = res.tile
         tile_sm = res.tile_sm.cpu() if res.tile_sm is not None else None
         by_check = {s.check: s for s in checked.signals}

@@ -53,7 +53,7 @@ class GroupRuns:
             self.scales[key] = _Scale([SAME_AS_BASE], [])
             return
         p = self._print(key, res)
-        self.scales[key] = _Scale([p], [(p, self._host(res))])
+        self.scales[key] = _Scale([p], [(p, on_host(self.device, res))])
         self.mismatched.append(key)
 
     def recording(self, key: Key, once: Callable) -> Callable:
@@ -69,7 +69,7 @@ class GroupRuns:
         p = self._print(key, res)
         s.prints.append(p)
         if len(s.kept) < 2 and all(self.resolve(q) != p for q, _ in s.kept):
-            s.kept.append((p, self._host(res)))
+            s.kept.append((p, on_host(self.device, res)))
 
     def top_up(self, key: Key, once: Callable[[], GemmResult], runs: int) -> None:
         """Run scale ``key`` again until it has ``runs`` runs in all."""
@@ -110,7 +110,9 @@ class GroupRuns:
             return ("not exactly scalable", key, self._inexact)
         return self.device.fingerprint(back)
 
-    def _host(self, res: GemmResult) -> GemmResult:
-        host = self.device.to_host
-        return dataclasses.replace(res, c=host(res.c), row_sums=host(res.row_sums), col_sums=host(res.col_sums),
-                                   tile_sm=None if res.tile_sm is None else host(res.tile_sm))
+
+def on_host(device: Device, res: GemmResult) -> GemmResult:
+    """``res`` with its tensors copied to host memory (``device.to_host``), to keep past the run."""
+    host = device.to_host
+    return dataclasses.replace(res, c=host(res.c), row_sums=host(res.row_sums), col_sums=host(res.col_sums),
+                               tile_sm=None if res.tile_sm is None else host(res.tile_sm))
