@@ -249,19 +249,18 @@ def golden_table(console: Console, doc: dict, output: str) -> None:
 
 def history_table(console: Console, doc: dict) -> None:
     """``aegis history``: a row per device (state, record, last verdict), then each device's reason and results."""
-    t = Table(title=f"aegis history — {doc['database']}", title_justify="left")
+    t = Table(title=_lit(f"aegis history — {doc['database']}"), title_justify="left")
     for col in ("uuid", "serial", "last seen on", "state", "record", "last verdict"):
         t.add_column(col, overflow="fold")
     for d in doc["devices"]:
         state = d["state"] + (f" ({d['clean_streak']} clean)" if d["state"] != "ACTIVE" else "")
-        t.add_row(d["uuid"], d.get("serial") or "", f"{d.get('last_host', '')} {d.get('last_id', '')}", state, d["summary"],
-                  d["last_verdict"] or "")
+        t.add_row(*(_lit(v) for v in (d["uuid"], d.get("serial") or "", f"{d.get('last_host', '')} {d.get('last_id', '')}", state,
+                                      d["summary"], d["last_verdict"] or "")))
     console.print(t)
     for d in doc["devices"]:
         if d.get("reason"):
-            console.print(f"{d['uuid']}: {d['reason']}", highlight=False)
+            console.print(_lit(f"{d['uuid']}: {d['reason']}"), highlight=False)
         for r in d.get("results", []):
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["ts"]))
-            style = VERDICT_STYLE.get(r["verdict"], "")
-            console.print(f"  {when}  {r['host']} {r['device']}  [{style}]{r['verdict']}[/]  {' '.join(r['checks'])} {r['error'] or ''}",
-                          highlight=False)
+            console.print(Text.assemble(f"  {when}  {r['host']} {r['device']}  ", _verdict(r["verdict"]),
+                                        f"  {' '.join(r['checks'])} {r['error'] or ''}"), highlight=False)

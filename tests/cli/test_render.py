@@ -85,3 +85,20 @@ def test_a_large_fleet_table_shows_the_devices_that_matter_and_counts_the_rest()
     rows = [line for line in out.splitlines() if "GPU-" in line]
     assert len(rows) == render.FLEET_ROWS and "GPU-4321" in rows[0] and "FAULTY" in rows[0]
     assert f"… {5000 - render.FLEET_ROWS} more devices not shown (all: 1 FAULTY, 4999 HEALTHY" in out
+
+
+def test_history_strings_are_drawn_literally(tmp_path, capsys):
+    from aegis_cli.fleet.history import History
+    from tests.fleet.test_history import doc
+
+    d = doc({"GPU-[/bold]": "FAULTY"})
+    d["devices"][0]["device"]["host"] = "[green]n1[/green]"
+    d["devices"][0]["error"] = "[/]"
+    db = tmp_path / "h.sqlite"
+    with History(db) as h:
+        h.record_sweep(d)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["history", "--db", str(db), "--device", "GPU-[/bold]"])
+    assert exc.value.code in (0, None)
+    flat = "".join(capsys.readouterr().out.split())
+    assert "GPU-[/bold]" in flat and "[green]n1[/green]" in flat and "[/]" in flat
