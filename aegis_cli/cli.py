@@ -163,7 +163,8 @@ def _stop_on_signals():
               help="What goes to stdout: auto = a table on a terminal, nothing otherwise (cron, systemd).")
 def sweep(config_path, log_format, fmt):
     """Sweep every local device (one worker per device), record history, apply the quarantine policy."""
-    from aegis_cli.fleet.sweep import load_config, run_sweep
+    from aegis_cli.fleet.config import load_config
+    from aegis_cli.fleet.sweep import run_sweep
 
     cfg = load_config(config_path)
     outcome = run_sweep(cfg, render.sweep_logger(log_format), stop=_stop_on_signals())

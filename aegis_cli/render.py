@@ -206,7 +206,7 @@ def _fleet_rows(devices: list[dict]) -> list[dict]:
 
 def sweep_logger(fmt: str):
     """Structured log lines on stderr (logfmt or JSON lines): no colours, no progress bars."""
-    from aegis_cli.fleet.sweep import log_line
+    from aegis_cli.fleet.logs import log_line
 
     def log(event: str, level: str = "info", **kv) -> None:
         click.echo(log_line(event, level, fmt, **kv), err=True)

@@ -72,9 +72,14 @@ class ActionRecord:
 
     @property
     def done(self) -> bool:
-        """The event took effect: its command succeeded, or none is configured for it. A dry run,
-        a failure or a command not run stays pending and is tried again at the next sweep."""
-        return self.argv is None or (self.executed and self.returncode == 0)
+        return took_effect(self.argv, self.executed, self.returncode)
+
+
+def took_effect(argv: list[str] | None, executed: bool, returncode: int | None) -> bool:
+    """An event (an ActionRecord, or one the history holds) took effect: its command succeeded,
+    or none is configured for it. A dry run, a failure or a command not run stays pending and is
+    tried again at the next sweep."""
+    return argv is None or (executed and returncode == 0)
 
 
 def render_argv(template: list[str], fields: dict[str, str]) -> list[str]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from aegis_cli.fleet.config import SweepConfig
 from aegis_cli.fleet.history import ResultRow
-from aegis_cli.fleet.policy import DAY
+from aegis_cli.fleet.policy import DAY, by_device
 
 
 @dataclass
@@ -27,9 +27,9 @@ def plan_devices(cfg: SweepConfig, identities: list[dict], rows: list[ResultRow]
     failed before within the policy window; they run first when the budget is short."""
     window = now - cfg.policy.window_days * DAY
     allowed = min(cfg.device_timeout_seconds, cfg.budget_seconds)
-    plans = []
+    plans, by = [], by_device(rows)
     for ident in identities:
-        mine = [r for r in rows if r.uuid == ident["uuid"]]
+        mine = by.get(ident["uuid"], [])
         recent_bad = [r for r in mine if r.ts >= window and r.verdict in ("SUSPECT", "FAULTY")]
         cases: list[str] = []
         for r in reversed(recent_bad):

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from aegis_cli import report as report_mod
-from aegis_cli.fleet.actions import ActionRecord, prometheus_text, run_actions, transitions, write_quarantine_list
+from aegis_cli.fleet.actions import ActionRecord, prometheus_text, run_actions, took_effect, transitions, write_quarantine_list
 from aegis_cli.fleet.config import SweepConfig
 from aegis_cli.fleet.history import History, ResultRow
 from aegis_cli.fleet.logs import Log, Stop, SweepInterrupted
@@ -112,13 +112,13 @@ def _rows(devices: list[dict], now: float) -> list[ResultRow]:
 
 
 def _quarantine_done(hist: History, uuids: list[str]) -> dict[str, bool]:
-    """uuid → whether the last event that took effect for it was a quarantine (ActionRecord.done):
+    """uuid → whether the last event that took effect for it was a quarantine (took_effect):
     what a command did, not the old results re-read under today's config, so a changed policy
     that moves a device still runs its command; and a dry run or a failed command counts as not
     done, so it runs again at the next sweep."""
     out = {}
     for u in uuids:
-        done = [a for a in hist.actions(u) if a["argv"] is None or (a["executed"] and a["returncode"] == 0)]
+        done = [a for a in hist.actions(u) if took_effect(a["argv"], a["executed"], a["returncode"])]
         out[u] = bool(done) and done[-1]["event"] == "quarantine"
     return out
 

@@ -22,7 +22,6 @@ import errno
 import os
 import sqlite3
 import stat
-import tempfile
 from pathlib import Path
 
 from aegis_cli.ops import files
@@ -152,15 +151,9 @@ def create_database(path: Path, initialise) -> None:
     runs on a private temp file beside it, which is then hard-linked into place. link() never
     follows or replaces what is there (a link planted meanwhile fails it), and when another
     process (a rank of the same node) got there first, its database is the one used."""
-    prefix = f".{path.name}."
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        files.remove_stale(path.parent, prefix, ".new")  # what a sweep killed here left
-        while True:
-            fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".new", dir=path.parent)
-            if files.hold_new(fd):
-                break
-            os.close(fd)
+        fd, tmp = files.held_temp_file(path.parent, f".{path.name}.", ".new")  # removes what a sweep killed here left
     except OSError as exc:
         if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise read_only(path, f"cannot create it: {exc.strerror}") from None

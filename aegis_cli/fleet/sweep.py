@@ -16,16 +16,13 @@ import time
 
 from aegis_cli.backends.base import node_name
 from aegis_cli.fleet import distributed
-from aegis_cli.fleet.config import SweepConfig, check_outputs, load_config
+from aegis_cli.fleet.config import SweepConfig, check_outputs
 from aegis_cli.fleet.history import History
 from aegis_cli.fleet.lock import SweepLock
-from aegis_cli.fleet.logs import Log, Stop, SweepInterrupted, log_line
+from aegis_cli.fleet.logs import Log, Stop
 from aegis_cli.fleet.plan import plan_devices
 from aegis_cli.fleet.record import SweepOutcome, apply_policy, sweep_doc
 from aegis_cli.fleet.workers import run_workers
-
-# the names the CLI takes from here (aegis sweep)
-__all__ = ["SweepConfig", "SweepInterrupted", "SweepOutcome", "load_config", "log_line", "run_sweep"]
 
 
 def run_sweep(cfg: SweepConfig, log: Log | None = None, *, environ: dict[str, str] | None = None,

@@ -137,6 +137,17 @@ def remove_stale(folder: str | os.PathLike, prefix: str, suffix: str = "", *, di
     return removed
 
 
+def held_temp_file(folder: str | os.PathLike, prefix: str, suffix: str) -> tuple[int, str]:
+    """(fd, path) of a new temp file ``prefix…suffix`` in ``folder``, held with a flock while the
+    fd is open; those that killed runs left there are removed first. Raises OSError."""
+    remove_stale(folder, prefix, suffix)
+    while True:
+        fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=suffix, dir=folder)
+        if hold_new(fd):
+            return fd, tmp
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def work_dir(prefix: str) -> Iterator[str]:
     """A private temp folder (0700) held for the duration and removed after, for a run's
@@ -165,14 +176,8 @@ def atomic_write(path: str | os.PathLike, text: str | bytes) -> None:
     path = Path(path)
     data = text.encode("utf-8") if isinstance(text, str) else text
     old = _existing_target(path)  # again here: the path may have changed since check_writable
-    prefix = f".{path.name}."
-    remove_stale(path.parent, prefix, ".tmp")
     try:
-        while True:
-            fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=path.parent or ".")
-            if hold_new(fd):
-                break
-            os.close(fd)
+        fd, tmp = held_temp_file(path.parent, f".{path.name}.", ".tmp")
     except OSError as exc:
         raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
     try:

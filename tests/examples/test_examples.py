@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from aegis_cli.fleet.actions import ActionsConfig, render_argv
-from aegis_cli.fleet.sweep import load_config
+from aegis_cli.fleet.config import load_config
 
 EX = Path(__file__).resolve().parents[2] / "examples"
 FAKE = """#!/bin/sh
@@ -57,7 +57,7 @@ def test_sample_sweep_yaml_parses_with_every_option():
     text = (EX / "sweep.yaml").read_text()
     from dataclasses import fields
 
-    from aegis_cli.fleet.sweep import SweepConfig
+    from aegis_cli.fleet.config import SweepConfig
 
     for f in fields(SweepConfig):
         if f.name != "source":

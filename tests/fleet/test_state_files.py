@@ -11,9 +11,10 @@ import time
 
 import pytest
 
+from aegis_cli.fleet.config import load_config
 from aegis_cli.fleet.history import History
 from aegis_cli.fleet.lock import SweepLock
-from aegis_cli.fleet.sweep import load_config, run_sweep
+from aegis_cli.fleet.sweep import run_sweep
 from aegis_cli.ops.errors import ConfigError, HistoryError, LockError
 from tests.fleet_helpers import aegis, env, write_config
 

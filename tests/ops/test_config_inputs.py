@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from aegis_cli.fleet.sweep import load_config
+from aegis_cli.fleet.config import load_config
 from aegis_cli.ops import config, workloads
 from aegis_cli.ops.errors import ConfigError
 from tests.fleet_helpers import aegis, env, write_config

@@ -124,7 +124,7 @@ def test_reruns_capped(capsys, monkeypatch):
     _no_work(monkeypatch)
     code, out, err = run_cli(capsys, "scan", "-q", "--reruns", "1001")
     assert "--reruns must lie in 1…1000, got 1001" in _one_error_line(code, out, err)
-    from aegis_cli.fleet.sweep import SweepConfig
+    from aegis_cli.fleet.config import SweepConfig
 
     with pytest.raises(ConfigError, match="reruns must lie in 1…1000"):
         SweepConfig(reruns=10**6)
