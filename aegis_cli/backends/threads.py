@@ -32,13 +32,17 @@ def usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _positive(name: str, raw: str) -> int:
+def _aegis_threads(env: Mapping[str, str]) -> int | None:
+    """AEGIS_THREADS as a positive integer, or None when unset."""
+    raw = env.get("AEGIS_THREADS", "").strip()
+    if not raw:
+        return None
     try:
         n = int(raw)
     except ValueError:
         n = 0
     if n < 1:
-        raise ConfigError(f"{name} must be a positive integer, got {raw!r}")
+        raise ConfigError(f"AEGIS_THREADS must be a positive integer, got {raw!r}")
     return n
 
 
@@ -46,8 +50,8 @@ def chosen_threads(environ: Mapping[str, str] | None = None) -> int | None:
     """The intra-op thread count aegis asks for, or None to leave torch's own choice
     (OMP_NUM_THREADS given: torch already follows it)."""
     env = os.environ if environ is None else environ
-    if env.get("AEGIS_THREADS", "").strip():
-        return _positive("AEGIS_THREADS", env["AEGIS_THREADS"].strip())
+    if (n := _aegis_threads(env)) is not None:
+        return n
     if env.get("OMP_NUM_THREADS", "").strip():
         return None
     return max(1, min(MAX_DEFAULT, usable_cores() // 2))
@@ -57,8 +61,8 @@ def share(workers: int, environ: Mapping[str, str] | None = None) -> int:
     """Threads for each of ``workers`` processes running side by side: the cores divided
     between them (at least 1 each), or what AEGIS_THREADS says."""
     env = os.environ if environ is None else environ
-    if env.get("AEGIS_THREADS", "").strip():
-        return _positive("AEGIS_THREADS", env["AEGIS_THREADS"].strip())
+    if (n := _aegis_threads(env)) is not None:
+        return n
     return max(1, min(MAX_DEFAULT, usable_cores() // max(1, workers)))
 
 
