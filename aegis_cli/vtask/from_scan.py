@@ -32,19 +32,20 @@ KEPT = "the flagged scan run, as observed"
 RERUN = "re-run at save time on the capturing device"
 
 
-def scan_operands(device: Device, ev: Evidence) -> tuple[GemmOperands, GemmOperands]:
-    """(the case's base operands, those at the evidence's scale), drawn as the scan drew them."""
+def scan_operands(device: Device, ev: Evidence) -> GemmOperands:
+    """The base operands of the evidence's case group, drawn as the scan drew them."""
     s = ev.shape
-    base = draw_operands(device.generate, Layout(ev.layout), s["m"], s["n"], s["k"], ev.dist, ev.seed,
+    return draw_operands(device.generate, Layout(ev.layout), s["m"], s["n"], s["k"], ev.dist, ev.seed,
                          str(CaseId.parse(ev.case_id).group))
-    return base, scaled(base, *ev.scale)
 
 
-def observed_run(device: Device, evidence: list[Evidence], kept: GemmResult | None, fault: FaultPlan | None) -> ObservedGemm:
-    """One flagged case (``evidence``, all at one scale) as it ran: ``kept`` when the scan kept
-    the flagged run, else one re-run (with ``fault`` when the scan injected one)."""
+def observed_run(device: Device, evidence: list[Evidence], base: GemmOperands, kept: GemmResult | None,
+                 fault: FaultPlan | None) -> ObservedGemm:
+    """One flagged case (``evidence``, all at one scale; ``base``: its group's operands) as it
+    ran: ``kept`` when the scan kept the flagged run, else one re-run (with ``fault`` when the
+    scan injected one)."""
     ev = evidence[0]
-    base, ops = scan_operands(device, ev)
+    ops = scaled(base, *ev.scale)
     if kept is not None:
         res, source = kept, KEPT
     else:
@@ -87,8 +88,13 @@ def save_scan_vtasks(report: Report, path: str | os.PathLike) -> int:
         by_case: dict[str, list[Evidence]] = {}
         for e in ev_gemm:
             by_case.setdefault(e.case_id, []).append(e)
+        # a group's flagged scales come one after another and share its draw: drawn once for them all
+        drawn: tuple[tuple, GemmOperands] | None = None  # ((group, seed), base operands)
         for cid, evs in by_case.items():
-            run = observed_run(device, evs, dr.captured.get(cid), fault)
+            key = (str(CaseId.parse(cid).group), evs[0].seed)
+            if drawn is None or drawn[0] != key:
+                drawn = key, scan_operands(device, evs[0])
+            run = observed_run(device, evs, drawn[1], dr.captured.get(cid), fault)
             # τ as the checksum checks used it; an exact check's evidence carries none
             tau = next((e.threshold for e in evs if e.threshold is not None), None)
             tau = tau if tau is not None else thresholds.tau_for(device, run.operands.mnk[2])

@@ -11,7 +11,7 @@ from aegis_cli.backends.base import Device
 from aegis_cli.checks.observed import same_bits
 from aegis_cli.ops import numerics
 from aegis_cli.ops.case import split_scale
-from aegis_cli.probes.gemm import draw_operands
+from aegis_cli.probes.gemm import draw_operands, scaled
 from aegis_cli.vtask import model as vtask
 
 REGENERATE_BYTES = 2 << 30  # memory for regenerating a vTask's inputs where the device's free memory is unknown
@@ -37,8 +37,8 @@ def is_scan_draw(dev: Device, vt: vtask.VTask) -> tuple[bool, str]:
         if need > (free if free is not None else REGENERATE_BYTES):
             continue
         tried = True
-        drawn = draw_operands(generate, g.layout, g.m, g.n, g.k, vt.dist, vt.seed, group)
-        a, b = g.sub_operands(numerics.pow2_scale(drawn.a, vt.scale[0]), numerics.pow2_scale(drawn.b, vt.scale[1]))
+        drawn = scaled(draw_operands(generate, g.layout, g.m, g.n, g.k, vt.dist, vt.seed, group), *vt.scale)
+        a, b = g.sub_operands(drawn.a, drawn.b)
         if all(same_bits(x.to("cpu"), y) for x, y in zip((a, b), stored, strict=True)):
             return True, ""
     if not tried:

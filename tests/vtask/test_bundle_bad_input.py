@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from aegis_cli import cli
 from aegis_cli.ops.errors import BundleError
 from aegis_cli.ops.gemm import GemmOperands, Layout
 from aegis_cli.vtask.bundle import BundleWriter, read_bundle
 from aegis_cli.vtask.model import GemmSpec, Limits, VTask
+from tests.helpers import run_cli
 from tests.vtask.test_model import make_vtask
 
 
@@ -147,13 +147,6 @@ CASES = {
 }
 
 
-def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exc:
-        cli.main(argv)
-    out, err = capsys.readouterr()
-    return exc.value.code, out, err
-
-
 def assert_rejected(code: int, out: str, err: str, path: Path, fragment: str, report: Path) -> None:
     assert code == 3
     lines = err.strip().splitlines()
@@ -167,25 +160,25 @@ def assert_rejected(code: int, out: str, err: str, path: Path, fragment: str, re
 def test_directory(tmp_path, capsys):
     d = tmp_path / "adir"
     d.mkdir()
-    code, out, err = run_cli(["replay", str(d), "--device", "cpu", "-o", str(tmp_path / "r.txt")], capsys)
+    code, out, err = run_cli(capsys, "replay", str(d), "--device", "cpu", "-o", str(tmp_path / "r.txt"))
     assert_rejected(code, out, err, d, "is a directory", tmp_path / "r.txt")
 
 
 def test_missing_file(tmp_path, capsys):
     p = tmp_path / "nope.aegis"
-    code, out, err = run_cli(["replay", str(p), "--device", "cpu", "-o", str(tmp_path / "r.txt")], capsys)
+    code, out, err = run_cli(capsys, "replay", str(p), "--device", "cpu", "-o", str(tmp_path / "r.txt"))
     assert_rejected(code, out, err, p, "no such file", tmp_path / "r.txt")
 
 
 def test_not_a_regular_file(tmp_path, capsys):
-    code, out, err = run_cli(["replay", "/dev/zero", "--device", "cpu", "-o", str(tmp_path / "r.txt")], capsys)
+    code, out, err = run_cli(capsys, "replay", "/dev/zero", "--device", "cpu", "-o", str(tmp_path / "r.txt"))
     assert_rejected(code, out, err, Path("/dev/zero"), "is not a regular file", tmp_path / "r.txt")
 
 
 def test_file_over_the_configured_limit(tmp_path, capsys):
     good = tmp_path / "good.aegis"
     size = len(_valid(good))
-    code, out, err = run_cli(["replay", str(good), "--device", "cpu", "--max-bundle-size", "1000", "-o", str(tmp_path / "r")], capsys)
+    code, out, err = run_cli(capsys, "replay", str(good), "--device", "cpu", "--max-bundle-size", "1000", "-o", str(tmp_path / "r"))
     assert_rejected(code, out, err, good, f"file is {size} bytes, over the limit of 1000 (--max-bundle-size)", tmp_path / "r")
 
 
@@ -193,7 +186,7 @@ def test_file_over_the_limit_names_where_the_limit_came_from(tmp_path, capsys, m
     good = tmp_path / "good.aegis"
     size = len(_valid(good))
     monkeypatch.setenv("AEGIS_BUNDLE_MAX_BYTES", "1000")
-    code, out, err = run_cli(["replay", str(good), "--device", "cpu", "-o", str(tmp_path / "r")], capsys)
+    code, out, err = run_cli(capsys, "replay", str(good), "--device", "cpu", "-o", str(tmp_path / "r"))
     assert_rejected(code, out, err, good, f"file is {size} bytes, over the limit of 1000 (AEGIS_BUNDLE_MAX_BYTES)", tmp_path / "r")
 
 
@@ -210,7 +203,7 @@ def test_one_bad_bundle_spoils_the_whole_replay(tmp_path, capsys):
     bad = tmp_path / "bad.aegis"
     bad.write_bytes(b"")
     report = tmp_path / "r.json"
-    code, out, err = run_cli(["replay", str(good), str(bad), "--device", "cpu", "--format", "json", "-o", str(report)], capsys)
+    code, out, err = run_cli(capsys, "replay", str(good), str(bad), "--device", "cpu", "--format", "json", "-o", str(report))
     assert_rejected(code, out, err, bad, "empty file", report)
 
 
@@ -218,7 +211,7 @@ def test_empty_bundle_has_nothing_to_replay(tmp_path, capsys):
     path = tmp_path / "empty.aegis"
     assert BundleWriter(path).finalise() == 0
     assert read_bundle(path).vtasks == []
-    code, _, err = run_cli(["replay", str(path), "--device", "cpu"], capsys)
+    code, _, err = run_cli(capsys, "replay", str(path), "--device", "cpu")
     assert code == 3 and "holds no vTasks, nothing to replay" in err and len(err.strip().splitlines()) == 1
 
 
@@ -312,7 +305,7 @@ def test_bad_bundle_exit_3_one_line_no_output(case, tmp_path, capsys):
     path = tmp_path / "bad.aegis"
     path.write_bytes(make(_valid(tmp_path / "good.aegis")))
     report = tmp_path / "report.json"
-    code, out, err = run_cli(["replay", str(path), "--device", "cpu", "--format", "json", "-o", str(report)], capsys)
+    code, out, err = run_cli(capsys, "replay", str(path), "--device", "cpu", "--format", "json", "-o", str(report))
     assert_rejected(code, out, err, path, fragment, report)
 
 
@@ -325,7 +318,7 @@ def test_header_padded_with_spaces_is_fine(tmp_path):
 def test_empty_bundle_message_is_one_line_whatever_its_name(tmp_path, capsys):
     path = tmp_path / "empty\nsecond line.aegis"
     BundleWriter(path).finalise()
-    code, out, err = run_cli(["replay", str(path), "--device", "cpu"], capsys)
+    code, out, err = run_cli(capsys, "replay", str(path), "--device", "cpu")
     assert code == 3 and out == ""
     assert err.strip().splitlines() == [f"Error: bundle {tmp_path}/empty?second line.aegis: holds no vTasks, nothing to replay"]
 
@@ -336,8 +329,8 @@ def test_a_raised_size_limit_reads_only_the_file(limit, tmp_path, capsys):
     allocated the whole limit (MemoryError at 1 TiB)."""
     path = tmp_path / "good.aegis"
     _valid(path)
-    code, out, err = run_cli(["replay", str(path), "--device", "cpu", "--repeat", "1", "--max-bundle-size", limit,
-                              "--format", "json"], capsys)
+    code, out, err = run_cli(capsys, "replay", str(path), "--device", "cpu", "--repeat", "1", "--max-bundle-size", limit,
+                              "--format", "json")
     assert code == 0 and err == "" and json.loads(out)["devices"][0]["verdict"] == "HEALTHY"
 
 
@@ -345,12 +338,12 @@ def test_a_raised_size_limit_reads_only_the_file(limit, tmp_path, capsys):
 def test_size_limit_out_of_range_is_one_line(limit, tmp_path, capsys, monkeypatch):
     path = tmp_path / "good.aegis"
     _valid(path)
-    code, out, err = run_cli(["replay", str(path), "--device", "cpu", "--max-bundle-size", limit], capsys)
+    code, out, err = run_cli(capsys, "replay", str(path), "--device", "cpu", "--max-bundle-size", limit)
     assert code == 3 and out == ""
     assert err.strip().splitlines() == [f"Error: --max-bundle-size {limit} is out of range: a bundle size limit lies in "
                                         f"16…{1 << 40} bytes"]
     monkeypatch.setenv("AEGIS_BUNDLE_MAX_BYTES", limit)
-    code, out, err = run_cli(["replay", str(path), "--device", "cpu"], capsys)
+    code, out, err = run_cli(capsys, "replay", str(path), "--device", "cpu")
     assert code == 3 and f"AEGIS_BUNDLE_MAX_BYTES={limit} is out of range" in err and len(err.strip().splitlines()) == 1
 
 
