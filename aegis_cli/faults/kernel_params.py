@@ -233,3 +233,35 @@ def inject_params(acc: AccFaults, m: int, n: int, tile: tuple[int, int], device:
         p.edit_idx, p.edit_off, p.edit_val, p.edit_op = (t.data_ptr() for t in ts)
         p.n_edits = int(flat.size)
     return p, keep
+
+
+# ---- attention kernels (kernels/attention.cuh) ---------------------------------------------
+# One fault per launch: the fp32 value at a flat index of one stage's tensor has its bits XORed,
+# then a number added, before any fused invariant sum reads it.
+ATTN_STAGES = {"load_q": 1, "scores": 2, "softmax": 3, "pv": 4, "lse": 5,
+               "dv": 6, "dk": 7, "dq": 8, "dp": 9, "recompute_p": 10}
+ATTN_FWD_STAGES = frozenset({"load_q", "scores", "softmax", "pv", "lse"})
+
+
+class AttnFault(ctypes.Structure):  # mirrors AttnFault in kernels/attention.cuh
+    _fields_ = [("stage", ctypes.c_int), ("pad", ctypes.c_int), ("index", ctypes.c_longlong),
+                ("xor_bits", ctypes.c_uint), ("add", ctypes.c_float)]
+
+
+def attn_fault(fault: tuple[str, int, int, float] | None, sizes: dict[str, int]) -> AttnFault:
+    """Pack ``(stage, index, xor, add)`` for the attention kernels; ``sizes`` gives the element count
+    of each stage's tensor for this launch. None: the block of a launch without a fault."""
+    if fault is None:
+        return AttnFault(stage=0)
+    try:
+        stage, index, xor, add = fault
+        code = ATTN_STAGES[stage]
+        index, xor, add = int(index), int(xor), float(add)
+    except (TypeError, ValueError, KeyError) as exc:
+        raise InjectSpecError(f"attention fault {fault!r}: want (stage, index, xor, add) with stage one of "
+                              f"{', '.join(ATTN_STAGES)}") from exc
+    if not 0 <= index < sizes[stage]:
+        raise InjectSpecError(f"attention fault index {index} outside {stage} ({sizes[stage]} elements)")
+    if not 0 <= xor <= 0xFFFFFFFF:
+        raise InjectSpecError(f"attention fault xor mask {xor:#x} is not 32 bits")
+    return AttnFault(stage=code, index=index, xor_bits=xor, add=add)

@@ -17,7 +17,9 @@ from aegis_cli.ops import paths
 NVCC = shutil.which("nvcc")
 KERNELS = sorted(p.name for p in paths.kernel_dir().glob("*.cu"))
 VARIANTS = {"gemm_mma.cu": ("", "-DAEGIS_INJECT", "-DAEGIS_NOSUMS"),
-            "gemm_wgmma.cu": ("", "-DAEGIS_INJECT", "-DAEGIS_NOSUMS", "-DAEGIS_TIMING")}
+            "gemm_wgmma.cu": ("", "-DAEGIS_INJECT", "-DAEGIS_NOSUMS", "-DAEGIS_TIMING"),
+            "attention_fwd.cu": ("", "-DAEGIS_INJECT", "-DAEGIS_NOSUMS"),
+            "attention_bwd.cu": ("", "-DAEGIS_INJECT", "-DAEGIS_NOSUMS")}
 CASES = [(k, v) for k in KERNELS for v in VARIANTS.get(k, ("",))]
 
 
