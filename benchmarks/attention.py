@@ -144,7 +144,11 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device", file=sys.stderr)
         return 1
     t0 = time.perf_counter()
-    rows = [bench_shape(m, s, args.reps, tunes) for m in args.models for s in args.seq]
+    rows = []
+    for m in args.models:
+        for s in args.seq:
+            rows.append(bench_shape(m, s, args.reps, tunes))
+            print("done:", format_row(rows[-1]), flush=True)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "gpu": torch.cuda.get_device_name(0),
             "torch": torch.__version__, "seconds": round(time.perf_counter() - t0, 1)}
     with open(args.json, "w", encoding="utf-8") as f:
