@@ -19,6 +19,7 @@
 
 #define ATTN_LOG2E 1.4426950408889634f
 #define ATTN_LN2 0.6931471805599453f
+#define ATTN_NEG_INF (-__int_as_float(0x7f800000))  // NVRTC has no math.h INFINITY
 
 // Fault stages (aegis_cli/faults/kernel_params.py ATTN_STAGES mirrors these codes).
 enum {

@@ -43,7 +43,7 @@ __device__ __forceinline__ void attn_fwd_body(const bf16* __restrict__ q, const 
     float acc[D / 8][4];
 #pragma unroll
     for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-    float mrow[2] = {-INFINITY, -INFINITY}, lrow[2] = {0.f, 0.f};
+    float mrow[2] = {ATTN_NEG_INF, ATTN_NEG_INF}, lrow[2] = {0.f, 0.f};
     const int row0 = warp * 16;
     const int qi[2] = {m0 + row0 + g, m0 + row0 + g + 8};
     const float sl2 = scale * ATTN_LOG2E;
@@ -93,7 +93,7 @@ __device__ __forceinline__ void attn_fwd_body(const bf16* __restrict__ q, const 
 #else
                 x = s[nt][e] * sl2;
 #endif
-                if (edge && (col >= S || (causal && col > row))) x = -INFINITY;
+                if (edge && (col >= S || (causal && col > row))) x = ATTN_NEG_INF;
                 s[nt][e] = x;
                 mnew[e >> 1] = fmaxf(mnew[e >> 1], x);
             }
@@ -103,7 +103,7 @@ __device__ __forceinline__ void attn_fwd_body(const bf16* __restrict__ q, const 
         for (int r = 0; r < 2; ++r) {
             mnew[r] = fmaxf(mnew[r], __shfl_xor_sync(0xffffffffu, mnew[r], 1));
             mnew[r] = fmaxf(mnew[r], __shfl_xor_sync(0xffffffffu, mnew[r], 2));
-            mb[r] = mnew[r] == -INFINITY ? 0.f : mnew[r];
+            mb[r] = mnew[r] == ATTN_NEG_INF ? 0.f : mnew[r];
             alpha[r] = exp2f(mrow[r] - mb[r]);
             mrow[r] = mnew[r];
         }
