@@ -116,41 +116,54 @@ __device__ __forceinline__ void attn_frag_b_kn(const bf16* s, int k0, int n0, ui
     attn_ldsm4_t(smem_u32(s + r * (D + 8) + c), b);
 }
 
-// acc[16 x 8·NT] (one warp's C fragments) += A (16 x 16·KT, smem rows row0.., row-major) · Bᵀ where
-// B is stored [n][k] (n rows nb0.., k contiguous): S = Q·Kᵀ and dP = dO·Vᵀ.
-template <int D, int KT, int NT>
+// acc (MT m-tiles of 16 x 8·NT, C fragments, tile m·NT + n) += A (16·MT x 16·KT, smem rows row0..,
+// row-major) · Bᵀ where B is stored [n][k] (n rows nb0.., k contiguous): S = Q·Kᵀ and dP = dO·Vᵀ.
+// Each B fragment read from shared memory feeds MT m-tiles.
+template <int D, int KT, int NT, int MT = 1>
 __device__ __forceinline__ void attn_mm_abt(float (*acc)[4], const bf16* sa, int row0, const bf16* sb, int nb0) {
 #pragma unroll
     for (int kk = 0; kk < KT; ++kk) {
-        uint32_t a[4];
-        attn_frag_a<D>(sa, row0, kk * 16, a);
+        uint32_t a[MT][4];
+#pragma unroll
+        for (int m = 0; m < MT; ++m) attn_frag_a<D>(sa, row0 + 16 * m, kk * 16, a[m]);
 #pragma unroll
         for (int np = 0; np < NT / 2; ++np) {
             uint32_t b[4];
             attn_frag_b_nk<D>(sb, nb0 + np * 16, kk * 16, b);
-            attn_mma(acc[2 * np], a, b[0], b[1]);
-            attn_mma(acc[2 * np + 1], a, b[2], b[3]);
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                attn_mma(acc[m * NT + 2 * np], a[m], b[0], b[1]);
+                attn_mma(acc[m * NT + 2 * np + 1], a[m], b[2], b[3]);
+            }
         }
     }
 }
 
-// acc[16 x D] += P (16 x 16·KT, C fragments p[2·KT][4] in registers, rounded to bf16) · B where B is
-// stored [k][n] (k rows kb0.., D columns): O += P·V, dQ += dS·K, dV += Pᵀ·dO, dK += dSᵀ·Q.
-template <int D, int KT>
+// acc (MT m-tiles of 16 x D, tile m·D/8 + n) += P (16·MT x 16·KT, C fragments in registers, tile
+// m·2KT + n, rounded to bf16) · B where B is stored [k][n] (k rows kb0.., D columns):
+// O += P·V, dQ += dS·K, dV += Pᵀ·dO, dK += dSᵀ·Q.
+template <int D, int KT, int MT = 1>
 __device__ __forceinline__ void attn_mm_pb(float (*acc)[4], const float (*p)[4], const bf16* sb, int kb0) {
 #pragma unroll
     for (int kk = 0; kk < KT; ++kk) {
-        uint32_t a[4];
-        a[0] = attn_pack(p[2 * kk][0], p[2 * kk][1]);
-        a[1] = attn_pack(p[2 * kk][2], p[2 * kk][3]);
-        a[2] = attn_pack(p[2 * kk + 1][0], p[2 * kk + 1][1]);
-        a[3] = attn_pack(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+        uint32_t a[MT][4];
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+            const float (*pm)[4] = p + m * 2 * KT;
+            a[m][0] = attn_pack(pm[2 * kk][0], pm[2 * kk][1]);
+            a[m][1] = attn_pack(pm[2 * kk][2], pm[2 * kk][3]);
+            a[m][2] = attn_pack(pm[2 * kk + 1][0], pm[2 * kk + 1][1]);
+            a[m][3] = attn_pack(pm[2 * kk + 1][2], pm[2 * kk + 1][3]);
+        }
 #pragma unroll
         for (int dn = 0; dn < D / 16; ++dn) {
             uint32_t b[4];
             attn_frag_b_kn<D>(sb, kb0 + kk * 16, dn * 16, b);
-            attn_mma(acc[2 * dn], a, b[0], b[1]);
-            attn_mma(acc[2 * dn + 1], a, b[2], b[3]);
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                attn_mma(acc[m * (D / 8) + 2 * dn], a[m], b[0], b[1]);
+                attn_mma(acc[m * (D / 8) + 2 * dn + 1], a[m], b[2], b[3]);
+            }
         }
     }
 }

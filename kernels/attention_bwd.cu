@@ -20,7 +20,12 @@
 #ifndef ATTN_BWD_BQ  // query rows per step of the dK/dV kernel: 64 at D = 128 spills (two 128-column accumulators)
 #define ATTN_BWD_BQ(D) ((D) == 128 ? 32 : 64)
 #endif
-#define BWD_BN 64       // keys per step of the dQ kernel
+#ifndef ATTN_DQ_BN
+#define ATTN_DQ_BN 64   // keys per step of the dQ kernel
+#endif
+#ifndef ATTN_DQ_MT
+#define ATTN_DQ_MT 1    // m-tiles (16 query rows each) per warp of the dQ kernel
+#endif
 
 extern "C" __global__ void attn_bwd_pre(const bf16* __restrict__ o, const bf16* __restrict__ dout, float* __restrict__ delta,
                                         long long rows, int D) {
@@ -45,12 +50,12 @@ extern "C" __global__ void attn_colsum_reduce(const float* __restrict__ part, fl
     out[i] = s;
 }
 
-template <int D, int NW>
+template <int D, int NW, int MT>
 __device__ __forceinline__ void attn_dq_body(const bf16* __restrict__ q, const bf16* __restrict__ k, const bf16* __restrict__ v,
                                              const bf16* __restrict__ dout, const float* __restrict__ lse,
                                              const float* __restrict__ delta, bf16* __restrict__ dq, float* __restrict__ dq_rowsum,
                                              int Hq, int Hkv, int S, float scale, int causal, const AttnFault& fault) {
-    constexpr int BM = 16 * NW, BN = BWD_BN, NT = NW * 32, P = D + 8;
+    constexpr int BM = 16 * NW * MT, BN = ATTN_DQ_BN, NT = NW * 32, P = D + 8, NB = BN / 8, ND = D / 8, R = 2 * MT;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16* sQ = reinterpret_cast<bf16*>(smem_raw);
     bf16* sO = sQ + BM * P;      // dO rows
@@ -71,19 +76,20 @@ __device__ __forceinline__ void attn_dq_body(const bf16* __restrict__ q, const b
     attn_load_rows<BN, D, NT>(sV, vg, 0, S);
     attn_commit();
 
-    const int row0 = warp * 16;
-    const int qi[2] = {m0 + row0 + g, m0 + row0 + g + 8};
-    float l2[2], dl[2];
+    const int row0 = warp * 16 * MT;
+    int qi[R];
+    float l2[R], dl[R];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
+    for (int r = 0; r < R; ++r) {
+        qi[r] = m0 + row0 + 16 * (r >> 1) + g + 8 * (r & 1);
         const bool ok = qi[r] < S;
         l2[r] = ok ? lse[(long long)bh * S + qi[r]] * ATTN_LOG2E : 0.f;
         dl[r] = ok ? delta[(long long)bh * S + qi[r]] : 0.f;
     }
     const float sl2 = scale * ATTN_LOG2E;
-    float acc[D / 8][4];
+    float acc[MT * ND][4];
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    for (int i = 0; i < MT * ND; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 
     for (int j = 0; j < n_end; ++j) {
         const int st = j & 1, n0 = j * BN;
@@ -98,45 +104,54 @@ __device__ __forceinline__ void attn_dq_body(const bf16* __restrict__ q, const b
         __syncthreads();
         const bf16* kt = sK + st * BN * P;
         const bf16* vt = sV + st * BN * P;
-        float p[BN / 8][4], dp[BN / 8][4];
+        float p[MT * NB][4], dp[MT * NB][4];
 #pragma unroll
-        for (int i = 0; i < BN / 8; ++i) p[i][0] = p[i][1] = p[i][2] = p[i][3] = dp[i][0] = dp[i][1] = dp[i][2] = dp[i][3] = 0.f;
-        attn_mm_abt<D, D / 16, BN / 8>(p, sQ, row0, kt, 0);
-        attn_mm_abt<D, D / 16, BN / 8>(dp, sO, row0, vt, 0);
+        for (int i = 0; i < MT * NB; ++i) p[i][0] = p[i][1] = p[i][2] = p[i][3] = dp[i][0] = dp[i][1] = dp[i][2] = dp[i][3] = 0.f;
+        attn_mm_abt<D, D / 16, NB, MT>(p, sQ, row0, kt, 0);
+        attn_mm_abt<D, D / 16, NB, MT>(dp, sO, row0, vt, 0);
         const bool edge = n0 + BN > S || (causal && n0 + BN - 1 > m0 + row0);
 #pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt) {
+        for (int m = 0; m < MT; ++m) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int col = n0 + nt * 8 + 2 * t + (e & 1), r = e >> 1;
-                float x = exp2f(p[nt][e] * sl2 - l2[r]);
-                if (edge && (col >= S || (causal && col > qi[r]))) x = 0.f;
-                float y = dp[nt][e];
-                ATTN_INJECT(fault, AF_RECOMPUTE_P, ATTN_FLAT_SS(bh, qi[r], col, S), x);
-                ATTN_INJECT(fault, AF_DP, ATTN_FLAT_SS(bh, qi[r], col, S), y);
-                p[nt][e] = x * (y - dl[r]);  // dS
+            for (int nt = 0; nt < NB; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int col = n0 + nt * 8 + 2 * t + (e & 1), r = 2 * m + (e >> 1);
+                    float x = exp2f(p[m * NB + nt][e] * sl2 - l2[r]);
+                    if (edge && (col >= S || (causal && col > qi[r]))) x = 0.f;
+                    float y = dp[m * NB + nt][e];
+                    ATTN_INJECT(fault, AF_RECOMPUTE_P, ATTN_FLAT_SS(bh, qi[r], col, S), x);
+                    ATTN_INJECT(fault, AF_DP, ATTN_FLAT_SS(bh, qi[r], col, S), y);
+                    p[m * NB + nt][e] = x * (y - dl[r]);  // dS
+                }
             }
         }
-        attn_mm_pb<D, BN / 16>(acc, p, kt, 0);
+        attn_mm_pb<D, BN / 16, MT>(acc, p, kt, 0);
         __syncthreads();
     }
 
-    float rs[2] = {0.f, 0.f};
+    float rs[R];
     (void)rs;
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
+    for (int r = 0; r < R; ++r) rs[r] = 0.f;
+#pragma unroll
+    for (int i = 0; i < MT * ND; ++i) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
+            const int r = 2 * (i / ND) + (e >> 1), col = (i % ND) * 8 + 2 * t + (e & 1);
+            (void)r;
+            (void)col;
             float x = acc[i][e] * scale;
-            ATTN_INJECT(fault, AF_DQ, qi[e >> 1] < S ? ((long long)bh * S + qi[e >> 1]) * D + i * 8 + 2 * t + (e & 1) : -1LL, x);
+            ATTN_INJECT(fault, AF_DQ, qi[r] < S ? ((long long)bh * S + qi[r]) * D + col : -1LL, x);
             acc[i][e] = x;
 #ifndef AEGIS_NOSUMS
-            rs[e >> 1] += x;
+            rs[r] += x;
 #endif
         }
     }
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
+    for (int r = 0; r < R; ++r) {
+        const int m = r >> 1, hf = r & 1;
 #ifndef AEGIS_NOSUMS
         rs[r] += __shfl_xor_sync(0xffffffffu, rs[r], 1);
         rs[r] += __shfl_xor_sync(0xffffffffu, rs[r], 2);
@@ -144,8 +159,9 @@ __device__ __forceinline__ void attn_dq_body(const bf16* __restrict__ q, const b
         if (qi[r] < S) {
             bf16* drow = dq + ((long long)bh * S + qi[r]) * D;
 #pragma unroll
-            for (int i = 0; i < D / 8; ++i)
-                *reinterpret_cast<uint32_t*>(drow + i * 8 + 2 * t) = attn_pack(acc[i][2 * r], acc[i][2 * r + 1]);
+            for (int i = 0; i < ND; ++i)
+                *reinterpret_cast<uint32_t*>(drow + i * 8 + 2 * t) =
+                    attn_pack(acc[m * ND + i][2 * hf], acc[m * ND + i][2 * hf + 1]);
 #ifndef AEGIS_NOSUMS
             if (t == 0) dq_rowsum[(long long)bh * S + qi[r]] = rs[r];
 #endif
@@ -328,7 +344,7 @@ __device__ __forceinline__ void attn_dkdv_body(const bf16* __restrict__ q, const
     extern "C" __global__ void __launch_bounds__(ATTN_BWD_WARPS * 32, 8 / ATTN_BWD_WARPS) attn_bwd_dq_d##DIM(       \
         const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* delta, bf16* dq,  \
         float* dq_rowsum, int Hq, int Hkv, int S, float scale, int causal, AttnFault fault) {                         \
-        attn_dq_body<DIM, ATTN_BWD_WARPS>(q, k, v, dout, lse, delta, dq, dq_rowsum, Hq, Hkv, S, scale, causal, fault); \
+        attn_dq_body<DIM, ATTN_BWD_WARPS, ATTN_DQ_MT>(q, k, v, dout, lse, delta, dq, dq_rowsum, Hq, Hkv, S, scale, causal, fault); \
     }                                                                                                                \
     extern "C" __global__ void __launch_bounds__(ATTN_BWD_WARPS * 32, 8 / ATTN_BWD_WARPS) attn_bwd_dkdv_d##DIM(     \
         const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* delta, bf16* dk,  \

@@ -11,14 +11,17 @@
 #ifndef ATTN_FWD_WARPS
 #define ATTN_FWD_WARPS 4
 #endif
+#ifndef ATTN_FWD_MT  // m-tiles (16 rows each) per warp: each K/V fragment read from shared memory feeds MT of them
+#define ATTN_FWD_MT 1
+#endif
 #define FWD_BN 64
 
-template <int D, int NW>
+template <int D, int NW, int MT>
 __device__ __forceinline__ void attn_fwd_body(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                               const bf16* __restrict__ v, bf16* __restrict__ o, float* __restrict__ lse,
                                               float* __restrict__ o_rowsum, int Hq, int Hkv, int S, float scale,
                                               int causal, const AttnFault& fault) {
-    constexpr int BM = 16 * NW, BN = FWD_BN, NT = NW * 32, P = D + 8;
+    constexpr int BM = 16 * NW * MT, BN = FWD_BN, NT = NW * 32, P = D + 8, NB = BN / 8, ND = D / 8, R = 2 * MT;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16* sQ = reinterpret_cast<bf16*>(smem_raw);
     bf16* sK = sQ + BM * P;      // [2][BN][P]
@@ -40,12 +43,19 @@ __device__ __forceinline__ void attn_fwd_body(const bf16* __restrict__ q, const 
     attn_load_rows<BN, D, NT>(sV, vg, 0, S);
     attn_commit();
 
-    float acc[D / 8][4];
+    // a warp's rows: m-tile m holds rows row0 + 16m + g (r = 2m) and + 8 (r = 2m + 1)
+    float acc[MT * ND][4];
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-    float mrow[2] = {ATTN_NEG_INF, ATTN_NEG_INF}, lrow[2] = {0.f, 0.f};
-    const int row0 = warp * 16;
-    const int qi[2] = {m0 + row0 + g, m0 + row0 + g + 8};
+    for (int i = 0; i < MT * ND; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    float mrow[R], lrow[R];
+    int qi[R];
+    const int row0 = warp * 16 * MT;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        mrow[r] = ATTN_NEG_INF;
+        lrow[r] = 0.f;
+        qi[r] = m0 + row0 + 16 * (r >> 1) + g + 8 * (r & 1);
+    }
     const float sl2 = scale * ATTN_LOG2E;
     (void)sl2;
 
@@ -73,34 +83,41 @@ __device__ __forceinline__ void attn_fwd_body(const bf16* __restrict__ q, const 
 #endif
         const bf16* kt = sK + st * BN * P;
         const bf16* vt = sV + st * BN * P;
-        float s[BN / 8][4];
+        float s[MT * NB][4];
 #pragma unroll
-        for (int i = 0; i < BN / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
-        attn_mm_abt<D, D / 16, BN / 8>(s, sQ, row0, kt, 0);
+        for (int i = 0; i < MT * NB; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+        attn_mm_abt<D, D / 16, NB, MT>(s, sQ, row0, kt, 0);
 
         const bool edge = n0 + BN > S || (causal && n0 + BN - 1 > m0 + row0);
-        float mnew[2] = {mrow[0], mrow[1]};
+        float mnew[R];
 #pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt) {
+        for (int r = 0; r < R; ++r) mnew[r] = mrow[r];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int col = n0 + nt * 8 + 2 * t + (e & 1), row = qi[e >> 1];
-                float x;
+        for (int m = 0; m < MT; ++m) {
+#pragma unroll
+            for (int nt = 0; nt < NB; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int r = 2 * m + (e >> 1);
+                    const int col = n0 + nt * 8 + 2 * t + (e & 1), row = qi[r];
+                    float x;
 #ifdef AEGIS_INJECT
-                x = s[nt][e] * scale;
-                ATTN_INJECT(fault, AF_SCORES, ATTN_FLAT_SS(bh, row, col, S), x);
-                x *= ATTN_LOG2E;
+                    x = s[m * NB + nt][e] * scale;
+                    ATTN_INJECT(fault, AF_SCORES, ATTN_FLAT_SS(bh, row, col, S), x);
+                    x *= ATTN_LOG2E;
 #else
-                x = s[nt][e] * sl2;
+                    x = s[m * NB + nt][e] * sl2;
 #endif
-                if (edge && (col >= S || (causal && col > row))) x = ATTN_NEG_INF;
-                s[nt][e] = x;
-                mnew[e >> 1] = fmaxf(mnew[e >> 1], x);
+                    if (edge && (col >= S || (causal && col > row))) x = ATTN_NEG_INF;
+                    s[m * NB + nt][e] = x;
+                    mnew[r] = fmaxf(mnew[r], x);
+                }
             }
         }
-        float alpha[2], mb[2], psum[2] = {0.f, 0.f};
+        float alpha[R], mb[R], psum[R];
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
+        for (int r = 0; r < R; ++r) {
+            psum[r] = 0.f;
             mnew[r] = fmaxf(mnew[r], __shfl_xor_sync(0xffffffffu, mnew[r], 1));
             mnew[r] = fmaxf(mnew[r], __shfl_xor_sync(0xffffffffu, mnew[r], 2));
             mb[r] = mnew[r] == ATTN_NEG_INF ? 0.f : mnew[r];
@@ -108,53 +125,63 @@ __device__ __forceinline__ void attn_fwd_body(const bf16* __restrict__ q, const 
             mrow[r] = mnew[r];
         }
 #pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt) {
+        for (int m = 0; m < MT; ++m) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float p = exp2f(s[nt][e] - mb[e >> 1]);
-                ATTN_INJECT(fault, AF_SOFTMAX, ATTN_FLAT_SS(bh, qi[e >> 1], n0 + nt * 8 + 2 * t + (e & 1), S), p);
-                s[nt][e] = p;
-                psum[e >> 1] += p;
+            for (int nt = 0; nt < NB; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int r = 2 * m + (e >> 1);
+                    float p = exp2f(s[m * NB + nt][e] - mb[r]);
+                    ATTN_INJECT(fault, AF_SOFTMAX, ATTN_FLAT_SS(bh, qi[r], n0 + nt * 8 + 2 * t + (e & 1), S), p);
+                    s[m * NB + nt][e] = p;
+                    psum[r] += p;
+                }
             }
         }
 #pragma unroll
-        for (int r = 0; r < 2; ++r) lrow[r] = lrow[r] * alpha[r] + psum[r];
+        for (int r = 0; r < R; ++r) lrow[r] = lrow[r] * alpha[r] + psum[r];
 #pragma unroll
-        for (int i = 0; i < D / 8; ++i) {
-            acc[i][0] *= alpha[0];
-            acc[i][1] *= alpha[0];
-            acc[i][2] *= alpha[1];
-            acc[i][3] *= alpha[1];
+        for (int i = 0; i < MT * ND; ++i) {
+            const int r = 2 * (i / ND);
+            acc[i][0] *= alpha[r];
+            acc[i][1] *= alpha[r];
+            acc[i][2] *= alpha[r + 1];
+            acc[i][3] *= alpha[r + 1];
         }
-        attn_mm_pb<D, BN / 16>(acc, s, vt, 0);
+        attn_mm_pb<D, BN / 16, MT>(acc, s, vt, 0);
         __syncthreads();  // the next iteration's loads overwrite this stage
     }
 
     // epilogue: the row sums of l are per thread partials over its columns; finish over the quad
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
+    for (int r = 0; r < R; ++r) {
         lrow[r] += __shfl_xor_sync(0xffffffffu, lrow[r], 1);
         lrow[r] += __shfl_xor_sync(0xffffffffu, lrow[r], 2);
     }
-    float inv[2], rs[2] = {0.f, 0.f};
+    float inv[R], rs[R];
     (void)rs;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) inv[r] = 1.f / lrow[r];
+    for (int r = 0; r < R; ++r) {
+        inv[r] = 1.f / lrow[r];
+        rs[r] = 0.f;
+    }
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
+    for (int i = 0; i < MT * ND; ++i) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-            float x = acc[i][e] * inv[e >> 1];
-            ATTN_INJECT(fault, AF_PV, qi[e >> 1] < S ? ((long long)bh * S + qi[e >> 1]) * D + i * 8 + 2 * t + (e & 1) : -1LL, x);
+            const int r = 2 * (i / ND) + (e >> 1), col = (i % ND) * 8 + 2 * t + (e & 1);
+            (void)col;
+            float x = acc[i][e] * inv[r];
+            ATTN_INJECT(fault, AF_PV, qi[r] < S ? ((long long)bh * S + qi[r]) * D + col : -1LL, x);
             acc[i][e] = x;
 #ifndef AEGIS_NOSUMS
-            rs[e >> 1] += x;
+            rs[r] += x;
 #endif
         }
     }
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = qi[r];
+    for (int r = 0; r < R; ++r) {
+        const int row = qi[r], m = r >> 1, hf = r & 1;
 #ifndef AEGIS_NOSUMS
         rs[r] += __shfl_xor_sync(0xffffffffu, rs[r], 1);
         rs[r] += __shfl_xor_sync(0xffffffffu, rs[r], 2);
@@ -162,8 +189,9 @@ __device__ __forceinline__ void attn_fwd_body(const bf16* __restrict__ q, const 
         if (row < S) {
             bf16* orow = o + ((long long)bh * S + row) * D;
 #pragma unroll
-            for (int i = 0; i < D / 8; ++i)
-                *reinterpret_cast<uint32_t*>(orow + i * 8 + 2 * t) = attn_pack(acc[i][2 * r], acc[i][2 * r + 1]);
+            for (int i = 0; i < ND; ++i)
+                *reinterpret_cast<uint32_t*>(orow + i * 8 + 2 * t) =
+                    attn_pack(acc[m * ND + i][2 * hf], acc[m * ND + i][2 * hf + 1]);
             if (t == 0) {
                 float l = (mrow[r] + log2f(lrow[r])) * ATTN_LN2;
                 ATTN_INJECT(fault, AF_LSE, (long long)bh * S + row, l);
@@ -180,7 +208,7 @@ __device__ __forceinline__ void attn_fwd_body(const bf16* __restrict__ q, const 
     extern "C" __global__ void __launch_bounds__(ATTN_FWD_WARPS * 32, 8 / ATTN_FWD_WARPS)                        \
         attn_fwd_d##DIM(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, float* o_rowsum, int Hq, \
                         int Hkv, int S, float scale, int causal, AttnFault fault) {                               \
-        attn_fwd_body<DIM, ATTN_FWD_WARPS>(q, k, v, o, lse, o_rowsum, Hq, Hkv, S, scale, causal, fault);          \
+        attn_fwd_body<DIM, ATTN_FWD_WARPS, ATTN_FWD_MT>(q, k, v, o, lse, o_rowsum, Hq, Hkv, S, scale, causal, fault);          \
     }
 ATTN_FWD_ENTRY(64)
 ATTN_FWD_ENTRY(128)

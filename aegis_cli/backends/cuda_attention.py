@@ -28,11 +28,11 @@ from aegis_cli.backends import loader
 from aegis_cli.faults.kernel_params import ATTN_FWD_STAGES, AttnFault, attn_fault
 from aegis_cli.ops.errors import ConfigError
 
-# Warps per CTA (16 rows each): the kernels' defaults; benchmarks/attention.py --tune tries others
-DEFAULT_TUNE = {"ATTN_FWD_WARPS": 4, "ATTN_BWD_WARPS": 4}
+# The kernels' tile defines and their defaults (benchmarks/attention.py --tune tries others): warps per
+# CTA, m-tiles of 16 rows per warp in the forward and dQ kernels, keys per dQ step
+DEFAULT_TUNE = {"ATTN_FWD_WARPS": 4, "ATTN_BWD_WARPS": 4, "ATTN_FWD_MT": 1, "ATTN_DQ_MT": 1, "ATTN_DQ_BN": 64}
 TUNE = dict(DEFAULT_TUNE)
 FWD_BN = 64    # keys per forward step
-BWD_BN = 64    # keys per dQ step
 
 
 def _bwd_bq(d: int) -> int:  # ATTN_BWD_BQ(D): query rows per dK/dV step
@@ -124,7 +124,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     o = _empty((b, hq, s, d), torch.bfloat16, q.device, poison)
     lse = _empty((b, hq, s), torch.float32, q.device, poison)
     rowsum = _empty((b, hq, s), torch.float32, q.device, poison or bool(variant))
-    bm = 16 * TUNE["ATTN_FWD_WARPS"]
+    bm = 16 * TUNE["ATTN_FWD_WARPS"] * TUNE["ATTN_FWD_MT"]
     smem = (bm + 4 * FWD_BN) * (d + 8) * 2
     args = [_ptr(q), _ptr(k), _ptr(v), _ptr(o), _ptr(lse), _ptr(rowsum), ctypes.c_int(hq), ctypes.c_int(hkv),
             ctypes.c_int(s), ctypes.c_float(scale), ctypes.c_int(int(bool(causal))), block or AttnFault(stage=0)]
@@ -154,8 +154,8 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
     dq = _empty((b, hq, s, d), torch.bfloat16, dev, poison)
     dq_rowsum = _empty((b, hq, s), torch.float32, dev, poison or bool(variant))
     warps = TUNE["ATTN_BWD_WARPS"]
-    bm = 16 * warps
-    smem = (2 * bm + 4 * BWD_BN) * (d + 8) * 2
+    bm = 16 * warps * TUNE["ATTN_DQ_MT"]
+    smem = (2 * bm + 4 * TUNE["ATTN_DQ_BN"]) * (d + 8) * 2
     run("attention_bwd.cu", f"attn_bwd_dq_d{d}", (-(-s // bm), b * hq), 32 * warps, smem,
         [_ptr(q), _ptr(k), _ptr(v), _ptr(do), _ptr(lse), _ptr(delta), _ptr(dq), _ptr(dq_rowsum), *common])
 

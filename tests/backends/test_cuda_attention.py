@@ -22,6 +22,20 @@ def _ca():
     return cuda_attention
 
 
+# the default tiles, and two m-tiles per warp in the forward and dQ kernels (benchmarks/attention.py --tune)
+TUNES = {"default": {}, "mt2": {"ATTN_FWD_MT": 2, "ATTN_DQ_MT": 2, "ATTN_DQ_BN": 32}}
+
+
+@pytest.fixture(params=list(TUNES))
+def tuned(request):
+    ca = _ca()
+    old = dict(ca.TUNE)
+    ca.TUNE.update(TUNES[request.param])
+    yield ca
+    ca.TUNE.clear()
+    ca.TUNE.update(old)
+
+
 def _inputs(b, hq, hkv, s, d, seed):
     g = torch.Generator(device="cuda").manual_seed(seed)
 
@@ -66,8 +80,8 @@ CASES = [  # (B, Hq, Hkv, S, D, causal)
 
 
 @pytest.mark.parametrize("case", CASES, ids=["b{}h{}kv{}s{}d{}{}".format(*c[:5], "c" if c[5] else "") for c in CASES])
-def test_matches_fp64_reference_and_sums(case):
-    ca = _ca()
+def test_matches_fp64_reference_and_sums(case, tuned):
+    ca = tuned
     b, hq, hkv, s, d, causal = case
     q, k, v, do = _inputs(b, hq, hkv, s, d, seed=hash(case) % 10_000)
     scale = 1.0 / math.sqrt(d) if s % 2 else 0.3  # the default scale and another one
@@ -78,6 +92,11 @@ def test_matches_fp64_reference_and_sums(case):
     ro, rlse, rdq, rdk, rdv = _reference(q, k, v, do, causal, scale)
     for name, x, ref in (("O", o, ro), ("dQ", dq, rdq), ("dK", dk, rdk), ("dV", dv, rdv)):
         assert not torch.isnan(x).any(), f"{name} has unwritten (NaN) elements"
+        if s == 1 and name in ("dQ", "dK"):
+            # one key: the softmax is constant, so dQ = dK = 0 exactly and ours is the rounding
+            # residue of dP − delta (seen: 2e-7)
+            assert float(x.double().abs().max()) < 1e-4, f"{name}: {float(x.double().abs().max()):.1e} for S = 1"
+            continue
         assert _rel(x, ref) < BF16_TOL, f"{name}: relative error {_rel(x, ref):.2e}"
     assert float((lse.double() - rlse).abs().max()) < 1e-4 * max(1.0, float(rlse.abs().max()))
     _sum_ok(o_rowsum, o, -1)
@@ -87,8 +106,8 @@ def test_matches_fp64_reference_and_sums(case):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_repeats_are_bit_identical(causal):
-    ca = _ca()
+def test_repeats_are_bit_identical(causal, tuned):
+    ca = tuned
     q, k, v, do = _inputs(2, 8, 2, 333, 128, seed=5)
     runs = []
     for _ in range(3):
@@ -151,8 +170,8 @@ def _run(ca, q, k, v, do, stage, fault):
 
 
 @pytest.mark.parametrize("stage", list(FAULTS))
-def test_fault_stage_changes_what_it_feeds(stage):
-    ca = _ca()
+def test_fault_stage_changes_what_it_feeds(stage, tuned):
+    ca = tuned
     (b, h, i, x), add, expect = FAULTS[stage]
     q, k, v, do = _inputs(B, HQ, HKV, S, D, seed=31)
     idx = _flat(stage, b, h, i, x or 0)

@@ -18,8 +18,8 @@ NVCC = shutil.which("nvcc")
 KERNELS = sorted(p.name for p in paths.kernel_dir().glob("*.cu"))
 VARIANTS = {"gemm_mma.cu": ("", "-DAEGIS_INJECT", "-DAEGIS_NOSUMS"),
             "gemm_wgmma.cu": ("", "-DAEGIS_INJECT", "-DAEGIS_NOSUMS", "-DAEGIS_TIMING"),
-            "attention_fwd.cu": ("", "-DAEGIS_INJECT", "-DAEGIS_NOSUMS"),
-            "attention_bwd.cu": ("", "-DAEGIS_INJECT", "-DAEGIS_NOSUMS")}
+            "attention_fwd.cu": ("", "-DAEGIS_INJECT", "-DAEGIS_NOSUMS", "-DATTN_FWD_MT=2"),
+            "attention_bwd.cu": ("", "-DAEGIS_INJECT", "-DAEGIS_NOSUMS", "-DATTN_DQ_MT=2 -DATTN_DQ_BN=32")}
 CASES = [(k, v) for k in KERNELS for v in VARIANTS.get(k, ("",))]
 
 
@@ -28,8 +28,7 @@ CASES = [(k, v) for k in KERNELS for v in VARIANTS.get(k, ("",))]
 def test_kernel_compiles(kernel: str, define: str, tmp_path: Path) -> None:
     cmd = [NVCC, "-gencode=arch=compute_90a,code=sm_90a", "-std=c++17", "-cubin", "-Xptxas", "-v",
            f"-I{paths.kernel_dir()}", "-o", str(tmp_path / "k.cubin"), str(loader.kernel_path(kernel))]
-    if define:
-        cmd.insert(1, define)
+    cmd[1:1] = define.split()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log
