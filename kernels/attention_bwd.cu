@@ -20,6 +20,9 @@
 #ifndef ATTN_BWD_BQ  // query rows per step of the dK/dV kernel: 64 at D = 128 spills (two 128-column accumulators)
 #define ATTN_BWD_BQ(D) ((D) == 128 ? 32 : 64)
 #endif
+#ifndef ATTN_DKDV_HEAVY_FIRST
+#define ATTN_DKDV_HEAVY_FIRST 0
+#endif
 #ifndef ATTN_DQ_BN
 #define ATTN_DQ_BN 64   // keys per step of the dQ kernel
 #endif
@@ -214,8 +217,14 @@ __device__ __forceinline__ void attn_dkdv_body(const bf16* __restrict__ q, const
     float* sL = reinterpret_cast<float*>(sO + 2 * BQ * P);  // [2][BQ] lse (log2 units after load)
     float* sD = sL + 2 * BQ;                                 // [2][BQ] delta
 
-    const int kvh = blockIdx.y % Hkv, b = blockIdx.y / Hkv, G = Hq / Hkv;
-    const int n0 = blockIdx.x * BN;
+#if ATTN_DKDV_HEAVY_FIRST  // grid (B·Hkv, key blocks): every head's heavy (causal) key blocks start first
+    const int bhk = blockIdx.x, kb = blockIdx.y, nkb = gridDim.y;
+#else  // grid (key blocks, B·Hkv): heavy first within each head only
+    const int bhk = blockIdx.y, kb = blockIdx.x, nkb = gridDim.x;
+#endif
+    (void)nkb;
+    const int kvh = bhk % Hkv, b = bhk / Hkv, G = Hq / Hkv;
+    const int n0 = kb * BN;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const long long kvoff = ((long long)b * Hkv + kvh) * S * D;
     const int row0 = warp * 16;
@@ -331,7 +340,7 @@ __device__ __forceinline__ void attn_dkdv_body(const bf16* __restrict__ q, const
 #ifndef AEGIS_NOSUMS
     // rows past S hold zeros unless a fault hit them (then it must show): sum every row
     float* red = reinterpret_cast<float*>(sQ);  // the Q stages are free after the last barrier
-    const long long slot = ((long long)blockIdx.y * gridDim.x + blockIdx.x) * D;
+    const long long slot = ((long long)bhk * nkb + kb) * D;
     attn_colsum<D, NW>(dka, red, dk_part + slot);
     attn_colsum<D, NW>(dva, red, dv_part + slot);
 #else

@@ -29,8 +29,9 @@ from aegis_cli.faults.kernel_params import ATTN_FWD_STAGES, AttnFault, attn_faul
 from aegis_cli.ops.errors import ConfigError
 
 # The kernels' tile defines and their defaults (benchmarks/attention.py --tune tries others): warps per
-# CTA, m-tiles of 16 rows per warp in the forward and dQ kernels, keys per dQ step
-DEFAULT_TUNE = {"ATTN_FWD_WARPS": 4, "ATTN_BWD_WARPS": 4, "ATTN_FWD_MT": 1, "ATTN_DQ_MT": 1, "ATTN_DQ_BN": 64}
+# CTA, m-tiles of 16 rows per warp in the forward and dQ kernels, keys per dQ step, the dK/dV grid order
+DEFAULT_TUNE = {"ATTN_FWD_WARPS": 4, "ATTN_BWD_WARPS": 4, "ATTN_FWD_MT": 1, "ATTN_DQ_MT": 1, "ATTN_DQ_BN": 64,
+                "ATTN_DKDV_HEAVY_FIRST": 0}
 TUNE = dict(DEFAULT_TUNE)
 FWD_BN = 64    # keys per forward step
 
@@ -165,7 +166,8 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
     nkb = -(-s // bn)
     parts = _empty((2, b * hkv, nkb, d), torch.float32, dev, poison or bool(variant))
     smem = (2 * bn + 4 * bq) * (d + 8) * 2 + 4 * bq * 4
-    run("attention_bwd.cu", f"attn_bwd_dkdv_d{d}", (nkb, b * hkv), 32 * warps, smem,
+    grid = (b * hkv, nkb) if TUNE["ATTN_DKDV_HEAVY_FIRST"] else (nkb, b * hkv)
+    run("attention_bwd.cu", f"attn_bwd_dkdv_d{d}", grid, 32 * warps, smem,
         [_ptr(q), _ptr(k), _ptr(v), _ptr(do), _ptr(lse), _ptr(delta), _ptr(dk), _ptr(dv), _ptr(parts[0]),
          _ptr(parts[1]), *common])
     colsums = torch.empty((2, b, hkv, d), dtype=torch.float32, device=dev)
