@@ -43,7 +43,7 @@ class SensorConfig:
     min_verify: int = 1
     reruns: int = 2  # re-runs of a flagged GEMM when it is verified
     queue_size: int = 16  # suspicions waiting for the verifier; more are dropped (and counted)
-    queue_bytes: int = 256 << 20  # the tensors they may hold together
+    queue_bytes: int = 1 << 30  # the tensors they may hold together (a flagged GEMM holds copies of A, B and C)
     # adaptive thresholds: a cleared spike raises its operator's τ to headroom × the spike, at most
     # max_raise × the floor; the raise decays by ``decay`` per step back to the floor
     raise_headroom: float = 2.0

@@ -95,19 +95,22 @@ class SensorHandle:
 
     def raise_suspicion(self, s: Suspicion) -> None:
         self.stats.raised += 1
-        if self.queue.push(s):
-            return
+        if not self.queue.push(s):
+            self.drop(s.step, s.op, s.site, s.checks[0])
+
+    def drop(self, step: int, op: str, site: str, check: str) -> None:
+        """A suspicion the queue has no room for: counted, and the step is no longer known clean."""
         self.stats.dropped += 1
-        self._mark_bad(s.step)
-        self.emit(SensorEvent("dropped", s.step, s.op, s.site, s.checks[0], "SUSPECT",
+        self._mark_bad(step)
+        self.emit(SensorEvent("dropped", step, op, site, check, "SUSPECT",
                               f"the queue is full ({len(self.queue)} waiting, {self.queue.bytes} bytes); raise queue_size or "
                               "queue_bytes, or verify more per step (verify_budget, min_verify)", rank=self.rank))
 
     def emit(self, event: SensorEvent) -> None:
         self.events.append(event)
         log_event(event)
-        asked = [fn(event) for fn in self.listeners] or [default_action(event)]
-        self.action = max([self.action, *(a for a in asked if a is not None)])
+        asked = [a for a in (fn(event) for fn in self.listeners) if a is not None]  # None: no opinion
+        self.action = max(self.action, *asked) if asked else max(self.action, default_action(event))
 
     def subscribe(self, fn: Callable[[SensorEvent], Action | None]) -> None:
         """Call ``fn`` with every event from now on (besides config.on_event)."""

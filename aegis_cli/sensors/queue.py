@@ -36,10 +36,14 @@ class SuspicionQueue:
         self.bytes = 0
         self.peak = 0
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether a suspicion holding ``nbytes`` would be queued now (asked before copying its tensors)."""
+        return len(self._items) < self.size and self.bytes + nbytes <= self.max_bytes
+
     def push(self, s: Suspicion) -> bool:
         """Queue ``s``; False (the caller counts a drop) when it has no room."""
         nb = s.nbytes
-        if len(self._items) >= self.size or self.bytes + nb > self.max_bytes:
+        if not self.fits(nb):
             return False
         self._items.append(s)
         self.bytes += nb

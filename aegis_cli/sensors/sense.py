@@ -101,6 +101,9 @@ def sense(h, device: Device, layer: str, ops: GemmOperands, res: GemmResult, sit
         h.stats.skipped_nonfinite += 1
     elif not signals:
         h.stats.clean_max_ratio = max(h.stats.clean_max_ratio, worst / tau)
+    elif not h.queue.fits(sum(t.numel() * t.element_size() for t in (ops.a, ops.b, res.c, res.row_sums, res.col_sums))):
+        h.stats.raised += 1
+        h.drop(h.step_index, layer, site, signals[0].check)  # no room: not even copied
     else:
         ops2, res2 = snapshot(ops, res)
         ctx = GemmContext(device, h.fault_for(device), ops2, res2, layer, tau, floor)

@@ -22,9 +22,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gpt import GPT, PRESETS, markov_batches  # noqa: E402
+from gpt import GPT, PRESETS, markov_batches
 
-from aegis_cli.sensors import Action, SensorConfig, instrument, uninstrument  # noqa: E402
+from aegis_cli.sensors import Action, SensorConfig, instrument, uninstrument
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
