@@ -66,6 +66,11 @@ class SensorHandle:
         self._first_bad: int | None = None  # the first step with a confirmed or dropped suspicion
         self._hook = None
         self.pending = Action.CONTINUE  # the action of the last step boundary run by the optimizer hook
+        # this step's largest (normalised difference ÷ τ), flagged or not, and the last closed step's
+        # summary: compact per-step statistics a loop (or an all-gather across ranks) can compare
+        self.step_max_ratio = 0.0
+        self.last_step: dict = {}
+        self._at_step_start = (0, 0)
 
     # -- what the sensors ask of the handle ------------------------------------------------------
     def device_for(self, t: torch.Tensor) -> Device:
@@ -136,6 +141,11 @@ class SensorHandle:
         self.stats.step_s += step_s + verify_s
         self.stats.sense_s += self._sense_step
         self.stats.verify_s += verify_s
+        checked, raised = self.stats.checked, self.stats.raised
+        self.last_step = {"step": self.step_index, "checked": checked - self._at_step_start[0],
+                          "raised": raised - self._at_step_start[1], "max_ratio": self.step_max_ratio,
+                          "seconds": step_s, "sense_s": self._sense_step, "verify_s": verify_s}
+        self._at_step_start, self.step_max_ratio = (checked, raised), 0.0
         self._sense_step, self._regions = 0.0, 0
         self.step_index += 1
         action, self.action = self.action, Action.CONTINUE
@@ -175,7 +185,7 @@ class SensorHandle:
         """Every counter, the queue, confirmation latency, and each operator's sampling
         probability and threshold state."""
         return {**self.stats.to_dict(), "queue": self.queue.to_dict(), "last_clean_step": self.last_clean_step,
-                "rank": self.rank, "operators": self.controller.to_dict()}
+                "rank": self.rank, "last_step": dict(self.last_step), "operators": self.controller.to_dict()}
 
     # -- instrumenting ----------------------------------------------------------------------------
     def _attach(self, optimizer) -> None:

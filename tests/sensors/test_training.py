@@ -33,6 +33,7 @@ def test_clean_training_confirms_nothing():
     assert s["cleared"] == s["raised"]  # anything raised was verified and cleared (reported, not hidden)
     assert s["checked"] == s["launches"] == 100 * (27 + 8) and s["fingerprinted"] == 200
     assert s["clean_max_ratio"] < 1 and h.last_clean_step == 99
+    assert s["last_step"]["step"] == 99 and s["last_step"]["checked"] == 35 and 0 < s["last_step"]["max_ratio"] < 1
     assert float(loss.detach()) < first - 0.5  # and it learned
 
 
