@@ -1,7 +1,7 @@
 """In-training sensors (docs/sensors.md): a training loop's own GEMMs checked on its real tensors,
 suspicions verified off the critical path, confirmed ones saved as vTasks for ``aegis replay``.
 
-    from aegis_cli.sensors import SensorConfig, instrument
+    from aegis_cli.sensors import Action, SensorConfig, instrument, uninstrument
 
     handle = instrument(model, SensorConfig(bundle_dir="vtasks/"))
     for batch in loader:

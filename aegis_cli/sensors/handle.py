@@ -25,8 +25,9 @@ from aegis_cli.sensors.queue import Suspicion, SuspicionQueue
 from aegis_cli.sensors.verifier import verify_one
 
 MAX_EVENTS = 1000  # the events a handle keeps (every one is logged and passed to the callbacks)
+# the handle of each instrumented model, newest last (sensors.checkpoint() uses the newest); a handle holds
+# its model weakly, so a model that is dropped without uninstrument() does not live on here
 _HANDLES: weakref.WeakKeyDictionary[nn.Module, SensorHandle] = weakref.WeakKeyDictionary()
-_ACTIVE: list[SensorHandle] = []  # instrumented, newest last: sensors.checkpoint() uses the newest
 
 
 def _rank(config: SensorConfig) -> int:
@@ -41,7 +42,7 @@ class SensorHandle:
     backward and before ``optimizer.step()`` (or pass the optimizer to ``instrument``)."""
 
     def __init__(self, model: nn.Module, config: SensorConfig):
-        self.model, self.config = model, config
+        self._model, self.config = weakref.ref(model), config
         self.rank = _rank(config)
         self.stats = SensorStats()
         self.controller = Controller(config.sample_prob, config.overhead_budget, config.coverage_steps,
@@ -71,6 +72,10 @@ class SensorHandle:
         self.step_max_ratio = 0.0
         self.last_step: dict = {}
         self._at_step_start = (0, 0)
+
+    @property
+    def model(self) -> nn.Module | None:
+        return self._model()
 
     # -- what the sensors ask of the handle ------------------------------------------------------
     def device_for(self, t: torch.Tensor) -> Device:
@@ -204,7 +209,8 @@ class SensorHandle:
 
     def close(self) -> None:
         """Verify what is queued, then restore the model exactly (``uninstrument``)."""
-        uninstrument(self.model)
+        if self.model is not None:
+            uninstrument(self.model)
 
 
 def instrument(model: nn.Module, config: SensorConfig | None = None, *, optimizer: torch.optim.Optimizer | None = None) -> SensorHandle:
@@ -216,7 +222,6 @@ def instrument(model: nn.Module, config: SensorConfig | None = None, *, optimize
     h = SensorHandle(model, config or SensorConfig())
     h._attach(optimizer)
     _HANDLES[model] = h
-    _ACTIVE.append(h)
     return h
 
 
@@ -234,8 +239,6 @@ def uninstrument(model: nn.Module) -> SensorHandle | None:
         h._restore.clear()
         if h._hook is not None:
             h._hook.remove()
-        if h in _ACTIVE:
-            _ACTIVE.remove(h)
     return h
 
 
@@ -243,6 +246,7 @@ def checkpoint(function, *args, use_reentrant: bool = False, **kwargs):
     """``torch.utils.checkpoint.checkpoint`` with the recompute sensor of the newest instrumented
     model (plain checkpointing when none is): for code that calls checkpoint itself."""
     inner = torch_checkpoint.checkpoint
-    if not _ACTIVE:
+    handles = list(_HANDLES.values())
+    if not handles:
         return inner(function, *args, use_reentrant=use_reentrant, **kwargs)
-    return CheckpointSensor(_ACTIVE[-1], inner, "")(function, *args, use_reentrant=use_reentrant, **kwargs)
+    return CheckpointSensor(handles[-1], inner, "")(function, *args, use_reentrant=use_reentrant, **kwargs)

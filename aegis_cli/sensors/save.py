@@ -54,7 +54,9 @@ def save_gemm(ctx: GemmContext, site: str, evidence: list[Evidence], reference, 
             return None, f"its vTask would hold {size / 2**20:.0f} MiB, over max_vtask_bytes ({max_bytes / 2**20:.0f} MiB)"
         folder = Path(directory)
         folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"{name}.aegis"
+        path, n = folder / f"{name}.aegis", 1
+        while path.exists():  # an earlier run's bundle of the same name is evidence too: never replaced
+            path, n = folder / f"{name}.{n}.aegis", n + 1
         with BundleWriter(path) as writer:
             for vt in vtasks:
                 writer.add(vt)

@@ -97,8 +97,7 @@ def sense(h, device: Device, layer: str, ops: GemmOperands, res: GemmResult, sit
     tau = h.controller.tau(key, floor)
     signals, worst, finite = compare(device, ops, res, tau)
     h.stats.checked += 1
-    if finite:
-        h.step_max_ratio = max(h.step_max_ratio, worst / tau)
+    h.step_max_ratio = max(h.step_max_ratio, worst / tau)
     if not finite:
         h.stats.skipped_nonfinite += 1
     elif not signals:

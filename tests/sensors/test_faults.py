@@ -103,3 +103,12 @@ def test_verify_region_says_which_run_was_wrong():
     odd.out_rec = prints(bad)
     res = verify_region(odd, "n", "ckpt/n")
     assert res.severity is Verdict.SUSPECT and res.nondeterministic and res.evidence.check == OUTPUT
+
+
+def test_an_earlier_bundle_of_the_same_name_is_kept(tmp_path):
+    cfg = SensorConfig(overhead_budget=None, inject=ACC_FAULT, bundle_dir=str(tmp_path))
+    first, _ = one_step(mlp(), cfg)
+    second, _ = one_step(mlp(), cfg)
+    a, b = (next(e.bundle for e in h.events if e.kind == "confirmed") for h in (first, second))
+    assert a != b and sorted(p.name for p in tmp_path.iterdir()) == sorted({a.rsplit("/", 1)[1], b.rsplit("/", 1)[1]})
+    assert read_bundle(a).vtasks[0].id == read_bundle(b).vtasks[0].id  # the same launch, saved twice

@@ -4,6 +4,8 @@ tolerance, repeats itself bit for bit, and is restored exactly."""
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -144,3 +146,13 @@ def test_autocast_keeps_the_checked_gemm_precision():
     h.step()
     uninstrument(model)
     assert out.dtype == torch.bfloat16 and h.stats.raised == 0  # autocast did not leak into the fp32 accumulator
+
+
+def test_a_model_dropped_without_uninstrument_is_not_kept_alive():
+    model = mlp()
+    h = instrument(model, EVERY)
+    model(inputs()).sum().backward()
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None and h.model is None
