@@ -60,6 +60,7 @@ class SensorHandle:
         self._devices: dict[str, Device] = {}
         self._plans: dict[str, FaultPlan | None] = {}
         self._restore: list[Callable[[], None]] = []
+        self.unchecked: list[str] = []  # Linear subclasses with a forward of their own (quantised, LoRA …): left alone
         self._regions = 0
         self._saved = 0
         self._sense_step = 0.0
@@ -190,13 +191,16 @@ class SensorHandle:
         """Every counter, the queue, confirmation latency, and each operator's sampling
         probability and threshold state."""
         return {**self.stats.to_dict(), "queue": self.queue.to_dict(), "last_clean_step": self.last_clean_step,
-                "rank": self.rank, "last_step": dict(self.last_step), "operators": self.controller.to_dict()}
+                "rank": self.rank, "last_step": dict(self.last_step), "unchecked_modules": list(self.unchecked),
+                "operators": self.controller.to_dict()}
 
     # -- instrumenting ----------------------------------------------------------------------------
     def _attach(self, optimizer) -> None:
         for name, m in self.model.named_modules():
-            if isinstance(m, nn.Linear):
+            if isinstance(m, nn.Linear) and linear.patchable(m):
                 self._restore.append(linear.patch(self, m, name or "model"))
+            elif isinstance(m, nn.Linear):
+                self.unchecked.append(name or "model")
             inner = m.__dict__.get("_gradient_checkpointing_func")
             if inner is not None:  # the Hugging Face convention: a layer checkpoints through this attribute
                 m._gradient_checkpointing_func = CheckpointSensor(self, inner, name or "model")

@@ -80,6 +80,12 @@ def _checked_forward(site: _Site, original):
     return forward
 
 
+def patchable(module: nn.Linear) -> bool:
+    """Whether ``module`` computes what nn.Linear computes: a subclass with a forward of its own (a
+    quantised or adapter layer) means something else by its weight, and is left alone."""
+    return type(module).forward is nn.Linear.forward and module.weight.is_floating_point()
+
+
 def patch(h, module: nn.Linear, layer: str):
     """Route ``module`` through checked GEMMs; returns the function that restores it exactly."""
     had = "forward" in module.__dict__

@@ -156,3 +156,16 @@ def test_a_model_dropped_without_uninstrument_is_not_kept_alive():
     del model
     gc.collect()
     assert alive() is None and h.model is None
+
+
+def test_linear_subclasses_with_a_forward_of_their_own_are_left_alone():
+    class Scaled(torch.nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), Scaled(8, 4))
+    h = instrument(model, EVERY)
+    model(torch.randn(3, 8)).sum().backward()
+    uninstrument(model)
+    assert "forward" not in model[1].__dict__ and h.stats_dict()["unchecked_modules"] == ["1"]
+    assert h.stats.launches == 2  # the plain Linear's forward and wgrad (its input needs no gradient: no dgrad)
