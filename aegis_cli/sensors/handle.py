@@ -20,7 +20,7 @@ from aegis_cli.sensors import linear
 from aegis_cli.sensors.checkpoint import CheckpointSensor
 from aegis_cli.sensors.config import SensorConfig
 from aegis_cli.sensors.control import Controller
-from aegis_cli.sensors.events import Action, SensorEvent, SensorStats, default_action, log_event
+from aegis_cli.sensors.events import Action, SensorEvent, SensorStats, default_action, log, log_event
 from aegis_cli.sensors.queue import Suspicion, SuspicionQueue
 from aegis_cli.sensors.verifier import verify_one
 
@@ -190,7 +190,8 @@ class SensorHandle:
     def stats_dict(self) -> dict:
         """Every counter, the queue, confirmation latency, and each operator's sampling
         probability and threshold state."""
-        return {**self.stats.to_dict(), "queue": self.queue.to_dict(), "last_clean_step": self.last_clean_step,
+        injected = {"injected": self.fault_plan.describe(), "never_fired": self.fault_plan.never_fired()} if self.fault_plan else {}
+        return {**self.stats.to_dict(), **injected, "queue": self.queue.to_dict(), "last_clean_step": self.last_clean_step,
                 "rank": self.rank, "last_step": dict(self.last_step), "unchecked_modules": list(self.unchecked),
                 "operators": self.controller.to_dict()}
 
@@ -237,6 +238,9 @@ def uninstrument(model: nn.Module) -> SensorHandle | None:
         return None
     try:
         h.flush()
+        missed = h.fault_plan.never_fired() if h.fault_plan is not None else []
+        if missed:  # a self-test whose fault never landed proves nothing: say so
+            log.warning("aegis sensors: injected fault(s) never fired: %s", "; ".join(missed))
     finally:
         for restore in reversed(h._restore):
             restore()

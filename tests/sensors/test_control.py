@@ -119,3 +119,16 @@ def test_sampling_under_a_budget_checks_fewer_launches():
     assert h.stats.checked < h.stats.launches == 64
     assert all(st.checks_total >= 2 for st in ops.values())  # coverage: each operator at least once per 4 steps
     assert all(st.prob < 1.0 for st in ops.values())
+
+
+def test_a_callback_decides_the_action_and_none_means_no_opinion():
+    model = mlp()
+    asked = {"confirmed": Action.CHECKPOINT}
+    h = instrument(model, SensorConfig(overhead_budget=None, inject="bitflip:op=fc2/fwd,bit=hi-mant",
+                                       on_event=lambda e: asked.get(e.kind)))
+    model(inputs()).square().mean().backward()
+    assert h.step() is Action.CHECKPOINT and h.step() is Action.CONTINUE  # reset after each boundary
+    asked.clear()  # no opinion: the default policy stops on confirmed corruption
+    model(inputs()).square().mean().backward()
+    assert h.step() is Action.STOP
+    uninstrument(model)

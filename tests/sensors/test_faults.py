@@ -112,3 +112,9 @@ def test_an_earlier_bundle_of_the_same_name_is_kept(tmp_path):
     a, b = (next(e.bundle for e in h.events if e.kind == "confirmed") for h in (first, second))
     assert a != b and sorted(p.name for p in tmp_path.iterdir()) == sorted({a.rsplit("/", 1)[1], b.rsplit("/", 1)[1]})
     assert read_bundle(a).vtasks[0].id == read_bundle(b).vtasks[0].id  # the same launch, saved twice
+
+
+def test_a_fault_that_never_fires_is_named(caplog):
+    h, action = one_step(mlp(), SensorConfig(overhead_budget=None, inject="bitflip:op=no.such.layer"))
+    assert action is Action.CONTINUE and h.stats_dict()["never_fired"] == ["bitflip:op=no.such.layer"]
+    assert "never fired: bitflip:op=no.such.layer" in caplog.text
