@@ -118,3 +118,26 @@ def test_a_fault_that_never_fires_is_named(caplog):
     h, action = one_step(mlp(), SensorConfig(overhead_budget=None, inject="bitflip:op=no.such.layer"))
     assert action is Action.CONTINUE and h.stats_dict()["never_fired"] == ["bitflip:op=no.such.layer"]
     assert "never fired: bitflip:op=no.such.layer" in caplog.text
+
+
+def test_regions_with_dropout_are_compared_under_the_forwards_random_state():
+    from dataclasses import replace
+
+    from tests.sensors.tiny import MICRO, batches, gpt
+
+    model = gpt(cfg=replace(MICRO, dropout=0.2), checkpointing=True)
+    h = instrument(model, SensorConfig(overhead_budget=None))
+    for x, y in (next(batches()) for _ in range(2)):
+        model(x, y)[1].backward()
+        h.step()
+    uninstrument(model)
+    assert h.stats.fingerprinted == 4 and h.stats.raised == 0  # checkpointing replays the dropout masks
+    # the verifier re-runs a region with the forward's random state, so its dropout agrees too
+    x = inputs()
+    fn = lambda t: torch.nn.functional.dropout(t, 0.5, training=True)
+    rng = torch.get_rng_state()
+    out = fn(x)
+    bad = out.clone()
+    bad.view(torch.int32).view(-1)[0] ^= 1
+    ctx = RegionContext(fn, (x,), {}, (rng, {}), prints(((x,), {})), prints(((x,), {})), prints(out), prints(bad), [bad])
+    assert verify_region(ctx, "d", "ckpt/d").severity is Verdict.FAULTY
