@@ -4,6 +4,7 @@ flip in a checkpointed activation is caught and confirmed by the recompute senso
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from aegis_cli.backends.cpu import CpuDevice
@@ -141,3 +142,17 @@ def test_regions_with_dropout_are_compared_under_the_forwards_random_state():
     bad.view(torch.int32).view(-1)[0] ^= 1
     ctx = RegionContext(fn, (x,), {}, (rng, {}), prints(((x,), {})), prints(((x,), {})), prints(out), prints(bad), [bad])
     assert verify_region(ctx, "d", "ckpt/d").severity is Verdict.FAULTY
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_both_checkpoint_modes_are_fingerprinted(reentrant):
+    from aegis_cli.sensors import checkpoint
+
+    for inject, confirmed in ((None, 0), ("memflip:op=ckpt/model,bit=hi-mant", 1)):
+        model = mlp()
+        h = instrument(model, SensorConfig(overhead_budget=None, inject=inject))
+        x = inputs().requires_grad_()
+        model.head(checkpoint(model.body, x, use_reentrant=reentrant)).square().mean().backward()
+        h.step()
+        uninstrument(model)
+        assert h.stats.fingerprinted == 1 and h.stats.confirmed == confirmed and x.grad is not None
