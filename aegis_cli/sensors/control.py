@@ -1,0 +1,112 @@
+"""Control (docs/sensors.md §4): which launches are checked, under an overhead budget, and the
+threshold each operator is checked at.
+
+Sampling. Each operator (a layer's forward, dgrad or wgrad; a checkpointed region) has its own
+probability p. At each step boundary the budget B = overhead_budget × (the step's time without
+sensors and verifier) is shared by water-filling: operators sorted by their demand d = launches
+per step × measured seconds per check, each takes min(d, what is left ÷ operators left), so cheap
+operators are checked every time and the expensive ones share the rest; p = share ÷ d. Whatever the
+budget, an operator unchecked for ``coverage_steps - 1`` steps is checked at its next launch.
+The coin is a private generator seeded by the config: the model's own random stream is untouched.
+
+Thresholds. An operator's τ is its floor (the calibrated τ, raised to the device's accumulation
+bound at that K: Thresholds.tau_for) times a raise factor ≥ 1. A cleared spike (a flag that the
+verifier found within rounding) raises the factor to headroom × spike ÷ floor, at most max_raise;
+each step boundary decays it geometrically back toward 1. Each change is logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+
+log = logging.getLogger("aegis.sensors")
+
+
+@dataclass
+class OpState:
+    prob: float
+    raise_: float = 1.0  # τ = floor × raise_
+    cost_s: float | None = None  # seconds per check (exponential average)
+    launches: int = 0  # this step
+    checks: int = 0  # this step
+    idle_steps: int = 0  # steps since the last check
+    launches_total: int = 0
+    checks_total: int = 0
+
+    def to_dict(self) -> dict:
+        return {"prob": round(self.prob, 6), "tau_raise": self.raise_, "cost_s": self.cost_s, "launches": self.launches_total,
+                "checked": self.checks_total, "idle_steps": self.idle_steps}
+
+
+class Controller:
+    def __init__(self, sample_prob: float, budget: float | None, coverage_steps: int, *, headroom: float, max_raise: float,
+                 decay: float, seed: int):
+        self.sample_prob, self.budget, self.coverage = sample_prob, budget, coverage_steps
+        self.headroom, self.max_raise, self.decay = headroom, max_raise, decay
+        self.coin = random.Random(seed)
+        self.ops: dict[str, OpState] = {}
+
+    def _op(self, op: str) -> OpState:
+        st = self.ops.get(op)
+        if st is None:
+            st = self.ops[op] = OpState(prob=self.sample_prob)
+        return st
+
+    # -- per launch --------------------------------------------------------------------------
+    def want(self, op: str) -> bool:
+        """Whether this launch of ``op`` is checked."""
+        st = self._op(op)
+        st.launches += 1
+        due = st.checks == 0 and st.idle_steps >= self.coverage - 1
+        return due or st.prob >= 1.0 or self.coin.random() < st.prob
+
+    def spent(self, op: str, seconds: float) -> None:
+        st = self._op(op)
+        st.checks += 1
+        st.cost_s = seconds if st.cost_s is None else 0.8 * st.cost_s + 0.2 * seconds
+
+    def tau(self, op: str, floor: float) -> float:
+        return floor * self._op(op).raise_
+
+    def spike(self, op: str, value: float, floor: float) -> float | None:
+        """A cleared flag of normalised size ``value`` on ``op``: raise its τ to cover it. Returns
+        the new τ when it rose."""
+        st = self._op(op)
+        want = min(self.max_raise, max(st.raise_, self.headroom * value / floor))
+        if want <= st.raise_:
+            return None
+        log.info("aegis sensors: τ of %s raised from %.3g to %.3g after a cleared spike of %.3g", op, floor * st.raise_,
+                 floor * want, value)
+        st.raise_ = want
+        return floor * want
+
+    # -- per step ---------------------------------------------------------------------------
+    def end_step(self, base_s: float) -> None:
+        """Close a step whose time without sensors and verifier was ``base_s``: new probabilities
+        under the budget, decayed raises, per-step counts reset."""
+        for op, st in self.ops.items():
+            st.idle_steps = 0 if st.checks else st.idle_steps + 1
+            st.launches_total += st.launches
+            st.checks_total += st.checks
+            if st.raise_ > 1.0:
+                st.raise_ = max(1.0, st.raise_ * self.decay)
+                if st.raise_ == 1.0:
+                    log.info("aegis sensors: τ of %s back at its floor", op)
+        if self.budget is not None and base_s > 0:
+            self._share(self.budget * base_s)
+        for st in self.ops.values():
+            st.launches = st.checks = 0
+
+    def _share(self, budget_s: float) -> None:
+        demand = sorted(((st.launches * st.cost_s, st) for st in self.ops.values() if st.launches and st.cost_s),
+                        key=lambda x: x[0])
+        left = budget_s
+        for i, (d, st) in enumerate(demand):
+            share = left / (len(demand) - i)
+            st.prob = min(1.0, share / d) if d > 0 else 1.0
+            left -= st.prob * d
+
+    def to_dict(self) -> dict:
+        return {op: st.to_dict() for op, st in sorted(self.ops.items())}

@@ -1,0 +1,260 @@
+"""``instrument(model, config)`` and the handle it returns: the state of one instrumented model's
+sensors, the step boundary where the verifier runs, events, and statistics (docs/sensors.md)."""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from torch import nn
+
+from aegis_cli.backends import get_backend
+from aegis_cli.backends.base import Device
+from aegis_cli.faults.spec import FaultPlan
+from aegis_cli.ops.errors import ConfigError
+from aegis_cli.sensors import linear
+from aegis_cli.sensors.checkpoint import CheckpointSensor
+from aegis_cli.sensors.config import SensorConfig
+from aegis_cli.sensors.control import Controller
+from aegis_cli.sensors.events import Action, SensorEvent, SensorStats, default_action, log, log_event
+from aegis_cli.sensors.queue import Suspicion, SuspicionQueue
+from aegis_cli.sensors.verifier import verify_one
+
+MAX_EVENTS = 1000  # the events a handle keeps (every one is logged and passed to the callbacks)
+# the handle of each instrumented model, newest last (sensors.checkpoint() uses the newest); a handle holds
+# its model weakly, so a model that is dropped without uninstrument() does not live on here
+_HANDLES: weakref.WeakKeyDictionary[nn.Module, SensorHandle] = weakref.WeakKeyDictionary()
+
+
+def _rank(config: SensorConfig) -> int:
+    if config.rank is not None:
+        return config.rank
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+class SensorHandle:
+    """The sensors of one instrumented model. Call ``step()`` once per training step, after
+    backward and before ``optimizer.step()`` (or pass the optimizer to ``instrument``)."""
+
+    def __init__(self, model: nn.Module, config: SensorConfig):
+        self._model, self.config = weakref.ref(model), config
+        self.rank = _rank(config)
+        self.stats = SensorStats()
+        self.controller = Controller(config.sample_prob, config.overhead_budget, config.coverage_steps,
+                                     headroom=config.raise_headroom, max_raise=config.max_raise, decay=config.decay,
+                                     seed=config.seed)
+        self.queue = SuspicionQueue(config.queue_size, config.queue_bytes)
+        self.fault_plan: FaultPlan | None = config.fault_plan()
+        self.events: deque[SensorEvent] = deque(maxlen=MAX_EVENTS)
+        self.listeners: list[Callable[[SensorEvent], Action | None]] = [config.on_event] if config.on_event else []
+        self.step_index = 0
+        self.sensing = True  # off while the verifier re-runs work
+        self.nondeterministic: set[str] = set()  # regions whose recompute cannot be compared bit for bit
+        self.action = Action.CONTINUE  # the strongest action asked for since the last step()
+        self._names = {id(m): name or "model" for name, m in model.named_modules()}
+        self._devices: dict[str, Device] = {}
+        self._plans: dict[str, FaultPlan | None] = {}
+        self._restore: list[Callable[[], None]] = []
+        self.unchecked: list[str] = []  # Linear subclasses with a forward of their own (quantised, LoRA …): left alone
+        self._regions = 0
+        self._saved = 0
+        self._sense_step = 0.0
+        self._t0 = time.perf_counter()
+        self._first_bad: int | None = None  # the first step with a confirmed or dropped suspicion
+        self._hook = None
+        self.pending = Action.CONTINUE  # the action of the last step boundary run by the optimizer hook
+        # this step's largest (normalised difference ÷ τ), flagged or not, and the last closed step's
+        # summary: compact per-step statistics a loop (or an all-gather across ranks) can compare
+        self.step_max_ratio = 0.0
+        self.last_step: dict = {}
+        self._at_step_start = (0, 0)
+
+    @property
+    def model(self) -> nn.Module | None:
+        return self._model()
+
+    # -- what the sensors ask of the handle ------------------------------------------------------
+    def device_for(self, t: torch.Tensor) -> Device:
+        """The Device whose checked GEMM runs work on ``t``: its own GPU, else the CPU reference path."""
+        key = "cpu" if self.config.device == "cpu" or t.device.type != "cuda" else f"cuda:{t.device.index or 0}"
+        dev = self._devices.get(key)
+        if dev is None:
+            name, _, idx = key.partition(":")
+            dev = self._devices[key] = get_backend(name).device(int(idx or 0))
+        return dev
+
+    def fault_for(self, device: Device) -> FaultPlan | None:
+        ident = device.identity.id
+        if ident not in self._plans:
+            self._plans[ident] = self.fault_plan.for_device(ident) if self.fault_plan is not None else None
+        return self._plans[ident]
+
+    def module_name(self, obj) -> str | None:
+        return self._names.get(id(obj)) if isinstance(obj, nn.Module) else None
+
+    def next_region(self) -> int:
+        self._regions += 1
+        return self._regions - 1
+
+    def add_sense_time(self, seconds: float) -> None:
+        self._sense_step += seconds
+
+    def raise_suspicion(self, s: Suspicion) -> None:
+        self.stats.raised += 1
+        if not self.queue.push(s):
+            self.drop(s.step, s.op, s.site, s.checks[0])
+
+    def drop(self, step: int, op: str, site: str, check: str) -> None:
+        """A suspicion the queue has no room for: counted, and the step is no longer known clean."""
+        self.stats.dropped += 1
+        self._mark_bad(step)
+        self.emit(SensorEvent("dropped", step, op, site, check, "SUSPECT",
+                              f"the queue is full ({len(self.queue)} waiting, {self.queue.bytes} bytes); raise queue_size or "
+                              "queue_bytes, or verify more per step (verify_budget, min_verify)", rank=self.rank))
+
+    def emit(self, event: SensorEvent) -> None:
+        self.events.append(event)
+        log_event(event)
+        asked = [a for a in (fn(event) for fn in self.listeners) if a is not None]  # None: no opinion
+        self.action = max(self.action, *asked) if asked else max(self.action, default_action(event))
+
+    def subscribe(self, fn: Callable[[SensorEvent], Action | None]) -> None:
+        """Call ``fn`` with every event from now on (besides config.on_event)."""
+        self.listeners.append(fn)
+
+    def _mark_bad(self, step: int) -> None:
+        self._first_bad = step if self._first_bad is None else min(self._first_bad, step)
+
+    def next_bundle_name(self, step: int, name: str, layout: str) -> str:
+        """A new bundle's file name (without .aegis): step, rank, a running number, layer, layout."""
+        self._saved += 1
+        return f"step{step:07d}-rank{self.rank}-{self._saved:04d}-{name}-{layout}"
+
+    # -- the step boundary ----------------------------------------------------------------------
+    def step(self) -> Action:
+        """End a step: verify queued suspicions within the verifier's budget, adapt sampling and
+        thresholds, and return the strongest action asked for (then reset to CONTINUE)."""
+        step_s = time.perf_counter() - self._t0
+        base = max(step_s - self._sense_step, 0.0)
+        verify_s = self._verify(self.config.verify_budget * base, self.config.min_verify)
+        self.controller.end_step(base)
+        self.stats.steps += 1
+        self.stats.step_s += step_s + verify_s
+        self.stats.sense_s += self._sense_step
+        self.stats.verify_s += verify_s
+        checked, raised = self.stats.checked, self.stats.raised
+        self.last_step = {"step": self.step_index, "checked": checked - self._at_step_start[0],
+                          "raised": raised - self._at_step_start[1], "max_ratio": self.step_max_ratio,
+                          "seconds": step_s, "sense_s": self._sense_step, "verify_s": verify_s}
+        self._at_step_start, self.step_max_ratio = (checked, raised), 0.0
+        self._sense_step, self._regions = 0.0, 0
+        self.step_index += 1
+        action, self.action = self.action, Action.CONTINUE
+        self._t0 = time.perf_counter()
+        return action
+
+    def flush(self) -> Action:
+        """Verify everything still queued, whatever the budget (the end of training, a test)."""
+        self.stats.verify_s += self._verify(float("inf"), len(self.queue))
+        action, self.action = self.action, Action.CONTINUE
+        return action
+
+    def _verify(self, budget_s: float, at_least: int) -> float:
+        t0 = time.perf_counter()
+        done = 0
+        while len(self.queue) and (done < at_least or time.perf_counter() - t0 < budget_s):
+            s = self.queue.pop()
+            self.sensing = False
+            try:
+                verify_one(self, s)
+            finally:
+                self.sensing = True
+            done += 1
+        return time.perf_counter() - t0
+
+    @property
+    def last_clean_step(self) -> int | None:
+        """The latest completed step whose suspicions, and those of every step before it, were all
+        verified and cleared (none confirmed, dropped or waiting); None when there is none yet."""
+        last = self.step_index - 1
+        for s in (self._first_bad, self.queue.oldest_step()):
+            if s is not None:
+                last = min(last, s - 1)
+        return last if last >= 0 else None
+
+    def stats_dict(self) -> dict:
+        """Every counter, the queue, confirmation latency, and each operator's sampling
+        probability and threshold state."""
+        injected = {"injected": self.fault_plan.describe(), "never_fired": self.fault_plan.never_fired()} if self.fault_plan else {}
+        return {**self.stats.to_dict(), **injected, "queue": self.queue.to_dict(), "last_clean_step": self.last_clean_step,
+                "rank": self.rank, "last_step": dict(self.last_step), "unchecked_modules": list(self.unchecked),
+                "operators": self.controller.to_dict()}
+
+    # -- instrumenting ----------------------------------------------------------------------------
+    def _attach(self, optimizer) -> None:
+        for name, m in self.model.named_modules():
+            if isinstance(m, nn.Linear) and linear.patchable(m):
+                self._restore.append(linear.patch(self, m, name or "model"))
+            elif isinstance(m, nn.Linear):
+                self.unchecked.append(name or "model")
+            inner = m.__dict__.get("_gradient_checkpointing_func")
+            if inner is not None:  # the Hugging Face convention: a layer checkpoints through this attribute
+                m._gradient_checkpointing_func = CheckpointSensor(self, inner, name or "model")
+                self._restore.append(lambda m=m, inner=inner: setattr(m, "_gradient_checkpointing_func", inner))
+        if optimizer is not None:
+            self._hook = optimizer.register_step_pre_hook(lambda *_: self._optimizer_step())
+
+    def _optimizer_step(self) -> None:
+        self.pending = self.step()
+
+    def close(self) -> None:
+        """Verify what is queued, then restore the model exactly (``uninstrument``)."""
+        if self.model is not None:
+            uninstrument(self.model)
+
+
+def instrument(model: nn.Module, config: SensorConfig | None = None, *, optimizer: torch.optim.Optimizer | None = None) -> SensorHandle:
+    """Route every ``nn.Linear`` of ``model`` (forward, dgrad, wgrad) through checked GEMMs, and
+    fingerprint its checkpointed regions; returns the handle. With ``optimizer``, the step boundary
+    runs in a pre-hook of ``optimizer.step()`` and its action is left in ``handle.pending``."""
+    if model in _HANDLES:
+        raise ConfigError("this model is already instrumented; uninstrument it first")
+    h = SensorHandle(model, config or SensorConfig())
+    h._attach(optimizer)
+    _HANDLES[model] = h
+    return h
+
+
+def uninstrument(model: nn.Module) -> SensorHandle | None:
+    """Verify what is still queued and restore ``model`` exactly as it was; returns its handle
+    (None if it was not instrumented)."""
+    h = _HANDLES.pop(model, None)
+    if h is None:
+        return None
+    try:
+        h.flush()
+        missed = h.fault_plan.never_fired() if h.fault_plan is not None else []
+        if missed:  # a self-test whose fault never landed proves nothing: say so
+            log.warning("aegis sensors: injected fault(s) never fired: %s", "; ".join(missed))
+    finally:
+        for restore in reversed(h._restore):
+            restore()
+        h._restore.clear()
+        if h._hook is not None:
+            h._hook.remove()
+    return h
+
+
+def checkpoint(function, *args, use_reentrant: bool = False, **kwargs):
+    """``torch.utils.checkpoint.checkpoint`` with the recompute sensor of the newest instrumented
+    model (plain checkpointing when none is): for code that calls checkpoint itself."""
+    inner = torch_checkpoint.checkpoint
+    handles = list(_HANDLES.values())
+    if not handles:
+        return inner(function, *args, use_reentrant=use_reentrant, **kwargs)
+    return CheckpointSensor(handles[-1], inner, "")(function, *args, use_reentrant=use_reentrant, **kwargs)

@@ -1,0 +1,67 @@
+"""Saving a confirmed GEMM as a vTask bundle that ``aegis replay`` and sweeps consume
+(docs/bundle-format.md): the real operands, what the launch returned and where it ran, through
+vtask/capture.py and the bundle writer. One bundle per confirmed event."""
+
+from __future__ import annotations
+
+import re
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+from aegis_cli.ops.errors import AegisError
+from aegis_cli.ops.provenance import versions
+from aegis_cli.ops.verdict import Evidence, Verdict
+from aegis_cli.sensors.sense import GemmContext
+from aegis_cli.vtask.bundle import BundleWriter
+from aegis_cli.vtask.capture import ObservedGemm, capture_gemm
+from aegis_cli.vtask.model import MAX_STRING
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._:+=@-]")
+
+
+def safe_name(text: str) -> str:
+    """A layer or region name as vTask ids and file names may hold it."""
+    return _UNSAFE.sub("_", text)[:120] or "_"
+
+
+def provenance(ctx_device, *, step: int, rank: int, job: str, injected: bool) -> dict:
+    ident = ctx_device.identity
+    prov = {"host": ident.host, "device_id": ident.id, "gpu_name": ident.name, "gpu_uuid": ident.uuid, "rank": rank,
+            "step": step, "captured": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "versions": {k: str(v) for k, v in versions().items()},
+            "command_line": [a[:MAX_STRING] for a in sys.argv[:256]], "injected": injected}
+    if ident.serial:
+        prov["gpu_serial"] = ident.serial
+    if ident.pci_bus_id:
+        prov["pci_bus_id"] = ident.pci_bus_id
+    if job:
+        prov["job"] = job
+    return prov
+
+
+def save_gemm(ctx: GemmContext, site: str, evidence: list[Evidence], reference, *, directory: str, name: str, step: int,
+              rank: int, job: str, confirm_margin: float, max_bytes: int) -> tuple[str | None, str]:
+    """Write the confirmed ``evidence`` of one launch as vTasks in ``directory``/``name``.aegis.
+    Returns (path, "") or (None, why it was not saved)."""
+    confirmed = [e for e in evidence if e.severity is Verdict.FAULTY]
+    prov = provenance(ctx.device, step=step, rank=rank, job=job, injected=ctx.fault is not None)
+    run = ObservedGemm(ctx.operands, ctx.result, case_id=site, op=ctx.layer, source="training")
+    try:
+        vtasks = capture_gemm(run, confirmed, tau=ctx.tau, confirm_margin=confirm_margin, provenance=prov, reference=reference)
+        size = max((sum(t.numel() * t.element_size() for t in vt.tensors.values()) for vt in vtasks), default=0)
+        if size > max_bytes:
+            return None, f"its vTask would hold {size / 2**20:.0f} MiB, over max_vtask_bytes ({max_bytes / 2**20:.0f} MiB)"
+        folder = Path(directory)
+        folder.mkdir(parents=True, exist_ok=True)
+        path, n = folder / f"{name}.aegis", 1
+        while path.exists():  # an earlier run's bundle of the same name is evidence too: never replaced
+            path, n = folder / f"{name}.{n}.aegis", n + 1
+        with BundleWriter(path) as writer:
+            for vt in vtasks:
+                writer.add(vt)
+    except AegisError as exc:  # e.g. operands a bundle may not hold (non-finite, or overflowing fp32 sums)
+        return None, str(exc)
+    except OSError as exc:
+        return None, f"cannot write in {directory}: {exc.strerror or exc}"
+    return str(path), ""

@@ -1,0 +1,64 @@
+"""One queued suspicion, verified at a step boundary: judged (sensors/verify.py for GEMMs,
+sensors/checkpoint.py for recomputed regions), saved when confirmed and replayable, and turned
+into an event; a cleared spike raises its operator's threshold (sensors/control.py)."""
+
+from __future__ import annotations
+
+import time
+
+from aegis_cli.ops.verdict import Verdict
+from aegis_cli.sensors.checkpoint import verify_region
+from aegis_cli.sensors.events import SensorEvent
+from aegis_cli.sensors.queue import Suspicion
+from aegis_cli.sensors.save import safe_name, save_gemm
+from aegis_cli.sensors.verify import verify_gemm
+
+NOT_REPLAYABLE = "not saved: a vTask bundle (format 1) holds GEMMs only"
+
+
+def verify_one(h, s: Suspicion) -> SensorEvent:
+    """Verify ``s`` for handle ``h``, emit its event(s) and return the main one."""
+    cfg = h.config
+    bundle, unsaved = None, ""
+    if s.kind == "gemm":
+        out = verify_gemm(s.context, s.site, cfg.reruns, cfg.thresholds.confirm_margin)
+        severity, evidence, summary = out.severity, out.evidence, out.summary
+        confirmed = severity is Verdict.FAULTY
+        if confirmed and cfg.bundle_dir is not None:
+            layout = s.context.operands.layout.value
+            bundle, unsaved = save_gemm(s.context, s.site, evidence, out.reference, directory=cfg.bundle_dir,
+                                        name=h.next_bundle_name(s.step, safe_name(s.op), layout), step=s.step, rank=h.rank,
+                                        job=cfg.job, confirm_margin=cfg.thresholds.confirm_margin, max_bytes=cfg.max_vtask_bytes)
+        elif confirmed:
+            unsaved = "not saved: no bundle_dir configured"
+        if out.doubted:  # a spike rounding can reach: raise this operator's τ above it for a while
+            key = f"{s.op}/{s.context.operands.layout.value}"
+            tau = h.controller.spike(key, s.max_value, s.context.floor)
+            if tau is not None:
+                h.emit(SensorEvent("threshold", s.step, s.op, s.site, s.checks[0], severity.value,
+                                   f"τ of {key} raised to {tau:.3g} after a cleared spike of {s.max_value:.3g}", rank=h.rank))
+    else:
+        out = verify_region(s.context, s.op, s.site, cfg.reruns)
+        severity, evidence, summary = out.severity, [out.evidence], out.evidence.summary
+        confirmed = severity is Verdict.FAULTY
+        unsaved = NOT_REPLAYABLE if confirmed else ""
+        if out.nondeterministic:
+            h.nondeterministic.add(s.site)
+    latency = time.perf_counter() - s.raised_at
+    h.stats.latency.add(latency, h.step_index - s.step)
+    if confirmed:
+        h.stats.confirmed += 1
+        h._mark_bad(s.step)
+    else:
+        h.stats.cleared += 1
+    if bundle:
+        h.stats.saved += 1
+    elif confirmed:
+        h.stats.unsaved += 1
+    event = SensorEvent("confirmed" if confirmed else "cleared", s.step, s.op, s.site, s.checks[0], severity.value,
+                        summary + (f" ({unsaved})" if unsaved else ""), rank=h.rank, latency_s=latency,
+                        latency_steps=h.step_index - s.step, bundle=bundle, evidence=evidence)
+    h.emit(event)
+    if confirmed and unsaved and s.kind == "gemm" and cfg.bundle_dir is not None:
+        h.emit(SensorEvent("unsaved", s.step, s.op, s.site, s.checks[0], severity.value, unsaved, rank=h.rank))
+    return event

@@ -1,0 +1,134 @@
+"""Control: sampling under an overhead budget, coverage, adaptive thresholds, the bounded queue,
+the verifier's budget, events and the last clean step."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from aegis_cli.ops.numerics import Thresholds
+from aegis_cli.sensors import Action, SensorConfig, instrument, uninstrument
+from aegis_cli.sensors.control import Controller
+from tests.sensors.tiny import inputs, mlp
+
+
+def controller(**kw) -> Controller:
+    args = {"sample_prob": 1.0, "budget": 0.01, "coverage_steps": 5, "headroom": 2.0, "max_raise": 100.0, "decay": 0.5, "seed": 0}
+    return Controller(**{**args, **kw})
+
+
+def test_budget_is_shared_by_water_filling():
+    c = controller()
+    for op, launches, cost in (("cheap", 1, 1e-4), ("mid", 2, 1e-3), ("dear", 4, 1e-2)):
+        for _ in range(launches):
+            assert c.want(op)  # probability 1 before anything is measured
+            c.spent(op, cost)
+    c.end_step(1.0)  # budget 10 ms: demands 0.1, 2 and 40 ms
+    p = {op: st.prob for op, st in c.ops.items()}
+    assert p["cheap"] == 1.0 and p["mid"] == 1.0
+    assert p["dear"] == pytest.approx((10e-3 - 0.1e-3 - 2e-3) / 40e-3)
+    spent = sum(p[op] * d for op, d in (("cheap", 1e-4), ("mid", 2e-3), ("dear", 4e-2)))
+    assert spent == pytest.approx(10e-3)
+
+
+def test_every_operator_is_checked_within_the_coverage_window():
+    c = controller(sample_prob=0.0, budget=None, coverage_steps=5)
+    checked_at = []
+    for step in range(20):
+        if c.want("op"):
+            c.spent("op", 1e-3)
+            checked_at.append(step)
+        c.end_step(1.0)
+    assert checked_at == [4, 9, 14, 19]  # never sampled, so forced once per 5 steps
+
+
+def test_a_cleared_spike_raises_tau_which_decays_back(caplog):
+    c = controller()
+    with caplog.at_level(logging.INFO, logger="aegis.sensors"):
+        assert c.spike("op", 5e-6, 1e-6) == pytest.approx(1e-5)  # headroom 2 × the spike
+        assert c.spike("op", 2e-6, 1e-6) is None  # already above it
+        assert c.spike("op", 1.0, 1e-6) == pytest.approx(1e-4)  # capped at max_raise × the floor
+        for _ in range(8):
+            c.end_step(1.0)
+    assert c.tau("op", 1e-6) == 1e-6
+    assert "raised from 1e-06 to 1e-05" in caplog.text and "back at its floor" in caplog.text
+    assert c.to_dict()["op"]["tau_raise"] == 1.0
+
+
+def test_tight_threshold_flags_are_cleared_and_tau_adapts():
+    model = mlp()
+    seen = []
+    h = instrument(model, SensorConfig(overhead_budget=None, thresholds=Thresholds(tau=1e-9), queue_size=64, min_verify=64,
+                                       on_event=lambda e: seen.append(e) or Action.CONTINUE))
+    x = inputs()
+    for _ in range(3):
+        model.zero_grad()
+        model(x).square().mean().backward()
+        assert h.step() is Action.CONTINUE
+    uninstrument(model)
+    first = [e for e in seen if e.step == 0 and e.kind == "cleared"]
+    assert first and all(e.severity == "SUSPECT" and "threshold too tight" in e.summary for e in first)
+    assert h.stats.confirmed == 0 and h.stats.cleared == h.stats.raised > 0
+    assert any(e.kind == "threshold" for e in seen)
+    # raised after the first step's spikes, the thresholds flag less afterwards
+    later = [e for e in seen if e.step == 2 and e.kind == "cleared"]
+    assert len(later) < len(first)
+    assert h.last_clean_step == 2  # cleared suspicions leave every step clean
+
+
+def test_a_full_queue_drops_and_counts_and_the_verifier_keeps_its_budget():
+    model = mlp()
+    events = []
+    h = instrument(model, SensorConfig(overhead_budget=None, inject="bitflip:bit=hi-mant", queue_size=2, verify_budget=0.0,
+                                       min_verify=1, on_event=events.append))
+    model(inputs()).square().mean().backward()  # every one of the 8 launches is corrupted and flagged
+    assert len(h.queue) == 2 and h.stats.dropped == 6 and h.stats.raised == 8
+    assert h.step() is Action.STOP  # one verified (confirmed), one left for the next boundary
+    assert h.stats.confirmed == 1 and len(h.queue) == 1
+    h.step()
+    assert h.stats.confirmed == 2 and h.stats.latency.max_steps == 1
+    assert sum(e.kind == "dropped" for e in events) == 6 and h.last_clean_step is None
+    stats = h.stats_dict()
+    assert stats["queue"]["peak"] == 2 and stats["latency"]["verified"] == 2 and stats["dropped"] == 6
+    uninstrument(model)
+
+
+def test_optimizer_hook_runs_the_step_boundary():
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    h = instrument(model, SensorConfig(overhead_budget=None, inject="bitflip:op=fc2/dgrad,bit=exp"), optimizer=opt)
+    model(inputs()).square().mean().backward()
+    opt.step()
+    assert h.stats.steps == 1 and h.pending is Action.STOP and h.stats.confirmed == 1
+    uninstrument(model)
+    opt.step()  # the hook is gone
+    assert h.stats.steps == 1
+
+
+def test_sampling_under_a_budget_checks_fewer_launches():
+    model = mlp()
+    h = instrument(model, SensorConfig(overhead_budget=1e-4, coverage_steps=4))
+    x = inputs()
+    for _ in range(8):
+        model(x).square().mean().backward()
+        h.step()
+    uninstrument(model)
+    ops = h.controller.ops
+    assert h.stats.checked < h.stats.launches == 64
+    assert all(st.checks_total >= 2 for st in ops.values())  # coverage: each operator at least once per 4 steps
+    assert all(st.prob < 1.0 for st in ops.values())
+
+
+def test_a_callback_decides_the_action_and_none_means_no_opinion():
+    model = mlp()
+    asked = {"confirmed": Action.CHECKPOINT}
+    h = instrument(model, SensorConfig(overhead_budget=None, inject="bitflip:op=fc2/fwd,bit=hi-mant",
+                                       on_event=lambda e: asked.get(e.kind)))
+    model(inputs()).square().mean().backward()
+    assert h.step() is Action.CHECKPOINT and h.step() is Action.CONTINUE  # reset after each boundary
+    asked.clear()  # no opinion: the default policy stops on confirmed corruption
+    model(inputs()).square().mean().backward()
+    assert h.step() is Action.STOP
+    uninstrument(model)
