@@ -1,0 +1,200 @@
+"""Training-state bounds (docs/training-guards.md, docs/design.md §9): pure checks of Adam's
+moments and of normalisation layers' running variance against the history that produced them.
+
+Adam / AdamW (torch.optim, β ∈ [1/2, 1), m₀ = v₀ = 0), with g_s the gradient the update
+used at step s (g + λθ for Adam's coupled weight decay), G = max over steps ≤ t and elements
+of |g_s|, w = 1 − β:
+
+  train.adam_exp_avg      |m_t| ≤ (1 − β₁ᵗ)·G          m_t is a convex combination of 0 and the g_s
+  train.adam_exp_avg_sq   v_t ≤ (1 − β₂ᵗ)·G²           the same for g_s²
+  train.adam_moment_ratio m_t² ≤ C_t·v_t, elementwise   Cauchy–Schwarz on the two weighted sums:
+                          C_t = (w₁²/w₂)·Σ_{k<t} (β₁²/β₂)ᵏ (≈ 52.9 for β = 0.9, 0.999); needs
+                          no gradient history, and catches a v flipped towards zero
+  train.adam_amsgrad      v_t ≤ max_exp_avg_sq_t ≤ (1 − β₂ᵗ)·G²
+  train.nonfinite         NaN or Inf in a moment
+
+These hold exactly in real arithmetic. In fp32 every update x ← β·x + w·y is modelled as
+β(1+α)·x + w(1+γ)·y with |α|, |γ| ≤ κu (u = 2⁻²⁴, κ = ROUNDING_OPS covers lerp, foreach and
+fused implementations for β ≥ 1/2), plus an absolute 2⁻¹⁴⁸ per update for results that fall
+into the subnormal range. The bounds below are the real-arithmetic bounds re-derived for that
+model (β → β(1+κu) and so on), so they are rigorous for computed fp32 moments at every step,
+with a slack that does not grow with t: about 1 + κu/(1−β).
+
+BatchNorm (train.norm_running_var): running_var_t = (1−a)·running_var_{t−1} + a·σ²_t with σ²_t
+the unbiased batch variance (a = momentum, or 1/t when momentum is None) is a convex
+combination of its initial value r₀ and the σ²_s, so per channel
+min(r₀, min σ²) ≤ running_var_t ≤ max(r₀, max σ²). The recurrence's rounding is bounded as
+above; the batch variance the layer computed and the one the guard saw differ by their own
+rounding, which has no input-independent bound: VAR_SLACK (relative) covers it for inputs whose
+mean is within ~100 standard deviations of zero. This check finds huge or negative values, not
+fine drift.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+U32 = 2.0**-24  # fp32 unit roundoff
+ROUNDING_OPS = 8  # κ: relative roundings charged to each coefficient of one update (≤ 4 happen)
+UNDERFLOW = 2.0**-148  # absolute error of one update whose terms fall into the subnormal range
+VAR_SLACK = 1e-2  # relative: two fp32 computations of one batch variance (see the module doc)
+EVAL_SLACK = 1e-9  # relative: the fp64 evaluation of the bounds themselves
+
+CHECKS = ("train.adam_exp_avg", "train.adam_exp_avg_sq", "train.adam_moment_ratio", "train.adam_amsgrad",
+          "train.nonfinite", "train.norm_running_var")
+
+
+@dataclass(frozen=True)
+class Violation:
+    """One broken bound on one state tensor."""
+
+    check: str
+    tensor: str  # e.g. "fc1.weight:exp_avg_sq" or "bn1:running_var"
+    step: int
+    value: float  # the worst observed value (max |m|, max v, or the worst ratio's numerator)
+    bound: float
+    index: int  # flat index of the worst element (-1 when not applicable)
+
+    @property
+    def ratio(self) -> float:
+        return self.value / self.bound if self.bound > 0 else math.inf
+
+    def to_dict(self) -> dict:
+        return {"check": self.check, "tensor": self.tensor, "step": self.step, "value": self.value,
+                "bound": self.bound, "ratio": self.ratio, "index": self.index}
+
+
+def check_betas(beta1: float, beta2: float) -> None:
+    """The rounding model above needs β ∈ [1/2, 1) (the lerp's error is relative to w/β)."""
+    for name, b in (("beta1", beta1), ("beta2", beta2)):
+        if not 0.5 <= b < 1.0:
+            raise ValueError(f"{name}={b}: the Adam bounds are derived for 0.5 ≤ β < 1")
+
+
+def _geometric(x: float, t: int) -> float:
+    """Σ_{k<t} xᵏ in fp64, accurate for x near 1."""
+    if x == 1.0:
+        return float(t)
+    return -math.expm1(t * math.log(x)) / (1.0 - x) if x > 0 else 1.0
+
+
+def ema_gain(beta: float, t: int) -> float:
+    """Largest Σ of the weights an fp32 EMA x_t = β·x_{t−1} + (1−β)·y_t (x₀ = 0) can give its
+    inputs after t updates: (1−β)(1+κu)·Σ_{k<t} (β(1+κu))ᵏ. Exact arithmetic: 1 − βᵗ."""
+    e = ROUNDING_OPS * U32
+    return (1.0 - beta) * (1.0 + e) * _geometric(beta * (1.0 + e), t) * (1.0 + EVAL_SLACK)
+
+
+def ema_floor(beta: float) -> float:
+    """Absolute error of an fp32 EMA whose terms underflow: UNDERFLOW per update, decayed by β."""
+    return UNDERFLOW / (1.0 - beta * (1.0 + ROUNDING_OPS * U32))
+
+
+def ratio_constant(beta1: float, beta2: float, t: int) -> float:
+    """C̃_t with m_t² ≤ C̃_t·v_t for fp32 moments: (w₁²/w₂)·q·Σ_{k<t} (ρq)ᵏ with ρ = β₁²/β₂ and
+    q = (1+κu)²/(1−κu), the exact-arithmetic C_t with every weight's rounding charged."""
+    e = ROUNDING_OPS * U32
+    q = (1.0 + e) ** 2 / (1.0 - e)
+    w1, w2 = 1.0 - beta1, 1.0 - beta2
+    return w1 * w1 / w2 * q * _geometric(beta1 * beta1 / beta2 * q, t) * (1.0 + EVAL_SLACK)
+
+
+def effective_grad_bound(grad_max: float, param_max: float, weight_decay: float, decoupled: bool) -> float:
+    """Bound of |g| as the update used it: Adam's coupled decay adds λθ (one fp32 add and one
+    multiply: charged as κu); AdamW's decoupled decay leaves g alone."""
+    if decoupled or weight_decay == 0.0:
+        return grad_max
+    return (grad_max + abs(weight_decay) * param_max) * (1.0 + ROUNDING_OPS * U32)
+
+
+def _worst(x: torch.Tensor) -> tuple[float, int]:
+    """(max, flat index) of x; NaN anywhere wins, so a NaN is never hidden behind a finite max."""
+    flat = x.reshape(-1)
+    nan = torch.isnan(flat)
+    if bool(nan.any()):
+        return math.nan, int(nan.nonzero()[0, 0])
+    i = int(torch.argmax(flat))
+    return float(flat[i]), i
+
+
+def _over(value: float, bound: float) -> bool:
+    return not value <= bound  # NaN is over every bound
+
+
+def check_adam(name: str, step: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad_bound: float,
+               beta1: float, beta2: float, max_exp_avg_sq: torch.Tensor | None = None) -> list[Violation]:
+    """Every Adam bound on one parameter's moments after ``step`` updates (state["step"]),
+    given ``grad_bound`` ≥ every |g| the updates used (effective_grad_bound of the running
+    maxima). Returns the broken ones, worst element each; [] when the state is consistent."""
+    check_betas(beta1, beta2)
+    out: list[Violation] = []
+    if step <= 0:
+        return out
+    m_abs = exp_avg.detach().abs()
+    v = exp_avg_sq.detach()
+    fm, fv = ema_floor(beta1), ema_floor(beta2)
+    for key, t in (("exp_avg", m_abs), ("exp_avg_sq", v)):
+        val, idx = _worst(t)
+        if math.isnan(val) or math.isinf(val):
+            out.append(Violation("train.nonfinite", f"{name}:{key}", step, val, math.inf, idx))
+    if out:
+        return out
+    m_bound = ema_gain(beta1, step) * grad_bound + fm
+    v_bound = ema_gain(beta2, step) * grad_bound * grad_bound + fv
+    val, idx = _worst(m_abs)
+    if _over(val, m_bound):
+        out.append(Violation("train.adam_exp_avg", f"{name}:exp_avg", step, val, m_bound, idx))
+    val, idx = _worst(v)
+    if _over(val, v_bound):
+        out.append(Violation("train.adam_exp_avg_sq", f"{name}:exp_avg_sq", step, val, v_bound, idx))
+    # |m| ≤ √(C̃·(v + floor_v)) + floor_m, elementwise, evaluated in fp64
+    c = ratio_constant(beta1, beta2, step)
+    allowed = (v.double().clamp(min=0.0) + fv).mul_(c).sqrt_().add_(fm)
+    excess = m_abs.double() / allowed
+    val, idx = _worst(excess)
+    if _over(val, 1.0):
+        out.append(Violation("train.adam_moment_ratio", f"{name}:exp_avg", step, float(m_abs.reshape(-1)[idx]),
+                             float(allowed.reshape(-1)[idx]), idx))
+    if max_exp_avg_sq is not None:
+        vmax = max_exp_avg_sq.detach()
+        below, bi = _worst((v - vmax).double())  # vmax = max(vmax, v) exactly: never below v
+        top, ti = _worst(vmax)
+        if _over(below, 0.0):
+            out.append(Violation("train.adam_amsgrad", f"{name}:max_exp_avg_sq", step, float(vmax.reshape(-1)[bi]),
+                                 float(v.reshape(-1)[bi]), bi))
+        elif _over(top, v_bound):
+            out.append(Violation("train.adam_amsgrad", f"{name}:max_exp_avg_sq", step, top, v_bound, ti))
+    return out
+
+
+def running_var_bounds(var_min: torch.Tensor, var_max: torch.Tensor, momentum: float | None,
+                       batches: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per channel (lo, hi) that running_var must lie in, given the per-channel extremes of its
+    starting value and of every unbiased batch variance since (``var_min``, ``var_max``) and
+    the ``batches`` training-mode updates so far (num_batches_tracked)."""
+    a = momentum if momentum is not None else 1.0 / max(batches, 1)  # cumulative average: smallest weight 1/t
+    e = ROUNDING_OPS * U32
+    rec = (1.0 + e) / (1.0 - min(e / a, 0.5))  # the EMA's rounding, as ema_gain's fixed point
+    slack = rec * (1.0 + VAR_SLACK)
+    floor = ema_floor(1.0 - a)
+    return var_min.double() / slack - floor, var_max.double() * slack + floor
+
+
+def check_running_var(name: str, step: int, running_var: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> list[Violation]:
+    """running_var within [lo, hi] per channel; NaN or Inf is a violation. The worst channel is
+    the one farthest outside, relative to the bound's width."""
+    rv = running_var.detach().double().reshape(-1)
+    lo, hi = lo.reshape(-1), hi.reshape(-1)
+    bad = ~torch.isfinite(rv)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        return [Violation("train.nonfinite", f"{name}:running_var", step, float(rv[i]), math.inf, i)]
+    outside = torch.maximum(rv - hi, lo - rv) / hi.abs().clamp(min=1e-300)
+    val, i = _worst(outside)
+    if not _over(val, 0.0):
+        return []
+    x = float(rv[i])
+    return [Violation("train.norm_running_var", f"{name}:running_var", step, x, float(hi[i] if x > hi[i] else lo[i]), i)]

@@ -1,0 +1,1 @@
+"""In-training sensors (docs/architecture.md "Planned: in-training sensors")."""

@@ -1,0 +1,359 @@
+"""Training-state guards (docs/training-guards.md): bound checks on Adam's moments and on
+BatchNorm running variances after every step, and recovery by re-execution.
+
+    guard = TrainingGuard(model, optimizer, step_fn)   # step_fn(model, optimizer, batch) -> loss
+    for batch in loader:
+        loss = guard.step(batch)
+
+Before each step the guard snapshots parameters, buffers, optimizer state (and any
+``extra_state`` such as an LR scheduler) into one of two rotating buffers, and keeps the batch
+and the RNG states (torch's CPU generator, every initialised CUDA generator, any
+``generators`` given). An optimizer step pre-hook keeps a running max of |grad| per
+parameter tensor (and of |θ| under Adam's coupled weight decay); a BatchNorm forward pre-hook
+keeps per-channel extremes of the batch variances. After the step, checks/training.py
+compares every moment and running variance with its bound. On a violation the guard restores
+the snapshot from two steps back, re-executes those steps with the same batches and RNG states
+and checks again: clean → the event is ``recovered`` and training goes on from bit-identical
+state; violated again ``retries`` times → ``reproduced``, and TrainingStateError is raised
+for the loop to hand off (sensors/handoff.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from aegis_cli.checks import training as bounds
+from aegis_cli.faults.spec import FaultPlan, parse_spec
+from aegis_cli.faults.training import state_faults
+from aegis_cli.ops.errors import AegisError, ConfigError
+
+log = logging.getLogger("aegis.sensors.guards")
+StepFn = Callable[[torch.nn.Module, torch.optim.Optimizer, Any], Any]
+_BN = torch.nn.modules.batchnorm._BatchNorm
+
+
+@dataclass
+class GuardEvent:
+    """A broken training-state bound and what the guard did about it."""
+
+    step: int  # the step after which the bound broke
+    violations: list[bounds.Violation]
+    outcome: str = ""  # "recovered" (clean after re-execution) or "reproduced"
+    restored_to: int = 0  # the state restored: after this step
+    replayed: list[int] = field(default_factory=list)  # steps re-executed (last attempt)
+    attempts: int = 0
+    seconds: float = 0.0
+    device: str = ""
+    injected: list[dict] = field(default_factory=list)  # self-test faults that fired at this step
+
+    def to_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["violations"] = [v.to_dict() for v in self.violations]
+        return d
+
+
+class TrainingStateError(AegisError):
+    """A training-state bound broke again after re-execution from a clean snapshot."""
+
+    def __init__(self, event: GuardEvent):
+        v = event.violations[0]
+        super().__init__(f"training state: {v.check} on {v.tensor} at step {event.step} "
+                         f"({v.value:.3g} vs bound {v.bound:.3g}) reproduced after {event.attempts} re-execution(s)")
+        self.event = event
+
+
+def _rng_state(generators: list[torch.Generator]) -> dict:
+    state = {"cpu": torch.get_rng_state(), "gens": [g.get_state() for g in generators]}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict, generators: list[torch.Generator]) -> None:
+    torch.set_rng_state(state["cpu"])
+    for g, s in zip(generators, state["gens"], strict=True):
+        g.set_state(s)
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class _Snapshot:
+    """A bit-exact copy of named tensors (buffers reused between saves) and deep-copied values."""
+
+    def __init__(self) -> None:
+        self.step = -1
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.devices: dict[str, torch.device] = {}  # where each tensor lives in training
+        self.values: dict[str, Any] = {}
+
+    @torch.no_grad()
+    def save(self, step: int, tensors: dict[str, torch.Tensor], values: dict[str, Any], device: torch.device | None) -> None:
+        for k, t in tensors.items():
+            buf = self.tensors.get(k)
+            where = device or t.device
+            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.device.type != where.type:
+                buf = self.tensors[k] = torch.empty(t.shape, dtype=t.dtype, device=where)
+            buf.copy_(t)
+            self.devices[k] = t.device
+        for k in set(self.tensors) - set(tensors):
+            del self.tensors[k], self.devices[k]
+        self.values = copy.deepcopy(values)
+        self.step = step
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+class TrainingGuard:
+    """Guards one model and its torch.optim.Adam/AdamW optimizer; see the module doc."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step_fn: StepFn, *,
+                 extra_state: Iterable[Any] = (), generators: Iterable[torch.Generator] = (),
+                 snapshot_device: str | torch.device | None = None, retries: int = 1,
+                 callback: Callable[[GuardEvent], None] | None = None, inject: str | FaultPlan | None = None,
+                 device_id: str | None = None):
+        if not isinstance(optimizer, torch.optim.Adam):
+            raise ConfigError(f"TrainingGuard bounds torch.optim.Adam and AdamW; got {type(optimizer).__name__}")
+        for g in optimizer.param_groups:
+            b1, b2 = (float(b) for b in g["betas"])
+            try:
+                bounds.check_betas(b1, b2)
+            except ValueError as exc:
+                raise ConfigError(f"TrainingGuard: {exc}") from None
+        if retries < 1:
+            raise ConfigError("TrainingGuard: retries must be at least 1")
+        self.model, self.optimizer, self.step_fn = model, optimizer, step_fn
+        self.extra_state = list(extra_state)
+        self.generators = list(generators)
+        self.snapshot_device = torch.device(snapshot_device) if snapshot_device is not None else None
+        self.retries, self.callback = retries, callback
+        self.plan = FaultPlan(parse_spec(inject, training=True)) if isinstance(inject, str) else inject
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        self._groups = [g for g in optimizer.param_groups for _ in g["params"]]
+        first = self.params[0] if self.params else None
+        self.device_id = device_id or (f"{first.device.type}:{first.device.index or 0}" if first is not None else "cpu:0")
+        self.param_names = self._names()
+        self.norms = {n: m for n, m in model.named_modules() if isinstance(m, _BN) and m.track_running_stats}
+        self.steps = 0  # steps completed (and checked) so far
+        self.last_clean_step = 0
+        self.events: list[GuardEvent] = []
+        self.stats = {"steps": 0, "checks": 0, "check_s": 0.0, "snapshot_s": 0.0, "replayed_steps": 0}
+        self._ring = [_Snapshot(), _Snapshot()]
+        self._history: deque = deque(maxlen=2)  # (step, batch, rng state) of the last two steps
+        self._trackers: dict[str, torch.Tensor] = {}
+        self._seed_trackers()
+        self._hooks = [optimizer.register_step_pre_hook(self._pre_step)]
+        self._hooks += [m.register_forward_pre_hook(self._norm_hook(n)) for n, m in self.norms.items()]
+
+    # -- trackers ------------------------------------------------------------------------
+    def _names(self) -> list[str]:
+        by_id = {id(p): n for n, p in self.model.named_parameters()}
+        return [by_id.get(id(p), f"param{i}") for i, p in enumerate(self.params)]
+
+    @torch.no_grad()
+    def _seed_trackers(self) -> None:
+        """A guard attached mid-run starts from the state it finds: each moment is a weighted sum
+        of an unseen history whose largest |g| it bounds from below (checks/training.py)."""
+        for i, p in enumerate(self.params):
+            g = torch.zeros((), dtype=torch.float64, device=p.device)
+            st = self.optimizer.state.get(p, {})
+            t = int(st["step"]) if "step" in st else 0
+            if t > 0 and p.numel():
+                b1, b2 = (float(b) for b in self._groups[i]["betas"])
+                g = torch.maximum(st["exp_avg"].abs().max().double() / bounds.ema_gain(b1, t),
+                                  (st["exp_avg_sq"].max().double() / bounds.ema_gain(b2, t)).sqrt())
+            self._trackers[f"g{i}"] = g
+            self._trackers[f"p{i}"] = torch.zeros((), dtype=torch.float64, device=p.device)
+        for n, m in self.norms.items():  # the running variance now is one end of its convex hull
+            self._trackers[f"vmin:{n}"] = m.running_var.detach().double().clone()
+            self._trackers[f"vmax:{n}"] = m.running_var.detach().double().clone()
+
+    @torch.no_grad()
+    def _pre_step(self, optimizer, args, kwargs) -> None:
+        """Before each update: the running max of |g| (and |θ| for coupled decay) per tensor."""
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise ConfigError(f"TrainingGuard: sparse gradient on {self.param_names[i]} is not bounded")
+            g = self._trackers[f"g{i}"]
+            torch.maximum(g, torch.linalg.vector_norm(p.grad, ord=float("inf")).double(), out=g)
+            grp = self._groups[i]
+            if grp["weight_decay"] and not grp.get("decoupled_weight_decay", False):
+                pm = self._trackers[f"p{i}"]
+                torch.maximum(pm, torch.linalg.vector_norm(p, ord=float("inf")).double(), out=pm)
+
+    def _norm_hook(self, name: str):
+        @torch.no_grad()
+        def hook(module, inputs) -> None:
+            if not module.training:
+                return
+            x = inputs[0].detach()
+            dims = [0, *range(2, x.dim())]
+            var = torch.var(x.float(), dim=dims, correction=1).double()  # what updates running_var
+            lo, hi = self._trackers[f"vmin:{name}"], self._trackers[f"vmax:{name}"]
+            torch.minimum(lo, var, out=lo)
+            torch.maximum(hi, var, out=hi)
+        return hook
+
+    # -- checks ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def check(self, step: int) -> list[bounds.Violation]:
+        """Every bound on the current state (after ``step``)."""
+        t0 = time.perf_counter()
+        out: list[bounds.Violation] = []
+        for i, p in enumerate(self.params):
+            st = self.optimizer.state.get(p)
+            if not st or "exp_avg" not in st:
+                continue
+            grp = self._groups[i]
+            b1, b2 = (float(b) for b in grp["betas"])
+            gb = bounds.effective_grad_bound(float(self._trackers[f"g{i}"]), float(self._trackers[f"p{i}"]),
+                                             float(grp["weight_decay"]), bool(grp.get("decoupled_weight_decay", False)))
+            out += bounds.check_adam(self.param_names[i], int(st["step"]), st["exp_avg"], st["exp_avg_sq"], gb, b1, b2,
+                                     st.get("max_exp_avg_sq") if grp.get("amsgrad") else None)
+        for n, m in self.norms.items():
+            lo, hi = bounds.running_var_bounds(self._trackers[f"vmin:{n}"], self._trackers[f"vmax:{n}"], m.momentum,
+                                               int(m.num_batches_tracked))
+            out += bounds.check_running_var(n, step, m.running_var, lo, hi)
+        self.stats["checks"] += 1
+        self.stats["check_s"] += time.perf_counter() - t0
+        return out
+
+    # -- snapshots ---------------------------------------------------------------------------
+    def _state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        tensors = {f"param/{i}": p.detach() for i, p in enumerate(self.params)}
+        tensors.update({f"buffer/{n}": b for n, b in self.model.named_buffers()})
+        tensors.update({f"tracker/{k}": t for k, t in self._trackers.items()})
+        values: dict[str, Any] = {"groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
+                                  "extra": [x.state_dict() for x in self.extra_state]}
+        for i, p in enumerate(self.params):
+            for k, v in self.optimizer.state.get(p, {}).items():
+                if torch.is_tensor(v):
+                    tensors[f"opt/{i}/{k}"] = v
+                else:
+                    values[f"opt/{i}/{k}"] = v
+        return tensors, values
+
+    def _save(self, step: int) -> None:
+        t0 = time.perf_counter()
+        tensors, values = self._state()
+        self._ring[step % 2].save(step, tensors, values, self.snapshot_device)
+        self.stats["snapshot_s"] += time.perf_counter() - t0
+
+    @torch.no_grad()
+    def _restore(self, snap: _Snapshot) -> None:
+        live, _ = self._state()
+        for k, saved in snap.tensors.items():
+            if k.startswith("opt/"):
+                continue
+            live[k].copy_(saved)
+        for g, saved in zip(self.optimizer.param_groups, snap.values["groups"], strict=True):
+            g.update(copy.deepcopy(saved))
+        for x, saved in zip(self.extra_state, snap.values["extra"], strict=True):
+            x.load_state_dict(copy.deepcopy(saved))
+        for i, p in enumerate(self.params):  # optimizer state as it was, created lazily or not yet
+            keys = {k.split("/", 2)[2] for k in (*snap.tensors, *snap.values) if k.startswith(f"opt/{i}/")}
+            if not keys:
+                self.optimizer.state.pop(p, None)
+                continue
+            st = self.optimizer.state[p]
+            for k in list(st):
+                if k not in keys:
+                    del st[k]
+            for k in keys:
+                saved = snap.tensors.get(f"opt/{i}/{k}")
+                if saved is None:
+                    st[k] = copy.deepcopy(snap.values[f"opt/{i}/{k}"])
+                elif torch.is_tensor(st.get(k)) and st[k].shape == saved.shape and st[k].dtype == saved.dtype:
+                    st[k].copy_(saved)
+                else:
+                    st[k] = saved.to(snap.devices[f"opt/{i}/{k}"], copy=True)
+
+    def memory_bytes(self) -> dict:
+        """Bytes held: the two snapshots, the two kept batches aside (they are references)."""
+        snaps = sum(s.nbytes() for s in self._ring)
+        trackers = sum(t.numel() * t.element_size() for t in self._trackers.values())
+        return {"snapshots": snaps, "trackers": trackers, "snapshot_device": str(self.snapshot_device or "same")}
+
+    # -- the step --------------------------------------------------------------------------
+    def _run(self, step: int, batch: Any, rng: dict, first: bool) -> tuple[Any, list[bounds.Violation], list[dict]]:
+        _set_rng_state(rng, self.generators)
+        out = self.step_fn(self.model, self.optimizer, batch)
+        injected = state_faults(self.plan, step, first, self._state_by_name(), self.device_id)
+        return out, self.check(step), injected
+
+    def _state_by_name(self) -> dict[str, dict[str, torch.Tensor]]:
+        named = {self.param_names[i]: {k: v for k, v in self.optimizer.state.get(p, {}).items() if torch.is_tensor(v)}
+                 for i, p in enumerate(self.params)}
+        named.update({n: {"running_var": m.running_var, "running_mean": m.running_mean} for n, m in self.norms.items()})
+        return named
+
+    def step(self, batch: Any) -> Any:
+        """One guarded training step: returns what ``step_fn`` returned (after a recovery, what
+        its clean re-execution returned)."""
+        t = self.steps + 1
+        self._save(t - 1)  # the state before step t
+        rng = _rng_state(self.generators)
+        self._history.append((t, batch, rng))
+        out, violations, injected = self._run(t, batch, rng, first=True)
+        if violations:
+            out = self._recover(t, violations, injected)
+        self.steps = self.last_clean_step = t
+        self.stats["steps"] += 1
+        return out
+
+    def _recover(self, t: int, violations: list[bounds.Violation], injected: list[dict]) -> Any:
+        t0 = time.perf_counter()
+        ev = GuardEvent(step=t, violations=violations, device=self.device_id, injected=injected)
+        log.warning("aegis guard: %s on %s at step %d (%.3g vs bound %.3g): restoring and re-executing",
+                    violations[0].check, violations[0].tensor, t, violations[0].value, violations[0].bound)
+        out, again = None, violations
+        while again and ev.attempts < self.retries:
+            ev.attempts += 1
+            out, again, ev.restored_to, ev.replayed = self.reexecute(t)
+        ev.outcome = "reproduced" if again else "recovered"
+        ev.seconds = time.perf_counter() - t0
+        if again:
+            ev.violations = again
+        self.events.append(ev)
+        log.log(logging.ERROR if again else logging.WARNING, "aegis guard: step %d %s after %d re-execution(s)",
+                t, ev.outcome, ev.attempts)
+        if self.callback is not None:
+            self.callback(ev)
+        if again:
+            raise TrainingStateError(ev)
+        return out
+
+    def reexecute(self, t: int) -> tuple[Any, list[bounds.Violation], int, list[int]]:
+        """Restore the oldest snapshot (the state two steps before ``t``'s end, or the first one)
+        and re-execute up to step ``t`` with the kept batches and RNG states. Returns (the last
+        step's output, the violations after the first step that broke a bound or after step t,
+        the step restored to, the steps re-executed)."""
+        snap = min((s for s in self._ring if 0 <= s.step < t), key=lambda s: s.step)
+        self._restore(snap)
+        kept = {s: (b, r) for s, b, r in self._history}
+        out, violations, done = None, [], []
+        for j in range(snap.step + 1, t + 1):
+            if j > snap.step + 1:
+                self._save(j - 1)  # re-executed, checked: the clean state before step j
+            out, violations, _ = self._run(j, *kept[j], first=False)
+            done.append(j)
+            self.stats["replayed_steps"] += 1
+            if violations:
+                break
+        return out, violations, snap.step, done
+
+    def close(self) -> None:
+        """Remove the hooks; the model and optimizer are left as they are."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
