@@ -85,6 +85,26 @@ def _set_rng_state(state: dict, generators: list[torch.Generator]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _rng_for(state: dict, src: torch.device, dst: torch.device) -> dict:
+    """RNG states for re-executing on ``dst`` what ran on ``src``: ``dst``'s CUDA generator
+    gets the state ``src``'s had, so a dropout mask is drawn the same there."""
+    if src.type == dst.type == "cuda" and "cuda" in state:
+        cuda = list(state["cuda"])
+        cuda[dst.index or 0] = state["cuda"][src.index or 0]
+        state = {**state, "cuda": cuda}
+    return state
+
+
+def _to(batch: Any, device: torch.device) -> Any:
+    if torch.is_tensor(batch):
+        return batch.to(device)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _to(v, device) for k, v in batch.items()}
+    return batch
+
+
 class _Snapshot:
     """A bit-exact copy of named tensors (buffers reused between saves) and deep-copied values."""
 
@@ -150,7 +170,11 @@ class TrainingGuard:
         self._history: deque = deque(maxlen=2)  # (step, batch, rng state) of the last two steps
         self._trackers: dict[str, torch.Tensor] = {}
         self._seed_trackers()
-        self._hooks = [optimizer.register_step_pre_hook(self._pre_step)]
+        self._hooks: list = []
+        self._attach()
+
+    def _attach(self) -> None:
+        self._hooks = [self.optimizer.register_step_pre_hook(self._pre_step)]
         self._hooks += [m.register_forward_pre_hook(self._norm_hook(n)) for n, m in self.norms.items()]
 
     # -- trackers ------------------------------------------------------------------------
@@ -351,6 +375,41 @@ class TrainingGuard:
             if violations:
                 break
         return out, violations, snap.step, done
+
+    def rerun_on(self, device: str | torch.device, device_id: str, step: int) -> list[bounds.Violation]:
+        """Re-execute the kept steps up to ``step`` on a copy of the model and optimizer on
+        ``device`` (``device_id`` names it for the fault plan's ``device=``), from the oldest
+        snapshot, with the same batches, RNG states (this device's CUDA generator state goes to
+        the other's) and grad-history trackers. Returns the violations there, [] if clean. The
+        guarded model is left restored to that snapshot (the last state known clean)."""
+        device = torch.device(device)
+        snap = min((s for s in self._ring if 0 <= s.step < step), key=lambda s: s.step)
+        self._restore(snap)
+        self.close()  # deepcopy would carry this guard's hooks into the copy
+        try:
+            model = copy.deepcopy(self.model).to(device)
+        finally:
+            self._attach()
+        index = {id(p): i for i, p in enumerate(self.model.parameters())}
+        copies = list(model.parameters())
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [copies[index[id(p)]] for p in g["params"]]}
+                  for g in self.optimizer.param_groups]
+        optimizer = type(self.optimizer)(groups)
+        optimizer.load_state_dict(self.optimizer.state_dict())  # moves the moments to the copy's device
+        other = TrainingGuard(model, optimizer, self.step_fn, generators=self.generators, inject=self.plan, device_id=device_id)
+        try:
+            with torch.no_grad():
+                for k, t in other._trackers.items():
+                    t.copy_(snap.tensors[f"tracker/{k}"])
+            src = self.params[0].device if self.params else torch.device("cpu")
+            for j, batch, rng in self._history:
+                if snap.step < j <= step:
+                    _, violations, _ = other._run(j, _to(batch, device), _rng_for(rng, src, device), first=False)
+                    if violations:
+                        return violations
+            return []
+        finally:
+            other.close()
 
     def close(self) -> None:
         """Remove the hooks; the model and optimizer are left as they are."""
