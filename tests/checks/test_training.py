@@ -104,7 +104,7 @@ def test_corrupted_moments_are_flagged():
 def test_weight_decay_and_beta_range():
     assert tb.effective_grad_bound(1.0, 10.0, 0.1, decoupled=True) == 1.0
     assert tb.effective_grad_bound(1.0, 10.0, 0.1, decoupled=False) == pytest.approx(2.0, rel=1e-5)
-    with pytest.raises(ValueError, match="0.5"):
+    with pytest.raises(ValueError, match=r"0\.5"):
         tb.check_betas(0.3, 0.999)
 
 

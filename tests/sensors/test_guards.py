@@ -125,7 +125,7 @@ def test_bad_setups_are_refused():
     model = torch.nn.Linear(2, 2)
     with pytest.raises(ConfigError, match="Adam"):
         TrainingGuard(model, torch.optim.SGD(model.parameters(), lr=0.1), step_fn)
-    with pytest.raises(ConfigError, match="0.5"):
+    with pytest.raises(ConfigError, match=r"0\.5"):
         TrainingGuard(model, torch.optim.Adam(model.parameters(), betas=(0.1, 0.999)), step_fn)
     with pytest.raises(InjectSpecError, match="only the training guard"):
         from aegis_cli.faults.spec import parse_spec

@@ -13,8 +13,7 @@ import pytest
 from aegis_cli import cli
 from aegis_cli.ops.errors import ExitCode
 from aegis_cli.sensors.guards import TrainingGuard, TrainingStateError
-from aegis_cli.sensors.handoff import (CLEAN, INCONSISTENT, REPRODUCED, Cause, HandoffExit, classify, classify_bundles,
-                                       classify_guard)
+from aegis_cli.sensors.handoff import CLEAN, INCONSISTENT, REPRODUCED, Cause, HandoffExit, classify, classify_bundles, classify_guard
 from tests.sensors.test_guards import batches, make, step_fn
 
 CASE = "cpu-quick/qkv/fwd/normal/192x384x256/s+0+0"
