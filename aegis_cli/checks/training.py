@@ -42,6 +42,7 @@ ROUNDING_OPS = 8  # κ: relative roundings charged to each coefficient of one up
 UNDERFLOW = 2.0**-148  # absolute error of one update whose terms fall into the subnormal range
 VAR_SLACK = 1e-2  # relative: two fp32 computations of one batch variance (see the module doc)
 EVAL_SLACK = 1e-9  # relative: the fp64 evaluation of the bounds themselves
+SCREEN = 1e-6  # relative margin of the fp32 screen of the moment ratio (> 4 roundings of 2⁻²⁴)
 
 CHECKS = ("train.adam_exp_avg", "train.adam_exp_avg_sq", "train.adam_moment_ratio", "train.adam_amsgrad",
           "train.nonfinite", "train.norm_running_var")
@@ -124,6 +125,23 @@ def _over(value: float, bound: float) -> bool:
     return not value <= bound  # NaN is over every bound
 
 
+def _ratio(name: str, step: int, m: torch.Tensor, v: torch.Tensor, c: float, fm: float, fv: float) -> list[Violation]:
+    """|m| ≤ √(C̃·(v + floor_v)) + floor_m per element. An fp32 screen first, m² > C̃(1 − SCREEN)·v,
+    flags a superset of the violations: its three roundings are within SCREEN of C̃·v where m² is
+    near it, a product that underflows loses less than C̃·floor_v, and an m whose square
+    underflows lies below √(C̃·floor_v). Then fp64 on the screened elements only."""
+    slack = v.mul(c * (1.0 - SCREEN)).addcmul_(m, m, value=-1.0)  # C̃v − m²: negative where screened
+    if not float(slack.min()) < 0.0:
+        return []
+    idx = (slack.reshape(-1) < 0.0).nonzero()[:, 0]
+    mm = m.reshape(-1)[idx].double().abs()
+    allowed = (v.reshape(-1)[idx].double().clamp(min=0.0) + fv).mul_(c).sqrt_().add_(fm)
+    val, k = _worst(mm / allowed)
+    if not _over(val, 1.0):
+        return []
+    return [Violation("train.adam_moment_ratio", f"{name}:exp_avg", step, float(mm[k]), float(allowed[k]), int(idx[k]))]
+
+
 def check_adam(name: str, step: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad_bound: float,
                beta1: float, beta2: float, max_exp_avg_sq: torch.Tensor | None = None) -> list[Violation]:
     """Every Adam bound on one parameter's moments after ``step`` updates (state["step"]),
@@ -133,31 +151,27 @@ def check_adam(name: str, step: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Te
     out: list[Violation] = []
     if step <= 0:
         return out
-    m_abs = exp_avg.detach().abs()
+    m = exp_avg.detach()
     v = exp_avg_sq.detach()
     fm, fv = ema_floor(beta1), ema_floor(beta2)
-    for key, t in (("exp_avg", m_abs), ("exp_avg_sq", v)):
-        val, idx = _worst(t)
-        if math.isnan(val) or math.isinf(val):
+    m_low, m_high = (float(x) for x in torch.aminmax(m))  # propagates NaN: one pass finds both
+    m_top = max(-m_low, m_high) if math.isfinite(m_low) and math.isfinite(m_high) else m_low + m_high
+    v_low, v_top = (float(x) for x in torch.aminmax(v))
+    for key, t, top in (("exp_avg", m, m_top), ("exp_avg_sq", v, v_top)):
+        if not math.isfinite(top):
+            val, idx = _worst(t.abs())
             out.append(Violation("train.nonfinite", f"{name}:{key}", step, val, math.inf, idx))
     if out:
         return out
     m_bound = ema_gain(beta1, step) * grad_bound + fm
     v_bound = ema_gain(beta2, step) * grad_bound * grad_bound + fv
-    val, idx = _worst(m_abs)
-    if _over(val, m_bound):
-        out.append(Violation("train.adam_exp_avg", f"{name}:exp_avg", step, val, m_bound, idx))
-    val, idx = _worst(v)
-    if _over(val, v_bound):
-        out.append(Violation("train.adam_exp_avg_sq", f"{name}:exp_avg_sq", step, val, v_bound, idx))
-    # |m| ≤ √(C̃·(v + floor_v)) + floor_m, elementwise, evaluated in fp64
-    c = ratio_constant(beta1, beta2, step)
-    allowed = (v.double().clamp(min=0.0) + fv).mul_(c).sqrt_().add_(fm)
-    excess = m_abs.double() / allowed
-    val, idx = _worst(excess)
-    if _over(val, 1.0):
-        out.append(Violation("train.adam_moment_ratio", f"{name}:exp_avg", step, float(m_abs.reshape(-1)[idx]),
-                             float(allowed.reshape(-1)[idx]), idx))
+    if _over(m_top, m_bound):
+        out.append(Violation("train.adam_exp_avg", f"{name}:exp_avg", step, m_top, m_bound, int(torch.argmax(m.abs()))))
+    if _over(v_top, v_bound):
+        out.append(Violation("train.adam_exp_avg_sq", f"{name}:exp_avg_sq", step, v_top, v_bound, int(torch.argmax(v))))
+    if v_low < 0.0:  # a sum of squares: a sign flip
+        out.append(Violation("train.adam_exp_avg_sq", f"{name}:exp_avg_sq", step, v_low, 0.0, int(torch.argmin(v))))
+    out += _ratio(name, step, m, v, ratio_constant(beta1, beta2, step), fm, fv)
     if max_exp_avg_sq is not None:
         vmax = max_exp_avg_sq.detach()
         below, bi = _worst((v - vmax).double())  # vmax = max(vmax, v) exactly: never below v
