@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
+from aegis_cli.ops.verdict import Evidence, Verdict
+
 U32 = 2.0**-24  # fp32 unit roundoff
 ROUNDING_OPS = 8  # κ: relative roundings charged to each coefficient of one update (≤ 4 happen)
 UNDERFLOW = 2.0**-148  # absolute error of one update whose terms fall into the subnormal range
@@ -44,6 +46,7 @@ VAR_SLACK = 1e-2  # relative: two fp32 computations of one batch variance (see t
 EVAL_SLACK = 1e-9  # relative: the fp64 evaluation of the bounds themselves
 SCREEN = 1e-6  # relative margin of the fp32 screen of the moment ratio (> 4 roundings of 2⁻²⁴)
 
+RIGOROUS = ("train.adam_exp_avg", "train.adam_exp_avg_sq", "train.adam_moment_ratio", "train.adam_amsgrad", "train.nonfinite")
 CHECKS = ("train.adam_exp_avg", "train.adam_exp_avg_sq", "train.adam_moment_ratio", "train.adam_amsgrad",
           "train.nonfinite", "train.norm_running_var")
 
@@ -212,3 +215,15 @@ def check_running_var(name: str, step: int, running_var: torch.Tensor, lo: torch
         return []
     x = float(rv[i])
     return [Violation("train.norm_running_var", f"{name}:running_var", step, x, float(hi[i] if x > hi[i] else lo[i]), i)]
+
+
+def evidence(v: Violation, *, reruns: int, reproduced: int, injected: list[dict]) -> Evidence:
+    """A violation as the scan's Evidence. A rigorous bound broken proves corrupted state
+    (FAULTY, as any broken exact expectation, docs/design.md §7.2); the running-variance check's
+    slack is heuristic, so it stays SUSPECT."""
+    return Evidence(check=v.check, severity=Verdict.FAULTY if v.check in RIGOROUS else Verdict.SUSPECT,
+                    case_id=f"train/step{v.step}/{v.tensor}", op=v.tensor,
+                    summary=f"{v.tensor} at step {v.step}: {v.value:.6g} against bound {v.bound:.6g}",
+                    threshold=v.bound, max_value=v.value, margin=v.ratio, elements=1,
+                    samples=[{"index": v.index, "value": v.value, "bound": v.bound}],
+                    reruns=reruns, reproduced=reproduced, injected=list(injected))

@@ -54,6 +54,11 @@ class GuardEvent:
     device: str = ""
     injected: list[dict] = field(default_factory=list)  # self-test faults that fired at this step
 
+    def evidence(self) -> list:
+        """The violations as Evidence (checks/training.py), for reports and the sensors' events."""
+        again = self.attempts if self.outcome == "reproduced" else 0
+        return [bounds.evidence(v, reruns=self.attempts, reproduced=again, injected=self.injected) for v in self.violations]
+
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
         d["violations"] = [v.to_dict() for v in self.violations]
@@ -161,7 +166,9 @@ class TrainingGuard:
         first = self.params[0] if self.params else None
         self.device_id = device_id or (f"{first.device.type}:{first.device.index or 0}" if first is not None else "cpu:0")
         self.param_names = self._names()
-        self.norms = {n: m for n, m in model.named_modules() if isinstance(m, _BN) and m.track_running_stats}
+        # SyncBatchNorm's variance spans every rank's batch, which this rank's hook does not see
+        self.norms = {n: m for n, m in model.named_modules()
+                      if isinstance(m, _BN) and m.track_running_stats and not isinstance(m, torch.nn.SyncBatchNorm)}
         self.steps = 0  # steps completed (and checked) so far
         self.last_clean_step = 0
         self.events: list[GuardEvent] = []

@@ -79,6 +79,8 @@ def test_injected_fault_is_caught_and_run_recovers_bit_exactly(spec, check):
     assert ev.step == 6 and ev.outcome == "recovered" and ev.restored_to == 4 and ev.replayed == [5, 6]
     assert ev.violations[0].check == check, ev.violations
     assert ev.injected and ev.injected[0]["step"] == 6
+    e = ev.evidence()[0]
+    assert e.check == check and e.severity.value == ("SUSPECT" if "running_var" in check else "FAULTY") and e.reproduced == 0
     assert losses == clean  # the loss curve after recovery is the clean one, bit for bit
     assert same_state(m0, o0, m1, o1)
 
