@@ -34,6 +34,7 @@ from aegis_cli.checks import training as bounds
 from aegis_cli.faults.spec import FaultPlan, parse_spec
 from aegis_cli.faults.training import state_faults
 from aegis_cli.ops.errors import AegisError, ConfigError
+from aegis_cli.sensors.snapshot import Snapshot, rng_for, rng_state, set_rng_state, to_device
 
 log = logging.getLogger("aegis.sensors.guards")
 StepFn = Callable[[torch.nn.Module, torch.optim.Optimizer, Any], Any]
@@ -65,76 +66,20 @@ class GuardEvent:
         return d
 
 
+def _describe(violations: list[bounds.Violation]) -> str:
+    if not violations:
+        return "a violation on another rank"
+    v = violations[0]
+    return f"{v.check} on {v.tensor} ({v.value:.3g} vs bound {v.bound:.3g})"
+
+
 class TrainingStateError(AegisError):
     """A training-state bound broke again after re-execution from a clean snapshot."""
 
     def __init__(self, event: GuardEvent):
-        v = event.violations[0]
-        super().__init__(f"training state: {v.check} on {v.tensor} at step {event.step} "
-                         f"({v.value:.3g} vs bound {v.bound:.3g}) reproduced after {event.attempts} re-execution(s)")
+        super().__init__(f"training state: {_describe(event.violations)} at step {event.step} "
+                         f"reproduced after {event.attempts} re-execution(s)")
         self.event = event
-
-
-def _rng_state(generators: list[torch.Generator]) -> dict:
-    state = {"cpu": torch.get_rng_state(), "gens": [g.get_state() for g in generators]}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def _set_rng_state(state: dict, generators: list[torch.Generator]) -> None:
-    torch.set_rng_state(state["cpu"])
-    for g, s in zip(generators, state["gens"], strict=True):
-        g.set_state(s)
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _rng_for(state: dict, src: torch.device, dst: torch.device) -> dict:
-    """RNG states for re-executing on ``dst`` what ran on ``src``: ``dst``'s CUDA generator
-    gets the state ``src``'s had, so a dropout mask is drawn the same there."""
-    if src.type == dst.type == "cuda" and "cuda" in state:
-        cuda = list(state["cuda"])
-        cuda[dst.index or 0] = state["cuda"][src.index or 0]
-        state = {**state, "cuda": cuda}
-    return state
-
-
-def _to(batch: Any, device: torch.device) -> Any:
-    if torch.is_tensor(batch):
-        return batch.to(device)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _to(v, device) for k, v in batch.items()}
-    return batch
-
-
-class _Snapshot:
-    """A bit-exact copy of named tensors (buffers reused between saves) and deep-copied values."""
-
-    def __init__(self) -> None:
-        self.step = -1
-        self.tensors: dict[str, torch.Tensor] = {}
-        self.devices: dict[str, torch.device] = {}  # where each tensor lives in training
-        self.values: dict[str, Any] = {}
-
-    @torch.no_grad()
-    def save(self, step: int, tensors: dict[str, torch.Tensor], values: dict[str, Any], device: torch.device | None) -> None:
-        for k, t in tensors.items():
-            buf = self.tensors.get(k)
-            where = device or t.device
-            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.device.type != where.type:
-                buf = self.tensors[k] = torch.empty(t.shape, dtype=t.dtype, device=where)
-            buf.copy_(t)
-            self.devices[k] = t.device
-        for k in set(self.tensors) - set(tensors):
-            del self.tensors[k], self.devices[k]
-        self.values = copy.deepcopy(values)
-        self.step = step
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
 class TrainingGuard:
@@ -144,7 +89,7 @@ class TrainingGuard:
                  extra_state: Iterable[Any] = (), generators: Iterable[torch.Generator] = (),
                  snapshot_device: str | torch.device | None = None, retries: int = 1,
                  callback: Callable[[GuardEvent], None] | None = None, inject: str | FaultPlan | None = None,
-                 device_id: str | None = None):
+                 device_id: str | None = None, group: Any = None, sync: bool | None = None):
         if not isinstance(optimizer, torch.optim.Adam):
             raise ConfigError(f"TrainingGuard bounds torch.optim.Adam and AdamW; got {type(optimizer).__name__}")
         for g in optimizer.param_groups:
@@ -169,11 +114,17 @@ class TrainingGuard:
         # SyncBatchNorm's variance spans every rank's batch, which this rank's hook does not see
         self.norms = {n: m for n, m in model.named_modules()
                       if isinstance(m, _BN) and m.track_running_stats and not isinstance(m, torch.nn.SyncBatchNorm)}
+        # data parallel: every rank must restore and re-execute together (the backward's
+        # collectives), so the ranks agree on "any violation anywhere" after every check
+        dist = torch.distributed
+        self.group = group
+        self.sync = sync if sync is not None else bool(dist.is_available() and dist.is_initialized()
+                                                       and dist.get_world_size(group) > 1)
         self.steps = 0  # steps completed (and checked) so far
         self.last_clean_step = 0
         self.events: list[GuardEvent] = []
         self.stats = {"steps": 0, "checks": 0, "check_s": 0.0, "snapshot_s": 0.0, "replayed_steps": 0}
-        self._ring = [_Snapshot(), _Snapshot()]
+        self._ring = [Snapshot(), Snapshot()]
         self._history: deque = deque(maxlen=2)  # (step, batch, rng state) of the last two steps
         self._trackers: dict[str, torch.Tensor] = {}
         self._seed_trackers()
@@ -281,7 +232,7 @@ class TrainingGuard:
         self.stats["snapshot_s"] += time.perf_counter() - t0
 
     @torch.no_grad()
-    def _restore(self, snap: _Snapshot) -> None:
+    def _restore(self, snap: Snapshot) -> None:
         live, _ = self._state()
         for k, saved in snap.tensors.items():
             if k.startswith("opt/"):
@@ -317,7 +268,7 @@ class TrainingGuard:
 
     # -- the step --------------------------------------------------------------------------
     def _run(self, step: int, batch: Any, rng: dict, first: bool) -> tuple[Any, list[bounds.Violation], list[dict]]:
-        _set_rng_state(rng, self.generators)
+        set_rng_state(rng, self.generators)
         out = self.step_fn(self.model, self.optimizer, batch)
         injected = state_faults(self.plan, step, first, self._state_by_name(), self.device_id)
         return out, self.check(step), injected
@@ -333,10 +284,10 @@ class TrainingGuard:
         its clean re-execution returned)."""
         t = self.steps + 1
         self._save(t - 1)  # the state before step t
-        rng = _rng_state(self.generators)
+        rng = rng_state(self.generators)
         self._history.append((t, batch, rng))
         out, violations, injected = self._run(t, batch, rng, first=True)
-        if violations:
+        if self._agree(violations):
             out = self._recover(t, violations, injected)
         self.steps = self.last_clean_step = t
         self.stats["steps"] += 1
@@ -345,43 +296,53 @@ class TrainingGuard:
     def _recover(self, t: int, violations: list[bounds.Violation], injected: list[dict]) -> Any:
         t0 = time.perf_counter()
         ev = GuardEvent(step=t, violations=violations, device=self.device_id, injected=injected)
-        log.warning("aegis guard: %s on %s at step %d (%.3g vs bound %.3g): restoring and re-executing",
-                    violations[0].check, violations[0].tensor, t, violations[0].value, violations[0].bound)
-        out, again = None, violations
-        while again and ev.attempts < self.retries:
+        log.warning("aegis guard: %s at step %d: restoring and re-executing", _describe(violations), t)
+        out, bad = None, True
+        while bad and ev.attempts < self.retries:
             ev.attempts += 1
-            out, again, ev.restored_to, ev.replayed = self.reexecute(t)
-        ev.outcome = "reproduced" if again else "recovered"
+            out, again, bad, ev.restored_to, ev.replayed = self.reexecute(t)
+        ev.outcome = "reproduced" if bad else "recovered"
         ev.seconds = time.perf_counter() - t0
-        if again:
+        if bad:
             ev.violations = again
         self.events.append(ev)
         log.log(logging.ERROR if again else logging.WARNING, "aegis guard: step %d %s after %d re-execution(s)",
                 t, ev.outcome, ev.attempts)
         if self.callback is not None:
             self.callback(ev)
-        if again:
+        if bad:
             raise TrainingStateError(ev)
         return out
 
-    def reexecute(self, t: int) -> tuple[Any, list[bounds.Violation], int, list[int]]:
+    def _agree(self, violations: list[bounds.Violation]) -> bool:
+        """Whether any rank (this one alone without ``sync``) saw a violation: one all-reduce."""
+        if not self.sync:
+            return bool(violations)
+        dist = torch.distributed
+        dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
+        flag = torch.tensor([1.0 if violations else 0.0], device=dev)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item() > 0)
+
+    def reexecute(self, t: int) -> tuple[Any, list[bounds.Violation], bool, int, list[int]]:
         """Restore the oldest snapshot (the state two steps before ``t``'s end, or the first one)
         and re-execute up to step ``t`` with the kept batches and RNG states. Returns (the last
-        step's output, the violations after the first step that broke a bound or after step t,
-        the step restored to, the steps re-executed)."""
+        step's output, this rank's violations after the first step that broke a bound on any
+        rank or after step t, whether any rank's did, the step restored to, the steps re-executed)."""
         snap = min((s for s in self._ring if 0 <= s.step < t), key=lambda s: s.step)
         self._restore(snap)
         kept = {s: (b, r) for s, b, r in self._history}
-        out, violations, done = None, [], []
+        out, violations, bad, done = None, [], False, []
         for j in range(snap.step + 1, t + 1):
             if j > snap.step + 1:
                 self._save(j - 1)  # re-executed, checked: the clean state before step j
             out, violations, _ = self._run(j, *kept[j], first=False)
             done.append(j)
             self.stats["replayed_steps"] += 1
-            if violations:
+            bad = self._agree(violations)
+            if bad:
                 break
-        return out, violations, snap.step, done
+        return out, violations, bad, snap.step, done
 
     def rerun_on(self, device: str | torch.device, device_id: str, step: int) -> list[bounds.Violation]:
         """Re-execute the kept steps up to ``step`` on a copy of the model and optimizer on
@@ -411,7 +372,7 @@ class TrainingGuard:
             src = self.params[0].device if self.params else torch.device("cpu")
             for j, batch, rng in self._history:
                 if snap.step < j <= step:
-                    _, violations, _ = other._run(j, _to(batch, device), _rng_for(rng, src, device), first=False)
+                    _, violations, _ = other._run(j, to_device(batch, device), rng_for(rng, src, device), first=False)
                     if violations:
                         return violations
             return []
