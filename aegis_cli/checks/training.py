@@ -27,7 +27,8 @@ min(r₀, min σ²) ≤ running_var_t ≤ max(r₀, max σ²). The recurrence's 
 above; the batch variance the layer computed and the one the guard saw differ by their own
 rounding, which has no input-independent bound: VAR_SLACK (relative) covers it for inputs whose
 mean is within ~100 standard deviations of zero. This check finds huge or negative values, not
-fine drift.
+fine drift. running_mean (train.norm_running_mean) is bounded the same way by the batch means,
+widened by VAR_SLACK of max(|mean|, std): a mean's rounding is relative to the inputs' size.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ SCREEN = 1e-6  # relative margin of the fp32 screen of the moment ratio (> 4 rou
 
 RIGOROUS = ("train.adam_exp_avg", "train.adam_exp_avg_sq", "train.adam_moment_ratio", "train.adam_amsgrad", "train.nonfinite")
 CHECKS = ("train.adam_exp_avg", "train.adam_exp_avg_sq", "train.adam_moment_ratio", "train.adam_amsgrad",
-          "train.nonfinite", "train.norm_running_var")
+          "train.nonfinite", "train.norm_running_var", "train.norm_running_mean")
 
 
 @dataclass(frozen=True)
@@ -187,40 +188,58 @@ def check_adam(name: str, step: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Te
     return out
 
 
+def _recurrence_slack(momentum: float | None, batches: int) -> tuple[float, float]:
+    """(relative slack, absolute floor) of a running statistic's fp32 EMA: ema_gain's fixed
+    point for its smallest weight a (momentum, or 1/t for a cumulative average)."""
+    a = momentum if momentum is not None else 1.0 / max(batches, 1)
+    e = ROUNDING_OPS * U32
+    return (1.0 + e) / (1.0 - min(e / a, 0.5)) - 1.0, ema_floor(1.0 - a)
+
+
 def running_var_bounds(var_min: torch.Tensor, var_max: torch.Tensor, momentum: float | None,
                        batches: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per channel (lo, hi) that running_var must lie in, given the per-channel extremes of its
     starting value and of every unbiased batch variance since (``var_min``, ``var_max``) and
     the ``batches`` training-mode updates so far (num_batches_tracked)."""
-    a = momentum if momentum is not None else 1.0 / max(batches, 1)  # cumulative average: smallest weight 1/t
-    e = ROUNDING_OPS * U32
-    rec = (1.0 + e) / (1.0 - min(e / a, 0.5))  # the EMA's rounding, as ema_gain's fixed point
-    slack = rec * (1.0 + VAR_SLACK)
-    floor = ema_floor(1.0 - a)
+    rec, floor = _recurrence_slack(momentum, batches)
+    slack = (1.0 + rec) * (1.0 + VAR_SLACK)
     return var_min.double() / slack - floor, var_max.double() * slack + floor
 
 
-def check_running_var(name: str, step: int, running_var: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> list[Violation]:
-    """running_var within [lo, hi] per channel; NaN or Inf is a violation. The worst channel is
-    the one farthest outside, relative to the bound's width."""
-    rv = running_var.detach().double().reshape(-1)
+def running_mean_bounds(mean_min: torch.Tensor, mean_max: torch.Tensor, var_max: torch.Tensor, momentum: float | None,
+                        batches: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per channel (lo, hi) for running_mean, from the extremes of its starting value and of the
+    batch means. Both computations of a batch mean err relative to the inputs' magnitude, not to
+    the mean (which may be near 0), so the hull widens by VAR_SLACK of max(|mean|, std)."""
+    rec, floor = _recurrence_slack(momentum, batches)
+    lo, hi = mean_min.double(), mean_max.double()
+    scale = torch.maximum(torch.maximum(lo.abs(), hi.abs()), var_max.double().clamp(min=0.0).sqrt())
+    widen = (rec + VAR_SLACK) * scale + floor
+    return lo - widen, hi + widen
+
+
+def check_running_stat(name: str, key: str, step: int, stat: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> list[Violation]:
+    """A running statistic (``key``: running_var or running_mean) within [lo, hi] per channel;
+    NaN or Inf is a violation. The worst channel is the one farthest outside, relative to the
+    bound's magnitude."""
+    x = stat.detach().double().reshape(-1)
     lo, hi = lo.reshape(-1), hi.reshape(-1)
-    bad = ~torch.isfinite(rv)
+    bad = ~torch.isfinite(x)
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
-        return [Violation("train.nonfinite", f"{name}:running_var", step, float(rv[i]), math.inf, i)]
-    outside = torch.maximum(rv - hi, lo - rv) / hi.abs().clamp(min=1e-300)
+        return [Violation("train.nonfinite", f"{name}:{key}", step, float(x[i]), math.inf, i)]
+    outside = torch.maximum(x - hi, lo - x) / torch.maximum(hi.abs(), lo.abs()).clamp(min=1e-300)
     val, i = _worst(outside)
     if not _over(val, 0.0):
         return []
-    x = float(rv[i])
-    return [Violation("train.norm_running_var", f"{name}:running_var", step, x, float(hi[i] if x > hi[i] else lo[i]), i)]
+    xi = float(x[i])
+    return [Violation(f"train.norm_{key}", f"{name}:{key}", step, xi, float(hi[i] if xi > hi[i] else lo[i]), i)]
 
 
 def evidence(v: Violation, *, reruns: int, reproduced: int, injected: list[dict]) -> Evidence:
     """A violation as the scan's Evidence. A rigorous bound broken proves corrupted state
-    (FAULTY, as any broken exact expectation, docs/design.md §7.2); the running-variance check's
-    slack is heuristic, so it stays SUSPECT."""
+    (FAULTY, as any broken exact expectation, docs/design.md §7.2); the running statistics' checks
+    slack is heuristic, so they stay SUSPECT."""
     return Evidence(check=v.check, severity=Verdict.FAULTY if v.check in RIGOROUS else Verdict.SUSPECT,
                     case_id=f"train/step{v.step}/{v.tensor}", op=v.tensor,
                     summary=f"{v.tensor} at step {v.step}: {v.value:.6g} against bound {v.bound:.6g}",

@@ -34,6 +34,7 @@ from aegis_cli.checks import training as bounds
 from aegis_cli.faults.spec import FaultPlan, parse_spec
 from aegis_cli.faults.training import state_faults
 from aegis_cli.ops.errors import AegisError, ConfigError
+from aegis_cli.ops.verdict import Evidence
 from aegis_cli.sensors.snapshot import Snapshot, rng_for, rng_state, set_rng_state, to_device
 
 log = logging.getLogger("aegis.sensors.guards")
@@ -55,7 +56,7 @@ class GuardEvent:
     device: str = ""
     injected: list[dict] = field(default_factory=list)  # self-test faults that fired at this step
 
-    def evidence(self) -> list:
+    def evidence(self) -> list[Evidence]:
         """The violations as Evidence (checks/training.py), for reports and the sensors' events."""
         again = self.attempts if self.outcome == "reproduced" else 0
         return [bounds.evidence(v, reruns=self.attempts, reproduced=again, injected=self.injected) for v in self.violations]
@@ -155,8 +156,9 @@ class TrainingGuard:
             self._trackers[f"g{i}"] = g
             self._trackers[f"p{i}"] = torch.zeros((), dtype=torch.float64, device=p.device)
         for n, m in self.norms.items():  # the running variance now is one end of its convex hull
-            self._trackers[f"vmin:{n}"] = m.running_var.detach().double().clone()
-            self._trackers[f"vmax:{n}"] = m.running_var.detach().double().clone()
+            for key, stat in (("v", m.running_var), ("m", m.running_mean)):
+                self._trackers[f"{key}min:{n}"] = stat.detach().double().clone()
+                self._trackers[f"{key}max:{n}"] = stat.detach().double().clone()
 
     @torch.no_grad()
     def _pre_step(self, optimizer, args, kwargs) -> None:
@@ -180,10 +182,11 @@ class TrainingGuard:
                 return
             x = inputs[0].detach()
             dims = [0, *range(2, x.dim())]
-            var = torch.var(x.float(), dim=dims, correction=1).double()  # what updates running_var
-            lo, hi = self._trackers[f"vmin:{name}"], self._trackers[f"vmax:{name}"]
-            torch.minimum(lo, var, out=lo)
-            torch.maximum(hi, var, out=hi)
+            var, mean = torch.var_mean(x.float(), dim=dims, correction=1)  # what updates the running stats
+            for key, val in (("v", var.double()), ("m", mean.double())):
+                lo, hi = self._trackers[f"{key}min:{name}"], self._trackers[f"{key}max:{name}"]
+                torch.minimum(lo, val, out=lo)
+                torch.maximum(hi, val, out=hi)
         return hook
 
     # -- checks ----------------------------------------------------------------------------
@@ -203,9 +206,11 @@ class TrainingGuard:
             out += bounds.check_adam(self.param_names[i], int(st["step"]), st["exp_avg"], st["exp_avg_sq"], gb, b1, b2,
                                      st.get("max_exp_avg_sq") if grp.get("amsgrad") else None)
         for n, m in self.norms.items():
-            lo, hi = bounds.running_var_bounds(self._trackers[f"vmin:{n}"], self._trackers[f"vmax:{n}"], m.momentum,
-                                               int(m.num_batches_tracked))
-            out += bounds.check_running_var(n, step, m.running_var, lo, hi)
+            tr, batches = self._trackers, int(m.num_batches_tracked)
+            lo, hi = bounds.running_var_bounds(tr[f"vmin:{n}"], tr[f"vmax:{n}"], m.momentum, batches)
+            out += bounds.check_running_stat(n, "running_var", step, m.running_var, lo, hi)
+            lo, hi = bounds.running_mean_bounds(tr[f"mmin:{n}"], tr[f"mmax:{n}"], tr[f"vmax:{n}"], m.momentum, batches)
+            out += bounds.check_running_stat(n, "running_mean", step, m.running_mean, lo, hi)
         self.stats["checks"] += 1
         self.stats["check_s"] += time.perf_counter() - t0
         return out

@@ -109,22 +109,30 @@ def test_weight_decay_and_beta_range():
 
 
 @pytest.mark.parametrize("momentum", [0.1, None])
-def test_batchnorm_running_var_stays_in_the_hull_of_batch_variances(momentum):
+def test_batchnorm_running_stats_stay_in_the_hull_of_batch_statistics(momentum):
     bn = torch.nn.BatchNorm1d(6, momentum=momentum)
     gen = torch.Generator().manual_seed(3)
     lo = bn.running_var.detach().double().clone()
     hi = lo.clone()
+    mlo, mhi = bn.running_mean.detach().double().clone(), bn.running_mean.detach().double().clone()
     for _ in range(30):
         x = torch.randn(16, 6, generator=gen) * torch.rand(6, generator=gen) * 5 + 3
         var = x.double().var(dim=0, correction=1)
         lo, hi = torch.minimum(lo, var), torch.maximum(hi, var)
+        mean = x.double().mean(dim=0)
+        mlo, mhi = torch.minimum(mlo, mean), torch.maximum(mhi, mean)
         bn(x)
     a, b = tb.running_var_bounds(lo, hi, momentum, int(bn.num_batches_tracked))
-    assert tb.check_running_var("bn", 30, bn.running_var, a, b) == []
+    assert tb.check_running_stat("bn", "running_var", 30, bn.running_var, a, b) == []
     rv = bn.running_var.clone()
     rv[4] = hi[4] * 1e3
-    assert [(x.check, x.index) for x in tb.check_running_var("bn", 30, rv, a, b)] == [("train.norm_running_var", 4)]
+    assert [(x.check, x.index) for x in tb.check_running_stat("bn", "running_var", 30, rv, a, b)] == [("train.norm_running_var", 4)]
     rv[4] = -1.0
-    assert [x.check for x in tb.check_running_var("bn", 30, rv, a, b)] == ["train.norm_running_var"]
+    assert [x.check for x in tb.check_running_stat("bn", "running_var", 30, rv, a, b)] == ["train.norm_running_var"]
     rv[4] = math.inf
-    assert [x.check for x in tb.check_running_var("bn", 30, rv, a, b)] == ["train.nonfinite"]
+    assert [x.check for x in tb.check_running_stat("bn", "running_var", 30, rv, a, b)] == ["train.nonfinite"]
+    a, b = tb.running_mean_bounds(mlo, mhi, hi, momentum, int(bn.num_batches_tracked))
+    assert tb.check_running_stat("bn", "running_mean", 30, bn.running_mean, a, b) == []
+    rm = bn.running_mean.clone()
+    rm[1] = -rm[1] * 2.0**20
+    assert [(x.check, x.index) for x in tb.check_running_stat("bn", "running_mean", 30, rm, a, b)] == [("train.norm_running_mean", 1)]

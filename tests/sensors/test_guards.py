@@ -70,6 +70,7 @@ def test_clean_runs_raise_nothing(opt, kw):
     ("stateflip:target=exp_avg,step=6,bit=30,op=4.weight", "train.adam_exp_avg"),
     ("stateflip:target=exp_avg_sq,step=6,bit=29,op=4.weight", "train.adam_moment_ratio"),  # v → tiny
     ("stateflip:target=running_var,step=6,bit=28", "train.norm_running_var"),
+    ("stateflip:target=running_mean,step=6,bit=30", "train.norm_running_mean"),
 ])
 def test_injected_fault_is_caught_and_run_recovers_bit_exactly(spec, check):
     clean, m0, o0, _ = train()
@@ -80,7 +81,7 @@ def test_injected_fault_is_caught_and_run_recovers_bit_exactly(spec, check):
     assert ev.violations[0].check == check, ev.violations
     assert ev.injected and ev.injected[0]["step"] == 6
     e = ev.evidence()[0]
-    assert e.check == check and e.severity.value == ("SUSPECT" if "running_var" in check else "FAULTY") and e.reproduced == 0
+    assert e.check == check and e.severity.value == ("SUSPECT" if "norm_" in check else "FAULTY") and e.reproduced == 0
     assert losses == clean  # the loss curve after recovery is the clean one, bit for bit
     assert same_state(m0, o0, m1, o1)
 
