@@ -135,3 +135,10 @@ def test_bad_setups_are_refused():
         parse_spec("stateflip:target=exp_avg")
     with pytest.raises(InjectSpecError, match="persist=1 needs step"):
         TrainingGuard(model, torch.optim.Adam(model.parameters()), step_fn, inject="stateflip:persist=1")
+
+
+def test_amsgrad_max_is_guarded_too():
+    clean, *_ = train(amsgrad=True)
+    losses, _, _, guard = train(inject="stateflip:target=max_exp_avg_sq,step=6,bit=30,op=0.weight", amsgrad=True)
+    assert [(e.step, e.outcome, e.violations[0].check) for e in guard.events] == [(6, "recovered", "train.adam_amsgrad")]
+    assert losses == clean
