@@ -129,12 +129,18 @@ def _over(value: float, bound: float) -> bool:
     return not value <= bound  # NaN is over every bound
 
 
-def _ratio(name: str, step: int, m: torch.Tensor, v: torch.Tensor, c: float, fm: float, fv: float) -> list[Violation]:
-    """|m| ≤ √(C̃·(v + floor_v)) + floor_m per element. An fp32 screen first, m² > C̃(1 − SCREEN)·v,
-    flags a superset of the violations: its three roundings are within SCREEN of C̃·v where m² is
+def _screen(m: torch.Tensor, v: torch.Tensor, c: float) -> torch.Tensor:
+    """C̃(1 − SCREEN)·v − m² in fp32, elementwise: negative wherever the moment ratio may be
+    broken. Never positive where it is: its three roundings are within SCREEN of C̃·v where m² is
     near it, a product that underflows loses less than C̃·floor_v, and an m whose square
-    underflows lies below √(C̃·floor_v). Then fp64 on the screened elements only."""
-    slack = v.mul(c * (1.0 - SCREEN)).addcmul_(m, m, value=-1.0)  # C̃v − m²: negative where screened
+    underflows lies below √(C̃·floor_v)."""
+    return v.mul(c * (1.0 - SCREEN)).addcmul_(m, m, value=-1.0)
+
+
+def _ratio(name: str, step: int, m: torch.Tensor, v: torch.Tensor, c: float, fm: float, fv: float) -> list[Violation]:
+    """|m| ≤ √(C̃·(v + floor_v)) + floor_m per element: the fp32 screen, then fp64 on the
+    screened elements only."""
+    slack = _screen(m, v, c)
     if not float(slack.min()) < 0.0:
         return []
     idx = (slack.reshape(-1) < 0.0).nonzero()[:, 0]
@@ -144,6 +150,32 @@ def _ratio(name: str, step: int, m: torch.Tensor, v: torch.Tensor, c: float, fm:
     if not _over(val, 1.0):
         return []
     return [Violation("train.adam_moment_ratio", f"{name}:exp_avg", step, float(mm[k]), float(allowed[k]), int(idx[k]))]
+
+
+def adam_summary(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int, beta1: float, beta2: float,
+                 max_exp_avg_sq: torch.Tensor | None = None) -> torch.Tensor:
+    """Six fp64 numbers, computed where the moments live without a host synchronisation: max|m|,
+    min v, max v, the ratio screen's minimum, and for AMSGrad max(v − vmax) and max vmax (zeros
+    without). A caller batches them for many tensors into one transfer; ``adam_clear`` says
+    whether check_adam needs to look closer."""
+    m, v = exp_avg.detach(), exp_avg_sq.detach()
+    m_lo, m_hi = torch.aminmax(m)
+    v_lo, v_hi = torch.aminmax(v)
+    screen = _screen(m, v, ratio_constant(beta1, beta2, max(step, 1))).min()
+    if max_exp_avg_sq is not None:
+        vmax = max_exp_avg_sq.detach()
+        below, top = (v - vmax).max(), vmax.max()
+    else:
+        below = top = torch.zeros((), dtype=v.dtype, device=v.device)
+    return torch.stack([torch.maximum(-m_lo, m_hi), v_lo, v_hi, screen, below, top]).double()
+
+
+def adam_clear(summary: list[float], step: int, grad_bound: float, beta1: float, beta2: float) -> bool:
+    """True when an adam_summary shows every bound kept (NaN never does)."""
+    m_top, v_low, v_top, screen, below, vmax_top = summary
+    v_bound = ema_gain(beta2, step) * grad_bound * grad_bound + ema_floor(beta2)
+    return (step <= 0 or (m_top <= ema_gain(beta1, step) * grad_bound + ema_floor(beta1) and v_low >= 0.0
+                          and v_top <= v_bound and screen >= 0.0 and below <= 0.0 and vmax_top <= v_bound))
 
 
 def check_adam(name: str, step: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad_bound: float,

@@ -83,6 +83,18 @@ class TrainingStateError(AegisError):
         self.event = event
 
 
+def _to_host(rows: list[torch.Tensor]) -> list[list[float]]:
+    """Rows of small fp64 tensors as Python lists, one stack and copy per device."""
+    out: list[list[float] | None] = [None] * len(rows)
+    by_device: dict[torch.device, list[int]] = {}
+    for k, r in enumerate(rows):
+        by_device.setdefault(r.device, []).append(k)
+    for idx in by_device.values():
+        for k, vals in zip(idx, torch.stack([rows[k] for k in idx]).cpu().tolist(), strict=True):
+            out[k] = vals
+    return out
+
+
 class TrainingGuard:
     """Guards one model and its torch.optim.Adam/AdamW optimizer; see the module doc."""
 
@@ -195,16 +207,24 @@ class TrainingGuard:
         """Every bound on the current state (after ``step``)."""
         t0 = time.perf_counter()
         out: list[bounds.Violation] = []
+        todo = []  # (index, state, step, betas, summary) per parameter with moments
         for i, p in enumerate(self.params):
             st = self.optimizer.state.get(p)
             if not st or "exp_avg" not in st:
                 continue
-            grp = self._groups[i]
+            grp, t = self._groups[i], int(st["step"])
             b1, b2 = (float(b) for b in grp["betas"])
-            gb = bounds.effective_grad_bound(float(self._trackers[f"g{i}"]), float(self._trackers[f"p{i}"]),
-                                             float(grp["weight_decay"]), bool(grp.get("decoupled_weight_decay", False)))
-            out += bounds.check_adam(self.param_names[i], int(st["step"]), st["exp_avg"], st["exp_avg_sq"], gb, b1, b2,
-                                     st.get("max_exp_avg_sq") if grp.get("amsgrad") else None)
+            vmax = st.get("max_exp_avg_sq") if grp.get("amsgrad") else None
+            row = torch.cat([bounds.adam_summary(st["exp_avg"], st["exp_avg_sq"], t, b1, b2, vmax),
+                             self._trackers[f"g{i}"].reshape(1), self._trackers[f"p{i}"].reshape(1)])
+            todo.append((i, st, t, (b1, b2), vmax, row))
+        rows = _to_host([r for *_, r in todo])  # one transfer per device, not one per tensor
+        for (i, st, t, (b1, b2), vmax, _), row in zip(todo, rows, strict=True):
+            grp = self._groups[i]
+            gb = bounds.effective_grad_bound(row[6], row[7], float(grp["weight_decay"]),
+                                             bool(grp.get("decoupled_weight_decay", False)))
+            if not bounds.adam_clear(row[:6], t, gb, b1, b2):  # look closer: which bound, which element
+                out += bounds.check_adam(self.param_names[i], t, st["exp_avg"], st["exp_avg_sq"], gb, b1, b2, vmax)
         for n, m in self.norms.items():
             tr, batches = self._trackers, int(m.num_batches_tracked)
             lo, hi = bounds.running_var_bounds(tr[f"vmin:{n}"], tr[f"vmax:{n}"], m.momentum, batches)

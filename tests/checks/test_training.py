@@ -87,16 +87,25 @@ def test_corrupted_moments_are_flagged():
     st = run_adam(grads)
     gmax = max(float(g.abs().max()) for g in grads)
     m, v = st["exp_avg"].clone(), st["exp_avg_sq"].clone()
+
+    def clear(m, v, vmax=None) -> bool:  # the guard's batched fast path agrees with check_adam
+        return tb.adam_clear(tb.adam_summary(m, v, 20, 0.9, 0.999, vmax).tolist(), 20, gmax, 0.9, 0.999)
+
+    assert clear(m, v) and clear(m, v, v.clone())
     v[5] = v[5] * 2.0**40
+    assert not clear(m, v)
     assert [x.check for x in tb.check_adam("p", 20, m, v, gmax, 0.9, 0.999)] == ["train.adam_exp_avg_sq"]
     v = st["exp_avg_sq"].clone()
     v[9] = v[9] * 2.0**-40  # a huge step: only the ratio sees it
+    assert not clear(m, v)
     out = tb.check_adam("p", 20, m, v, gmax, 0.9, 0.999)
     assert [(x.check, x.index) for x in out] == [("train.adam_moment_ratio", 9)] and out[0].ratio > 1
     m[3] = math.nan
+    assert not clear(m, st["exp_avg_sq"])
     assert [x.check for x in tb.check_adam("p", 20, m, st["exp_avg_sq"], gmax, 0.9, 0.999)] == ["train.nonfinite"]
     vmax = st["exp_avg_sq"].clone()
     vmax[2] = vmax[2] / 2  # amsgrad's max below the current v: impossible
+    assert not clear(st["exp_avg"], st["exp_avg_sq"], vmax)
     out = tb.check_adam("p", 20, st["exp_avg"], st["exp_avg_sq"], gmax, 0.9, 0.999, max_exp_avg_sq=vmax)
     assert [(x.check, x.index) for x in out] == [("train.adam_amsgrad", 2)]
 
