@@ -225,6 +225,8 @@ class TrainingGuard:
                                              bool(grp.get("decoupled_weight_decay", False)))
             if not bounds.adam_clear(row[:6], t, gb, b1, b2):  # look closer: which bound, which element
                 out += bounds.check_adam(self.param_names[i], t, st["exp_avg"], st["exp_avg_sq"], gb, b1, b2, vmax)
+        if self.sync and self.norms:
+            self._union_norm_hulls()
         for n, m in self.norms.items():
             tr, batches = self._trackers, int(m.num_batches_tracked)
             lo, hi = bounds.running_var_bounds(tr[f"vmin:{n}"], tr[f"vmax:{n}"], m.momentum, batches)
@@ -338,6 +340,21 @@ class TrainingGuard:
         if bad:
             raise TrainingStateError(ev)
         return out
+
+    @torch.no_grad()
+    def _union_norm_hulls(self) -> None:
+        """Data parallel: DDP broadcasts rank 0's buffers before each forward, so a rank's running
+        statistics mix every rank's batches. Their hull is the union of the ranks' hulls: one
+        all-reduce (max of the maxima and of the negated minima)."""
+        keys = [f"{k}:{n}" for n in self.norms for k in ("vmin", "vmax", "mmin", "mmax")]
+        flat = torch.cat([(-self._trackers[k] if "min:" in k else self._trackers[k]).reshape(-1) for k in keys])
+        torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        at = 0
+        for k in keys:
+            t = self._trackers[k]
+            part = flat[at:at + t.numel()].view_as(t)
+            t.copy_(-part if "min:" in k else part)
+            at += t.numel()
 
     def _agree(self, violations: list[bounds.Violation]) -> bool:
         """Whether any rank (this one alone without ``sync``) saw a violation: one all-reduce."""
