@@ -40,8 +40,11 @@ def rng_for(state: dict, src: torch.device, dst: torch.device) -> dict:
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
+    """``batch`` with every tensor in it (nested in lists, tuples, named tuples, dicts) on ``device``."""
     if torch.is_tensor(batch):
         return batch.to(device)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(to_device(b, device) for b in batch))
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(b, device) for b in batch)
     if isinstance(batch, dict):
@@ -64,7 +67,9 @@ class Snapshot:
             buf = self.tensors.get(k)
             where = device or t.device
             if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.device.type != where.type:
-                buf = self.tensors[k] = torch.empty(t.shape, dtype=t.dtype, device=where)
+                # host copies of device tensors in pinned memory: the copy runs at full bus speed
+                pin = where.type == "cpu" and t.device.type == "cuda"
+                buf = self.tensors[k] = torch.empty(t.shape, dtype=t.dtype, device=where, pin_memory=pin)
             buf.copy_(t)
             self.devices[k] = t.device
         for k in set(self.tensors) - set(tensors):
