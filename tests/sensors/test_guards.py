@@ -142,3 +142,11 @@ def test_amsgrad_max_is_guarded_too():
     losses, _, _, guard = train(inject="stateflip:target=max_exp_avg_sq,step=6,bit=30,op=0.weight", amsgrad=True)
     assert [(e.step, e.outcome, e.violations[0].check) for e in guard.events] == [(6, "recovered", "train.adam_amsgrad")]
     assert losses == clean
+
+
+def test_scan_refuses_training_state_faults(capsys):
+    from aegis_cli import cli
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["scan", "--device", "cpu", "--inject", "stateflip:target=exp_avg_sq,step=3", "-q"])
+    assert exc.value.code == 3 and "only the training guard applies it" in capsys.readouterr().err
