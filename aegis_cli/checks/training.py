@@ -40,9 +40,7 @@ import torch
 
 from aegis_cli.ops.verdict import Evidence, Verdict
 
-U32 = 2.0**-24  # fp32 unit roundoff
 ROUNDING_OPS = 8  # κ: relative roundings charged to each coefficient of one update (≤ 4 happen)
-UNDERFLOW = 2.0**-148  # absolute error of one update whose terms fall into the subnormal range
 VAR_SLACK = 1e-2  # relative: two fp32 computations of one batch variance (see the module doc)
 EVAL_SLACK = 1e-9  # relative: the fp64 evaluation of the bounds themselves
 SCREEN = 1e-6  # relative margin of the fp32 screen of the moment ratio (> 4 roundings of 2⁻²⁴)
@@ -86,33 +84,46 @@ def _geometric(x: float, t: int) -> float:
     return -math.expm1(t * math.log(x)) / (1.0 - x) if x > 0 else 1.0
 
 
-def ema_gain(beta: float, t: int) -> float:
+def unit(dtype: torch.dtype) -> tuple[float, float]:
+    """(unit roundoff, absolute error of one update in the subnormal range: four roundings of
+    half the subnormal spacing) of a floating-point dtype; fp32: (2⁻²⁴, 2⁻¹⁴⁸). Moments stored in
+    bf16 or fp16 (Adam keeps them in the parameters' dtype) get bounds valid for their own, much
+    coarser, rounding: looser, and vacuous where β·(1 + κu) ≥ 1."""
+    fi = torch.finfo(dtype)
+    return fi.eps / 2.0, 2.0 * fi.tiny * fi.eps
+
+
+def ema_gain(beta: float, t: int, dtype: torch.dtype = torch.float32) -> float:
     """Largest Σ of the weights an fp32 EMA x_t = β·x_{t−1} + (1−β)·y_t (x₀ = 0) can give its
     inputs after t updates: (1−β)(1+κu)·Σ_{k<t} (β(1+κu))ᵏ. Exact arithmetic: 1 − βᵗ."""
-    e = ROUNDING_OPS * U32
+    e = ROUNDING_OPS * unit(dtype)[0]
     return (1.0 - beta) * (1.0 + e) * _geometric(beta * (1.0 + e), t) * (1.0 + EVAL_SLACK)
 
 
-def ema_floor(beta: float) -> float:
-    """Absolute error of an fp32 EMA whose terms underflow: UNDERFLOW per update, decayed by β."""
-    return UNDERFLOW / (1.0 - beta * (1.0 + ROUNDING_OPS * U32))
+def ema_floor(beta: float, dtype: torch.dtype = torch.float32) -> float:
+    """Absolute error of an EMA whose terms underflow: one update's, decayed by β (inf where the
+    decay with rounding does not contract)."""
+    u, under = unit(dtype)
+    decay = beta * (1.0 + ROUNDING_OPS * u)
+    return under / (1.0 - decay) if decay < 1.0 else math.inf
 
 
-def ratio_constant(beta1: float, beta2: float, t: int) -> float:
+def ratio_constant(beta1: float, beta2: float, t: int, dtype: torch.dtype = torch.float32) -> float:
     """C̃_t with m_t² ≤ C̃_t·v_t for fp32 moments: (w₁²/w₂)·q·Σ_{k<t} (ρq)ᵏ with ρ = β₁²/β₂ and
     q = (1+κu)²/(1−κu), the exact-arithmetic C_t with every weight's rounding charged."""
-    e = ROUNDING_OPS * U32
+    e = ROUNDING_OPS * unit(dtype)[0]
     q = (1.0 + e) ** 2 / (1.0 - e)
     w1, w2 = 1.0 - beta1, 1.0 - beta2
     return w1 * w1 / w2 * q * _geometric(beta1 * beta1 / beta2 * q, t) * (1.0 + EVAL_SLACK)
 
 
-def effective_grad_bound(grad_max: float, param_max: float, weight_decay: float, decoupled: bool) -> float:
+def effective_grad_bound(grad_max: float, param_max: float, weight_decay: float, decoupled: bool,
+                         dtype: torch.dtype = torch.float32) -> float:
     """Bound of |g| as the update used it: Adam's coupled decay adds λθ (one fp32 add and one
     multiply: charged as κu); AdamW's decoupled decay leaves g alone."""
     if decoupled or weight_decay == 0.0:
         return grad_max
-    return (grad_max + abs(weight_decay) * param_max) * (1.0 + ROUNDING_OPS * U32)
+    return (grad_max + abs(weight_decay) * param_max) * (1.0 + ROUNDING_OPS * unit(dtype)[0])
 
 
 def _worst(x: torch.Tensor) -> tuple[float, int]:
@@ -134,6 +145,7 @@ def _screen(m: torch.Tensor, v: torch.Tensor, c: float) -> torch.Tensor:
     broken. Never positive where it is: its three roundings are within SCREEN of C̃·v where m² is
     near it, a product that underflows loses less than C̃·floor_v, and an m whose square
     underflows lies below √(C̃·floor_v)."""
+    m, v = m.float(), v.float()  # in fp32 whatever the moments' dtype (no copy for fp32 moments)
     return v.mul(c * (1.0 - SCREEN)).addcmul_(m, m, value=-1.0)
 
 
@@ -161,7 +173,7 @@ def adam_summary(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int, bet
     m, v = exp_avg.detach(), exp_avg_sq.detach()
     m_lo, m_hi = torch.aminmax(m)
     v_lo, v_hi = torch.aminmax(v)
-    screen = _screen(m, v, ratio_constant(beta1, beta2, max(step, 1))).min()
+    screen = _screen(m, v, ratio_constant(beta1, beta2, max(step, 1), m.dtype)).min()
     if max_exp_avg_sq is not None:
         vmax = max_exp_avg_sq.detach()
         below, top = (v - vmax).max(), vmax.max()
@@ -170,11 +182,12 @@ def adam_summary(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int, bet
     return torch.stack([torch.maximum(-m_lo, m_hi), v_lo, v_hi, screen, below, top]).double()
 
 
-def adam_clear(summary: list[float], step: int, grad_bound: float, beta1: float, beta2: float) -> bool:
-    """True when an adam_summary shows every bound kept (NaN never does)."""
+def adam_clear(summary: list[float], step: int, grad_bound: float, beta1: float, beta2: float,
+               dtype: torch.dtype = torch.float32) -> bool:
+    """True when an adam_summary of moments stored in ``dtype`` shows every bound kept (NaN never does)."""
     m_top, v_low, v_top, screen, below, vmax_top = summary
-    v_bound = ema_gain(beta2, step) * grad_bound * grad_bound + ema_floor(beta2)
-    return (step <= 0 or (m_top <= ema_gain(beta1, step) * grad_bound + ema_floor(beta1) and v_low >= 0.0
+    v_bound = ema_gain(beta2, step, dtype) * grad_bound * grad_bound + ema_floor(beta2, dtype)
+    return (step <= 0 or (m_top <= ema_gain(beta1, step, dtype) * grad_bound + ema_floor(beta1, dtype) and v_low >= 0.0
                           and v_top <= v_bound and screen >= 0.0 and below <= 0.0 and vmax_top <= v_bound))
 
 
@@ -189,7 +202,8 @@ def check_adam(name: str, step: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Te
         return out
     m = exp_avg.detach()
     v = exp_avg_sq.detach()
-    fm, fv = ema_floor(beta1), ema_floor(beta2)
+    dt = m.dtype
+    fm, fv = ema_floor(beta1, dt), ema_floor(beta2, dt)
     m_low, m_high = (float(x) for x in torch.aminmax(m))  # propagates NaN: one pass finds both
     m_top = max(-m_low, m_high) if math.isfinite(m_low) and math.isfinite(m_high) else m_low + m_high
     v_low, v_top = (float(x) for x in torch.aminmax(v))
@@ -199,15 +213,15 @@ def check_adam(name: str, step: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Te
             out.append(Violation("train.nonfinite", f"{name}:{key}", step, val, math.inf, idx))
     if out:
         return out
-    m_bound = ema_gain(beta1, step) * grad_bound + fm
-    v_bound = ema_gain(beta2, step) * grad_bound * grad_bound + fv
+    m_bound = ema_gain(beta1, step, dt) * grad_bound + fm
+    v_bound = ema_gain(beta2, step, dt) * grad_bound * grad_bound + fv
     if _over(m_top, m_bound):
         out.append(Violation("train.adam_exp_avg", f"{name}:exp_avg", step, m_top, m_bound, int(torch.argmax(m.abs()))))
     if _over(v_top, v_bound):
         out.append(Violation("train.adam_exp_avg_sq", f"{name}:exp_avg_sq", step, v_top, v_bound, int(torch.argmax(v))))
     if v_low < 0.0:  # a sum of squares: a sign flip
         out.append(Violation("train.adam_exp_avg_sq", f"{name}:exp_avg_sq", step, v_low, 0.0, int(torch.argmin(v))))
-    out += _ratio(name, step, m, v, ratio_constant(beta1, beta2, step), fm, fv)
+    out += _ratio(name, step, m, v, ratio_constant(beta1, beta2, step, dt), fm, fv)
     if max_exp_avg_sq is not None:
         vmax = max_exp_avg_sq.detach()
         below, bi = _worst((v - vmax).double())  # vmax = max(vmax, v) exactly: never below v
@@ -220,31 +234,37 @@ def check_adam(name: str, step: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Te
     return out
 
 
-def _recurrence_slack(momentum: float | None, batches: int) -> tuple[float, float]:
-    """(relative slack, absolute floor) of a running statistic's fp32 EMA: ema_gain's fixed
-    point for its smallest weight a (momentum, or 1/t for a cumulative average)."""
+def _recurrence_slack(momentum: float | None, batches: int, dtype: torch.dtype) -> tuple[float, float]:
+    """(relative slack, absolute floor) of a running statistic's EMA: ema_gain's fixed point for
+    its smallest weight a (momentum, or 1/t for a cumulative average); inf where κu ≥ a."""
     a = momentum if momentum is not None else 1.0 / max(batches, 1)
-    e = ROUNDING_OPS * U32
-    return (1.0 + e) / (1.0 - min(e / a, 0.5)) - 1.0, ema_floor(1.0 - a)
+    e = ROUNDING_OPS * unit(dtype)[0]
+    if e >= a:
+        return math.inf, math.inf
+    return (1.0 + e) / (1.0 - e / a) - 1.0, ema_floor(1.0 - a, dtype)
 
 
 def running_var_bounds(var_min: torch.Tensor, var_max: torch.Tensor, momentum: float | None,
-                       batches: int) -> tuple[torch.Tensor, torch.Tensor]:
+                       batches: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Per channel (lo, hi) that running_var must lie in, given the per-channel extremes of its
     starting value and of every unbiased batch variance since (``var_min``, ``var_max``) and
     the ``batches`` training-mode updates so far (num_batches_tracked)."""
-    rec, floor = _recurrence_slack(momentum, batches)
+    rec, floor = _recurrence_slack(momentum, batches, dtype)
+    if math.isinf(rec):
+        return torch.full_like(var_min.double(), -math.inf), torch.full_like(var_max.double(), math.inf)
     slack = (1.0 + rec) * (1.0 + VAR_SLACK)
     return var_min.double() / slack - floor, var_max.double() * slack + floor
 
 
 def running_mean_bounds(mean_min: torch.Tensor, mean_max: torch.Tensor, var_max: torch.Tensor, momentum: float | None,
-                        batches: int) -> tuple[torch.Tensor, torch.Tensor]:
+                        batches: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """Per channel (lo, hi) for running_mean, from the extremes of its starting value and of the
     batch means. Both computations of a batch mean err relative to the inputs' magnitude, not to
     the mean (which may be near 0), so the hull widens by VAR_SLACK of max(|mean|, std)."""
-    rec, floor = _recurrence_slack(momentum, batches)
+    rec, floor = _recurrence_slack(momentum, batches, dtype)
     lo, hi = mean_min.double(), mean_max.double()
+    if math.isinf(rec):
+        return torch.full_like(lo, -math.inf), torch.full_like(hi, math.inf)
     scale = torch.maximum(torch.maximum(lo.abs(), hi.abs()), var_max.double().clamp(min=0.0).sqrt())
     widen = (rec + VAR_SLACK) * scale + floor
     return lo - widen, hi + widen
@@ -260,10 +280,13 @@ def check_running_stat(name: str, key: str, step: int, stat: torch.Tensor, lo: t
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])
         return [Violation("train.nonfinite", f"{name}:{key}", step, float(x[i]), math.inf, i)]
-    outside = torch.maximum(x - hi, lo - x) / torch.maximum(hi.abs(), lo.abs()).clamp(min=1e-300)
-    val, i = _worst(outside)
-    if not _over(val, 0.0):
+    out_of = (x > hi) | (x < lo)
+    if not bool(out_of.any()):
         return []
+    # the worst: farthest outside relative to the bound's magnitude (bounds are finite where broken)
+    dist = torch.where(out_of, torch.maximum(x - hi, lo - x) / torch.maximum(hi.abs(), lo.abs()).clamp(min=1e-300),
+                       torch.zeros_like(x))
+    _, i = _worst(dist)
     xi = float(x[i])
     return [Violation(f"train.norm_{key}", f"{name}:{key}", step, xi, float(hi[i] if xi > hi[i] else lo[i]), i)]
 

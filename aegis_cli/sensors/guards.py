@@ -163,8 +163,9 @@ class TrainingGuard:
             t = int(st["step"]) if "step" in st else 0
             if t > 0 and p.numel():
                 b1, b2 = (float(b) for b in self._groups[i]["betas"])
-                g = torch.maximum(st["exp_avg"].abs().max().double() / bounds.ema_gain(b1, t),
-                                  (st["exp_avg_sq"].max().double() / bounds.ema_gain(b2, t)).sqrt())
+                dt = st["exp_avg"].dtype
+                g = torch.maximum(st["exp_avg"].abs().max().double() / bounds.ema_gain(b1, t, dt),
+                                  (st["exp_avg_sq"].max().double() / bounds.ema_gain(b2, t, dt)).sqrt())
             self._trackers[f"g{i}"] = g
             self._trackers[f"p{i}"] = torch.zeros((), dtype=torch.float64, device=p.device)
         for n, m in self.norms.items():  # the running variance now is one end of its convex hull
@@ -221,17 +222,19 @@ class TrainingGuard:
         rows = _to_host([r for *_, r in todo])  # one transfer per device, not one per tensor
         for (i, st, t, (b1, b2), vmax, _), row in zip(todo, rows, strict=True):
             grp = self._groups[i]
+            dt = st["exp_avg"].dtype
             gb = bounds.effective_grad_bound(row[6], row[7], float(grp["weight_decay"]),
-                                             bool(grp.get("decoupled_weight_decay", False)))
-            if not bounds.adam_clear(row[:6], t, gb, b1, b2):  # look closer: which bound, which element
+                                             bool(grp.get("decoupled_weight_decay", False)), self.params[i].dtype)
+            if not bounds.adam_clear(row[:6], t, gb, b1, b2, dt):  # look closer: which bound, which element
                 out += bounds.check_adam(self.param_names[i], t, st["exp_avg"], st["exp_avg_sq"], gb, b1, b2, vmax)
         if self.sync and self.norms:
             self._union_norm_hulls()
         for n, m in self.norms.items():
             tr, batches = self._trackers, int(m.num_batches_tracked)
-            lo, hi = bounds.running_var_bounds(tr[f"vmin:{n}"], tr[f"vmax:{n}"], m.momentum, batches)
+            lo, hi = bounds.running_var_bounds(tr[f"vmin:{n}"], tr[f"vmax:{n}"], m.momentum, batches, m.running_var.dtype)
             out += bounds.check_running_stat(n, "running_var", step, m.running_var, lo, hi)
-            lo, hi = bounds.running_mean_bounds(tr[f"mmin:{n}"], tr[f"mmax:{n}"], tr[f"vmax:{n}"], m.momentum, batches)
+            lo, hi = bounds.running_mean_bounds(tr[f"mmin:{n}"], tr[f"mmax:{n}"], tr[f"vmax:{n}"], m.momentum, batches,
+                                                m.running_mean.dtype)
             out += bounds.check_running_stat(n, "running_mean", step, m.running_mean, lo, hi)
         self.stats["checks"] += 1
         self.stats["check_s"] += time.perf_counter() - t0

@@ -145,3 +145,19 @@ def test_batchnorm_running_stats_stay_in_the_hull_of_batch_statistics(momentum):
     rm = bn.running_mean.clone()
     rm[1] = -rm[1] * 2.0**20
     assert [(x.check, x.index) for x in tb.check_running_stat("bn", "running_mean", 30, rm, a, b)] == [("train.norm_running_mean", 1)]
+
+
+@pytest.mark.parametrize("impl", IMPLS[:2])
+def test_bf16_moments_get_bounds_for_their_own_rounding(impl):
+    """Adam keeps the moments in the parameters' dtype: bf16 parameters, bf16 moments (u = 2⁻⁸)."""
+    gen = torch.Generator().manual_seed(5)
+    grads = [(torch.randn(128, generator=gen) * 3).bfloat16() for _ in range(50)] + [torch.full((128,), 0.37).bfloat16()] * 30
+    st = run_adam(grads, betas=(0.9, 0.95), **impl)
+    assert st["exp_avg"].dtype == torch.bfloat16
+    gmax = max(float(g.abs().max()) for g in grads)
+    assert tb.check_adam("p", 80, st["exp_avg"], st["exp_avg_sq"], gmax, 0.9, 0.95) == []
+    assert tb.ema_gain(0.9, 80, torch.bfloat16) > tb.ema_gain(0.9, 80)  # looser than fp32's
+    assert tb.ema_floor(0.999, torch.bfloat16) == math.inf  # β₂(1 + κu) ≥ 1: no bound on v in bf16
+    v = st["exp_avg_sq"].clone()
+    v[7] = 2.0**100
+    assert [x.check for x in tb.check_adam("p", 80, st["exp_avg"], v, gmax, 0.9, 0.95)] == ["train.adam_exp_avg_sq"]
