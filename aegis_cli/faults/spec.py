@@ -48,6 +48,19 @@ COMMON_KEYS = {"target", "prob", "seed", "device", "op"}
 #   hang:seconds=N   the worker sleeps N seconds (a GPU that hangs its worker)
 #   crash:signal=S   the worker kills itself with signal S, default 9 (a worker that dies)
 WORKER_MODELS = {"hang": {"seconds", "device"}, "crash": {"signal", "device"}}
+# Training-state faults (docs/training-guards.md): ``stateflip`` flips bits of an optimizer
+# moment or a normalisation statistic right after a training step's update, as a fault in the
+# optimizer's or the layer's arithmetic would leave it. Only the training guard applies them
+# (faults/training.py); parse_spec refuses them elsewhere (training=True accepts them).
+#   target=exp_avg|exp_avg_sq|max_exp_avg_sq (Adam's moments), running_var|running_mean
+#   step=N     after the update of step N, its first execution only (a transient fault); without
+#              step=, after every update (prob= draws per update)
+#   persist=1  with step=N: after every execution of every step ≥ N, re-executions included
+#   op=TEXT    only parameters (Adam) or modules (BatchNorm) whose name contains TEXT
+TRAINING_MODELS = {"stateflip": ({"bit", "count", "index", "step", "persist"},
+                                 {"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "running_var", "running_mean"})}
+MODELS.update(TRAINING_MODELS)
+DEFAULT_TARGET["stateflip"] = "exp_avg_sq"
 BIT_CLASSES = ("sign", "exp", "mant", "hi-mant", "lo-mant")
 TILE_MODES = ("zero", "stuck", "shift", "skipk")
 SPANS = ("1", "16", "64", "random")
@@ -170,6 +183,18 @@ def _validate(text: str, f: FaultSpec) -> None:
         raise InjectSpecError(f"--inject {text!r}: {f.model} needs mask=0x…")
     if f.model == "perturb" and "r" not in p:
         raise InjectSpecError(f"--inject {text!r}: perturb needs r=… (multiple of the clean median checksum difference)")
+    if f.model in TRAINING_MODELS:
+        _validate_training(text, f)
+
+
+def _validate_training(text: str, f: FaultSpec) -> None:
+    for key in ("step", "index", "count"):
+        if key in f.params:
+            _check_int(text, key, f.params[key], lo=1 if key in ("step", "count") else 0)
+    if f.params.get("persist", "0") not in ("0", "1"):
+        raise InjectSpecError(f"--inject {text!r}: persist must be 0 or 1")
+    if f.params.get("persist") == "1" and "step" not in f.params:
+        raise InjectSpecError(f"--inject {text!r}: persist=1 needs step=N (without step= the fault fires after every update)")
 
 
 def _validate_worker(text: str, f: FaultSpec) -> None:
@@ -182,9 +207,10 @@ def _validate_worker(text: str, f: FaultSpec) -> None:
         _check_int(text, "signal", f.params["signal"], lo=1)
 
 
-def parse_spec(text: str, *, worker: bool = False) -> list[FaultSpec]:
+def parse_spec(text: str, *, worker: bool = False, training: bool = False) -> list[FaultSpec]:
     """Parse an ``--inject`` string into fault specs; InjectSpecError names the problem.
-    ``worker=True`` also accepts the sweep-worker test hooks (WORKER_MODELS)."""
+    ``worker=True`` also accepts the sweep-worker test hooks (WORKER_MODELS), ``training=True``
+    only the training-state faults (TRAINING_MODELS)."""
     faults: list[FaultSpec] = []
     for part in filter(None, (p.strip() for p in text.split(";"))):
         model, _, rest = part.partition(":")
@@ -192,6 +218,9 @@ def parse_spec(text: str, *, worker: bool = False) -> list[FaultSpec]:
         if model in WORKER_MODELS and not worker:
             raise InjectSpecError(f"--inject {part!r}: {model} is a test hook of sweep workers; only `aegis sweep` "
                                   "(inject: in sweep.yaml) applies it")
+        if (model in TRAINING_MODELS) != training and model in MODELS:
+            raise InjectSpecError(f"--inject {part!r}: " + (f"{model} acts on training state; only the training guard applies it"
+                                                             if not training else f"the training guard applies only {', '.join(TRAINING_MODELS)}"))
         if model not in MODELS and model not in WORKER_MODELS:
             raise InjectSpecError(f"--inject {part!r}: unknown fault model {model!r} (known: {', '.join(MODELS)})")
         params: dict[str, str] = {}

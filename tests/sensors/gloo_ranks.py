@@ -1,0 +1,108 @@
+"""One spawn of 3 gloo ranks on CPU (loopback) for the data-parallel tests: each rank runs the
+outlier-warning scenario (test_outlier.py) and the DDP guard scenario (test_guards_ddp.py) and
+writes what it saw to rank<N>.json. One spawn for both: starting torch in 3 processes is most
+of the cost."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from aegis_cli.sensors.guards import TrainingGuard
+from aegis_cli.sensors.outlier import OutlierWarning
+
+WORLD = 3
+# outlier warning: rank 2 gets a fault from step 8 on
+FAULTY, STEPS, WARMUP, FAULT_FROM = 2, 14, 4, 8
+PERTURB = "perturb:r=200,rate=0.001"  # about 60× the clean checksum noise, still 5× below τ
+# DDP guard: a state fault on rank 1 only
+DDP_STEPS, STATE_FAULT = 7, "stateflip:target=exp_avg_sq,step=6,bit=30,device=cpu:1"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def checksum_statistic(rank: int, step: int, fault: str | None) -> float:
+    """The largest normalised checksum difference of one checked GEMM on this rank's data."""
+    from aegis_cli.backends.cpu import CpuDevice
+    from aegis_cli.faults.spec import FaultPlan
+    from aegis_cli.ops import numerics
+    from aegis_cli.ops.gemm import GemmOperands, Layout
+
+    d = CpuDevice(rank)
+    seed = 1000 * rank + step
+    ops = GemmOperands(d.generate((64, 256), "normal", seed), d.generate((128, 256), "normal", seed + 500), Layout.FWD)
+    ref = d.reference_checksums(ops, d.tile)
+    plan = FaultPlan.parse(fault) if fault else None
+    clean = numerics.median_row_diff(d.checked_gemm(ops), ref) if plan else None
+    res = d.checked_gemm(ops, plan, op="train/mlp/fwd", clean_median=clean)
+    rows, cols = numerics.checksum_diffs(res, ref)
+    return float(max(rows.max(), cols.max()))
+
+
+def _outlier(rank: int) -> dict:
+    clean, faulty = OutlierWarning(warmup=WARMUP), OutlierWarning(warmup=WARMUP)
+    seen = {"clean": [], "faulty": [], "values": []}
+    for step in range(1, STEPS + 1):
+        x = checksum_statistic(rank, step, None)
+        r = clean.observe(step, x)
+        seen["clean"].append(r.flagged if r else None)
+        fault = PERTURB if rank == FAULTY and step >= FAULT_FROM else None
+        y = x if fault is None else checksum_statistic(rank, step, fault)
+        r = faulty.observe(step, y)
+        seen["faulty"].append(r.flagged if r else None)
+        seen["values"].append(y)
+    seen["warned"] = {"clean": len(clean.warnings), "faulty": len(faulty.warnings)}
+    return seen
+
+
+def _ddp(rank: int) -> dict:
+    from tests.sensors.test_guards import batches, make, step_fn
+
+    def train(inject: str | None):
+        model, _ = make()
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.Adam(ddp.parameters(), lr=1e-2)
+        guard = TrainingGuard(ddp, opt, step_fn, inject=inject, device_id=f"cpu:{rank}")
+        torch.manual_seed(100 + rank)
+        return [guard.step(b) for b in batches(DDP_STEPS, seed=10 + rank)], guard
+
+    clean, g0 = train(None)
+    faulty, g1 = train(STATE_FAULT)
+    return {"same": clean == faulty, "sync": g1.sync, "clean_events": len(g0.events),
+            "events": [[e.step, e.outcome, e.restored_to, e.replayed, [v.check for v in e.violations]] for e in g1.events]}
+
+
+def _rank(rank: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+                                         timeout=datetime.timedelta(seconds=60))
+    try:
+        doc = {"outlier": _outlier(rank), "ddp": _ddp(rank)}
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump(doc, f)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def run(out: str, limit_s: float = 180.0) -> list[dict]:
+    """Spawn the ranks, wait at most ``limit_s``, return each rank's document."""
+    t0 = time.time()
+    ctx = mp.start_processes(_rank, args=(_free_port(), out), nprocs=WORLD, join=False, start_method="spawn")
+    while not ctx.join(timeout=max(1.0, t0 + limit_s - time.time())):
+        if time.time() > t0 + limit_s:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail(f"gloo ranks did not finish in {limit_s:.0f} s")
+    print(f"{WORLD} gloo ranks: {time.time() - t0:.1f} s")
+    return [json.loads(open(os.path.join(out, f"rank{r}.json")).read()) for r in range(WORLD)]
