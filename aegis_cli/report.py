@@ -24,6 +24,7 @@ from aegis_cli.ops.verdict import Evidence, Verdict, overall_exit
 
 if TYPE_CHECKING:
     from aegis_cli.ops.numerics import Thresholds
+    from aegis_cli.probes.confirmation import Tally
     from aegis_cli.probes.gemm import ProbeStats
 
 SCHEMA_VERSION = "1.1"
@@ -47,6 +48,8 @@ class DeviceReport:
     # case id → the flagged run as observed (GemmResult; only with ScanOptions.keep_flagged), for
     # --save-vtasks; holds tensors, so never serialised (not in to_dict) nor compared
     captured: dict = field(default_factory=dict, repr=False, compare=False)
+    # launches, failed launches, "k of n" per flagged case, fail-fast (probes/confirmation.py)
+    tally: Tally | None = None
 
     def to_dict(self, tau: float) -> dict:
         s = self.stats
@@ -64,6 +67,7 @@ class DeviceReport:
                                              "skipped_scales": s.skipped_scales},
             "noise": noise,
             "probes": self.probe_stats,
+            "confirmation": None if self.tally is None else self.tally.to_dict(),
             "timings": {"seconds": round(self.seconds, 3),
                         "gemm_tflops": round(s.flops / s.seconds / 1e12, 4) if s and s.seconds > 0 else None},
         }
