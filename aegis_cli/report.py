@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from aegis_cli.probes.confirmation import Tally
     from aegis_cli.probes.gemm import ProbeStats
 
-SCHEMA_VERSION = "1.1"
+SCHEMA_VERSION = "1.2"
 FORMATS = ("table", "json", "csv", "prom")
 
 
@@ -198,6 +198,13 @@ def to_prometheus(doc: dict) -> str:
               "# TYPE aegis_device_gemms gauge"]
     for d in doc["devices"]:
         lines.append(f'aegis_device_gemms{{device="{_label(d["device"]["id"])}",uuid="{_label(d["device"]["uuid"])}"}} {(d["stats"] or {}).get("gemms", 0)}')
+    # "k of n launches": what each device ran under check, and how many of those runs failed
+    for metric, key, what in (("launches_checked", "launches", "Launches (runs of a checked computation) checked"),
+                              ("failed_launches", "failed_launches", "Checked launches with a signal (failed)")):
+        lines += [f"# HELP aegis_device_{metric} {what} in the last aegis run per device.", f"# TYPE aegis_device_{metric} gauge"]
+        for d in doc["devices"]:
+            lines.append(f'aegis_device_{metric}{{device="{_label(d["device"]["id"])}",uuid="{_label(d["device"]["uuid"])}"}} '
+                         f'{(d.get("confirmation") or {}).get(key, 0)}')
     finished = doc.get("finished") or doc.get("started")
     ts = datetime.fromisoformat(finished).timestamp() if finished else time.time()
     lines += ["# HELP aegis_last_run_timestamp_seconds When the last aegis run finished (Unix time).",

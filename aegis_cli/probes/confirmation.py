@@ -1,5 +1,5 @@
 """What the probes checked on one device, and how much of it the report keeps in full
-(docs/design.md §7.3).
+(docs/design.md §7.2).
 
 A device that corrupts every launch must be diagnosed as fast as a healthy one is cleared,
 with a report that does not grow with every case. So once a probe has confirmed FAULTY
@@ -32,14 +32,18 @@ class ProbeTally:
     worst: Verdict = Verdict.HEALTHY  # the worst severity given in full
     cases: list[dict] = field(default_factory=list)  # every flagged case: {case_id, check, runs, failed}
     skipped: list[str] = field(default_factory=list)  # fail-fast: cases not run
+    shown: set[str] = field(default_factory=set)  # cases given in full (through Tally.keep)
 
     @property
     def confirmed(self) -> bool:
         """A FAULTY finding confirmed: later cases are confirmed cheaply."""
         return self.worst is Verdict.FAULTY
 
-    def flagged(self, case_id: str, check: str, runs: int, failed: int) -> None:
+    def flagged(self, case_id: str, check: str, runs: int, failed: int, shown: bool = False) -> None:
+        """A flagged case: ``failed`` of its ``runs`` runs failed; ``shown``: given as full evidence
+        by a probe that shows every case it flags (the gemm probe counts those in ``Tally.keep``)."""
         self.cases.append({"case_id": case_id, "check": check, "runs": runs, "failed": failed})
+        self.in_full += shown
 
     def to_dict(self) -> dict:
         return {"launches": self.launches, "failed_launches": self.failed, "flagged_cases": len({c["case_id"] for c in self.cases}),
@@ -71,14 +75,16 @@ class Tally:
         """Whether evidence of ``name``'s next case could be given in full (what to keep for it)."""
         return not self.cheap(name) or self.room(name)
 
-    def keep(self, name: str, severity: Verdict) -> bool:
-        """Whether a flagged case of ``name`` judged ``severity`` is given in full: the first
-        ``in_full`` cases, and any that makes the probe's worst severity worse (the verdict
-        always rests on evidence in full); counts it when so."""
+    def keep(self, name: str, case_id: str, severity: Verdict) -> bool:
+        """Whether a finding on ``name``'s case ``case_id``, judged ``severity``, is given in full:
+        those of the first ``in_full`` cases, and any that makes the probe's worst severity worse
+        (the verdict always rests on evidence in full); counts the case when so."""
         t = self.probe(name)
-        if not self.room(name) and severity.rank <= t.worst.rank:
-            return False
-        t.in_full += 1
+        if case_id not in t.shown:
+            if not self.room(name) and severity.rank <= t.worst.rank:
+                return False
+            t.shown.add(case_id)
+            t.in_full += 1
         t.worst = worst([t.worst, severity])
         return True
 

@@ -257,7 +257,7 @@ class GemmProbe:
         if not self.tally.cheap(PROBE):
             n = self.reruns
         else:
-            n = 1 if self.tally.room(PROBE) or not self._group_reran else 0
+            n = min(1, self.reruns) if self.tally.room(PROBE) or not self._group_reran else 0
         self._group_reran = True
         return n
 
@@ -298,7 +298,7 @@ class GemmProbe:
             self.counts.flagged(case.case_id(*key), checks.POW2_CHECK, len(prints), k)
             j = judge.judge((checks.POW2_CHECK,), distinct_outputs=len(set(prints)), reproducible=k == len(prints),
                             margin=None, confirm_margin=self.th.confirm_margin)
-            if self.tally.keep(PROBE, j.severity):
+            if self.tally.keep(PROBE, case.case_id(*key), j.severity):
                 evidence.append(self._vote_evidence(case, key, runs, prints, reference, k, how, j))
         return evidence
 
@@ -418,7 +418,7 @@ class GemmProbe:
             ev.summary = (f"{sig.check}: {sig.elements} element(s) flagged at scale 2^{ea}/2^{eb}; "
                           f"failed {ev.reproduced + 1} of {ev.reruns + 1} runs; {j.why}")
             judged.append(ev)
-        if not self.tally.keep(PROBE, worst_severity(e.severity for e in judged)):
+        if not self.tally.keep(PROBE, cid, worst_severity(e.severity for e in judged)):
             return []
         for ev, f in zip(judged, self._findings(signals, res), strict=True):  # in full: where, and what was injected
             ev.samples, ev.tiles, ev.sms, ev.localised = f.samples, f.tiles, f.sms, f.localised
