@@ -53,6 +53,17 @@ def test_a_fault_in_every_launch_costs_at_most_half_again_the_healthy_launches(h
         assert f"of {e['reruns'] + 1} runs" in e["summary"]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", EVERY_LAUNCH[:2])
+def test_gpu_a_fault_in_every_launch_costs_at_most_half_again_the_healthy_launches(spec):
+    # the in-kernel injection build and a fault at random positions per launch, on cpu-quick shapes
+    clean = run_scan(ScanOptions(devices="cuda:0", workload="cpu-quick", probes=("gemm",))).devices[0]
+    bad = run_scan(ScanOptions(devices="cuda:0", workload="cpu-quick", probes=("gemm",), inject=spec)).devices[0]
+    assert (clean.verdict, bad.verdict) == (Verdict.HEALTHY, Verdict.FAULTY)
+    assert bad.stats.gemms <= 1.5 * clean.stats.gemms
+    assert len({e.case_id for e in bad.evidence}) == 4
+
+
 def test_the_default_scan_report_stays_small_with_a_fault_in_every_launch():
     rep, doc = _scan("bitflip:target=acc,bit=exp", probes=ScanOptions().probes)
     assert rep.devices[0].verdict is Verdict.FAULTY
@@ -88,3 +99,20 @@ def test_the_verdict_always_rests_on_evidence_in_full():
     assert t.probe("gemm").in_full == 3
     unbounded = Tally(in_full=None)
     assert all(unbounded.keep("gemm", str(i), Verdict.FAULTY) for i in range(50)) and not unbounded.cheap("gemm")
+
+
+def test_perturb_draws_distinct_positions_at_its_rate_on_a_70b_sized_output():
+    # one launch of an 8192x8192 C: a binomial count of distinct positions (the old draw made
+    # one random number per element, seconds of host time per launch on the GPU path)
+    import numpy as np
+
+    from aegis_cli.faults.spec import FaultPlan
+    from aegis_cli.faults.tensor import perturb_draw
+
+    plan = FaultPlan.parse("perturb:r=1e4")
+    (f,), numel, rate = plan.faults, 8192 * 8192, 2e-4
+    hit, signs = perturb_draw(plan, f, np.random.default_rng(1), numel)
+    mean, sd = numel * rate, (numel * rate * (1 - rate)) ** 0.5
+    assert abs(hit.size - mean) < 6 * sd and hit.size == signs.size
+    assert np.all(np.diff(hit) > 0) and hit[0] >= 0 and hit[-1] < numel
+    assert set(np.unique(signs)) == {-1.0, 1.0}
