@@ -19,7 +19,7 @@ from aegis_cli import report as report_mod
 from aegis_cli.backends.threads import apply_thread_policy
 from aegis_cli.ops import files, provenance
 from aegis_cli.ops.errors import AegisError, ExitCode
-from aegis_cli.probes import DEFAULT_PROBES, DEFAULT_RERUNS
+from aegis_cli.probes import DEFAULT_IN_FULL, DEFAULT_PROBES, DEFAULT_RERUNS
 from aegis_cli.render import err_console
 
 
@@ -61,7 +61,7 @@ def _writable(_ctx, _param, path: str | None) -> str | None:
 @click.option("--reruns", default=DEFAULT_RERUNS, show_default=True, type=int, help="Re-runs of a flagged case to confirm it (1…1000).")
 @click.option("--inject", default=None, metavar="SPEC", help="Inject faults on purpose (self-test); see docs/fault-injection.md.")
 @click.option("--save-vtasks", "save_vtasks", default=None, metavar="PATH", callback=_writable,
-              help="Save every flagged GEMM case as vTasks in a bundle (aegis replay).")
+              help="Save the flagged GEMM cases shown in full (see --evidence-in-full) as vTasks in a bundle (aegis replay).")
 @click.option("--format", "fmt", type=click.Choice(report_mod.FORMATS), default="table", show_default=True)
 @click.option("--output", "-o", default=None, metavar="PATH", callback=_writable,
               help="Write the report here (atomically) instead of stdout.")
@@ -71,15 +71,20 @@ def _writable(_ctx, _param, path: str | None) -> str | None:
               help="Probe setting, repeatable, e.g. memory.mode=full (docs/probes.md).")
 @click.option("--threshold", default=None, type=float, help="Floor of the normalised checksum threshold τ (default 1e-6; see docs/calibration.md).")
 @click.option("--confirm-margin", default=None, type=float, help="How far over τ a reproducible flag must be to count as FAULTY, below it SUSPECT (default 1).")
+@click.option("--fail-fast", is_flag=True, help="Stop each device at its first confirmed FAULTY (the report names what was skipped).")
+@click.option("--evidence-in-full", default=DEFAULT_IN_FULL, show_default=True, type=int, metavar="N",
+              help="Once a probe has confirmed FAULTY: flagged cases shown in full; the rest are counted.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-def scan(devices, workload, seed, case, reruns, inject, save_vtasks, probes, golden, probe_options, threshold, confirm_margin, fmt, output, quiet):
+def scan(devices, workload, seed, case, reruns, inject, save_vtasks, probes, golden, probe_options, threshold, confirm_margin, fmt, output,
+         fail_fast, evidence_in_full, quiet):
     """Scan this node's devices with checked training-shaped GEMMs and print a verdict per device."""
     from aegis_cli.scan import ScanOptions, run_scan, scan_thresholds
 
     apply_thread_policy()
     opts = ScanOptions(devices=devices, workload=workload, seed=seed, reruns=reruns, inject=inject, case=case,
                        probes=tuple(p.strip() for p in probes.split(",") if p.strip()), golden=golden,
-                       thresholds=scan_thresholds(threshold, confirm_margin), command_line=["aegis", *sys.argv[1:]], keep_flagged=bool(save_vtasks))
+                       thresholds=scan_thresholds(threshold, confirm_margin), command_line=["aegis", *sys.argv[1:]], keep_flagged=bool(save_vtasks),
+                       fail_fast=fail_fast, evidence_in_full=evidence_in_full)
     for item in probe_options:
         key, eq, value = item.partition("=")
         if not eq:

@@ -82,9 +82,28 @@ def verdict_table(console: Console, doc: dict) -> None:
                           highlight=False)
         if len(d["evidence"]) > 10:
             console.print(f"    … {len(d['evidence']) - 10} more evidence records (use --format json)")
+        _confirmation_lines(console, d)
     for command in rerun_commands(doc):
         # soft_wrap: a command broken over lines by the console would not paste back whole
         console.print(_lit(f"Re-run one case: {command}"), highlight=False, soft_wrap=True)
+
+
+def _confirmation_lines(console: Console, d: dict) -> None:
+    """A device's "k of n launches", its flagged cases beyond those shown in full, and what
+    --fail-fast skipped."""
+    c = d.get("confirmation") or {}
+    probes = (c.get("probes") or {}).values()
+    flagged = sum(p["flagged_cases"] for p in probes)
+    if c.get("failed_launches"):
+        console.print(_lit(f"    failed {c['failed_launches']} of {c['launches']} launches checked; {flagged} flagged case(s), "
+                           f"{sum(p['evidence_in_full'] for p in probes)} in full (every case's count: --format json)"),
+                      highlight=False)
+    stop = c.get("fail_fast") or {}
+    if stop.get("stopped_at"):
+        skipped = sum(len(p["skipped_cases"]) for p in probes)
+        console.print(_lit(f"    --fail-fast: stopped at {stop['stopped_at']}; skipped {skipped} case(s)"
+                           + (f" and probe(s) {', '.join(stop['skipped_probes'])}" if stop["skipped_probes"] else "")),
+                      highlight=False)
 
 
 def run_with_progress(run, opts, inject: str | None, quiet: bool):

@@ -24,9 +24,10 @@ from aegis_cli.ops.verdict import Evidence, Verdict, overall_exit
 
 if TYPE_CHECKING:
     from aegis_cli.ops.numerics import Thresholds
+    from aegis_cli.probes.confirmation import Tally
     from aegis_cli.probes.gemm import ProbeStats
 
-SCHEMA_VERSION = "1.1"
+SCHEMA_VERSION = "1.2"
 FORMATS = ("table", "json", "csv", "prom")
 
 
@@ -47,6 +48,8 @@ class DeviceReport:
     # case id → the flagged run as observed (GemmResult; only with ScanOptions.keep_flagged), for
     # --save-vtasks; holds tensors, so never serialised (not in to_dict) nor compared
     captured: dict = field(default_factory=dict, repr=False, compare=False)
+    # launches, failed launches, "k of n" per flagged case, fail-fast (probes/confirmation.py)
+    tally: Tally | None = None
 
     def to_dict(self, tau: float) -> dict:
         s = self.stats
@@ -64,6 +67,7 @@ class DeviceReport:
                                              "skipped_scales": s.skipped_scales},
             "noise": noise,
             "probes": self.probe_stats,
+            "confirmation": None if self.tally is None else self.tally.to_dict(),
             "timings": {"seconds": round(self.seconds, 3),
                         "gemm_tflops": round(s.flops / s.seconds / 1e12, 4) if s and s.seconds > 0 else None},
         }
@@ -194,6 +198,13 @@ def to_prometheus(doc: dict) -> str:
               "# TYPE aegis_device_gemms gauge"]
     for d in doc["devices"]:
         lines.append(f'aegis_device_gemms{{device="{_label(d["device"]["id"])}",uuid="{_label(d["device"]["uuid"])}"}} {(d["stats"] or {}).get("gemms", 0)}')
+    # "k of n launches": what each device ran under check, and how many of those runs failed
+    for metric, key, what in (("launches_checked", "launches", "Launches (runs of a checked computation) checked"),
+                              ("failed_launches", "failed_launches", "Checked launches with a signal (failed)")):
+        lines += [f"# HELP aegis_device_{metric} {what} in the last aegis run per device.", f"# TYPE aegis_device_{metric} gauge"]
+        for d in doc["devices"]:
+            lines.append(f'aegis_device_{metric}{{device="{_label(d["device"]["id"])}",uuid="{_label(d["device"]["uuid"])}"}} '
+                         f'{(d.get("confirmation") or {}).get(key, 0)}')
     finished = doc.get("finished") or doc.get("started")
     ts = datetime.fromisoformat(finished).timestamp() if finished else time.time()
     lines += ["# HELP aegis_last_run_timestamp_seconds When the last aegis run finished (Unix time).",

@@ -21,6 +21,7 @@ from aegis_cli.ops.errors import AegisError, ConfigError, GoldenError
 from aegis_cli.ops.verdict import Verdict, worst
 from aegis_cli.probes import (
     CASE_COUNTS,
+    DEFAULT_IN_FULL,
     DEFAULT_PROBES,
     DEFAULT_RERUNS,
     NODE_PROBES,
@@ -38,6 +39,7 @@ from aegis_cli.vtask.capture import check_savable as savable
 from aegis_cli.vtask.model import GemmSpec
 
 MAX_RERUNS = 1000  # re-runs of one flagged case; a typo (--reruns 1000000) must not hang the scan
+MAX_IN_FULL = 1000  # evidence in full per probe: beyond it, a report of a device failing every launch grows without use
 
 # progress(event, **info): "start" (total=cases), "case" (device, case), "device_done" (device, verdict)
 Progress = Callable[..., None]
@@ -59,15 +61,21 @@ class ScanOptions:
     # keep each flagged GEMM run as observed, for --save-vtasks (DeviceReport.captured); the scan
     # then also refuses up front what could not be saved (capture.check_savable)
     keep_flagged: bool = False
+    fail_fast: bool = False  # stop each device at its first confirmed FAULTY (other devices go on)
+    # once a probe has confirmed FAULTY, the flagged cases it gives in full (the rest: counts)
+    evidence_in_full: int = DEFAULT_IN_FULL
 
     def __post_init__(self) -> None:
         check_seed(self.seed)
+        if not 1 <= self.evidence_in_full <= MAX_IN_FULL:
+            raise ConfigError(f"evidence in full must lie in 1…{MAX_IN_FULL} cases per probe, got {self.evidence_in_full}")
 
     def probe_config(self) -> ProbeConfig:
         """What the probes read of these options."""
         return ProbeConfig(seed=self.seed, reruns=self.reruns, case=self.case, probes=tuple(self.probes),
                            probe_options=dict(self.probe_options), thresholds=self.thresholds, golden=self.golden,
-                           workload=self.workload, keep_flagged=self.keep_flagged)
+                           workload=self.workload, keep_flagged=self.keep_flagged, fail_fast=self.fail_fast,
+                           evidence_in_full=self.evidence_in_full)
 
 
 def _quiet(*_args, **_info) -> None:
@@ -81,11 +89,17 @@ def scan_device(device: Device, opts: ScanOptions, fault: FaultPlan | None, prog
     dr = DeviceReport(identity=device.identity, verdict=Verdict.ERROR)
     ctx = ProbeContext(config=opts.probe_config(), fault=fault, progress=progress)
     ran = Verdict.HEALTHY
+    tally = ctx.tally
     try:
-        for name in opts.probes:
+        for i, name in enumerate(opts.probes):
             if name in NODE_PROBES:
                 continue  # node probes run once over all devices (run_node_probes)
-            dr.evidence += PROBES[name](device, ctx)
+            found = PROBES[name](device, ctx)
+            dr.evidence += found
+            first = next((e for e in found if e.severity is Verdict.FAULTY), None)
+            if first is not None and tally.stop(first.case_id):  # fail-fast: the later probes are skipped
+                tally.skipped_probes += list(opts.probes[i + 1:])
+                break
     except AegisError as exc:
         if isinstance(exc, (ConfigError, GoldenError)):  # bad input, not the device: stop, exit 3
             raise
@@ -97,6 +111,7 @@ def scan_device(device: Device, opts: ScanOptions, fault: FaultPlan | None, prog
     dr.stats = ctx.stats.pop("gemm", None)
     dr.probe_stats = ctx.stats
     dr.captured = ctx.captured
+    dr.tally = tally
     dr.seconds = time.time() - t0
     progress("device_done", device=device.identity.id, verdict=dr.verdict.value)
     return dr
@@ -109,7 +124,14 @@ def run_node_probes(devices: list[Device], reports: list[DeviceReport], opts: Sc
     already FAULTY stay FAULTY)."""
     by_id = {r.identity.id: r for r in reports}
     config = opts.probe_config()
+    stopped = {r.identity.id for r in reports if r.tally is not None and r.tally.stopped}  # fail-fast
+    devices = [d for d in devices if d.identity.id not in stopped]
+    reports = [r for r in reports if r.identity.id not in stopped]
     for name in (p for p in opts.probes if p in NODE_PROBES):
+        if stopped and len(devices) < 2:  # fail-fast left nothing to compare with: named as skipped
+            for r in reports:
+                r.tally.skipped_probes.append(name)
+            continue
         ctx = ProbeContext(config=config, fault=plan, progress=progress)
         try:
             found = NODE_PROBES[name](devices, ctx)

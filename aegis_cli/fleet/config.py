@@ -53,6 +53,7 @@ class SweepConfig:
     probes: list[str] = field(default_factory=lambda: ["gemm"])
     seed: int = 0
     reruns: int = 3
+    fail_fast: bool = False  # stop each device at its first confirmed FAULTY (aegis scan --fail-fast)
     budget_seconds: float = 3600.0
     device_timeout_seconds: float = 1800.0
     max_parallel: int = 0  # 0: one worker per device, all at once

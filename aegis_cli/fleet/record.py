@@ -35,7 +35,7 @@ def scan_options(cfg: SweepConfig):
     from aegis_cli.scan import ScanOptions
 
     return ScanOptions(devices=cfg.devices, workload=cfg.workload, seed=cfg.seed, reruns=cfg.reruns, inject=cfg.inject,
-                       probes=tuple(cfg.probes), command_line=["aegis", "sweep", "--config", cfg.source])
+                       probes=tuple(cfg.probes), fail_fast=cfg.fail_fast, command_line=["aegis", "sweep", "--config", cfg.source])
 
 
 def sweep_doc(cfg: SweepConfig, devices: list[dict], started: float, extra: dict | None = None) -> dict:

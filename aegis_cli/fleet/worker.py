@@ -87,7 +87,8 @@ def run(spec: dict) -> dict:
     (device,) = resolve_devices(device_id)
     inject = ";".join(str(f) for f in faults) or None
     opts = ScanOptions(devices=device_id, workload=spec.get("workload"), seed=spec.get("seed", 0), reruns=spec.get("reruns", 3),
-                       inject=inject, probes=tuple(spec.get("probes") or ("gemm",)), command_line=spec.get("command_line", []))
+                       inject=inject, probes=tuple(spec.get("probes") or ("gemm",)), command_line=spec.get("command_line", []),
+                       fail_fast=spec.get("fail_fast", False))
     preflight(opts, [device])  # a workload that cannot fit: one line, exit 3, before any work
     plan = FaultPlan(faults, slots=slots) if faults else None
     quiet = lambda *a, **k: None

@@ -105,7 +105,7 @@ def _run_workers(cfg: SweepConfig, plans: list[DevicePlan], identities: dict[str
                     results[w.plan.device_id] = _error_doc(w.identity, "not started: the sweep's time budget ran out", 0.0)
                     log("device_skipped", level="warning", device=w.plan.device_id, reason="budget")
                     continue
-                spec = {"device": w.plan.device_id, "workload": cfg.workload, "seed": cfg.seed, "reruns": cfg.reruns,
+                spec = {"device": w.plan.device_id, "workload": cfg.workload, "seed": cfg.seed, "reruns": cfg.reruns, "fail_fast": cfg.fail_fast,
                         "probes": w.plan.probes, "inject": cfg.inject, "priority_cases": w.plan.priority_cases,
                         "fingerprint_cases": cfg.fingerprint_cases, "output": w.out,
                         "command_line": ["aegis", "sweep", "--config", cfg.source]}

@@ -14,7 +14,10 @@ each device's report. Probes may declare options, set with ``--probe-option NAME
 and read with ``ctx.option(NAME, KEY)``.
 
 A probe reads what it was asked for from ``ctx.config`` (a ProbeConfig: seed, re-runs, case,
-options, thresholds, …), never the scan's own options. It may register a ``preflight(devices,
+options, thresholds, …), never the scan's own options, and counts its launches, failed
+launches and flagged cases in ``ctx.tally`` (probes/confirmation.py): once it has confirmed
+FAULTY, it confirms later cases cheaply and gives only the first few in full; with fail-fast
+it stops at that first confirmed FAULTY. It may register a ``preflight(devices,
 ctx)`` that refuses, before any probe runs, what it could not do (ConfigError: too little
 memory, a case it never gives, a golden file without this device), and a ``count_cases(devices,
 config)`` giving how many ``progress("case")`` events it will send (the scan's progress total).
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from aegis_cli.ops.case import CaseId
+from aegis_cli.probes.confirmation import DEFAULT_IN_FULL, Tally
 
 if TYPE_CHECKING:
     from aegis_cli.backends.base import Device
@@ -58,6 +62,10 @@ class ProbeConfig:
     golden: str | None = None  # golden fingerprint file to compare against
     workload: str | None = None  # the GEMM workload (None: the backend's default)
     keep_flagged: bool = False  # keep each flagged GEMM run as observed (ProbeContext.captured)
+    # once a probe has confirmed FAULTY: flagged cases given as full evidence, the rest counted
+    # and confirmed cheaply (probes/confirmation.py); None: every case in full
+    evidence_in_full: int | None = DEFAULT_IN_FULL
+    fail_fast: bool = False  # stop the device at its first confirmed FAULTY (ctx.tally says what was skipped)
 
 
 @dataclass
@@ -67,6 +75,11 @@ class ProbeContext:
     progress: Callable[..., None]  # progress("case" | "step", device=..., case=...): "case" counts toward the scan's total
     stats: dict[str, Any] = field(default_factory=dict)
     captured: dict[str, Any] = field(default_factory=dict)  # case id → a run kept as observed (never serialised)
+    tally: Tally | None = None  # launches, failures and "k of n" per case (None: from config)
+
+    def __post_init__(self) -> None:
+        if self.tally is None:
+            self.tally = Tally(in_full=self.config.evidence_in_full, fail_fast=self.config.fail_fast)
 
     def option(self, probe: str, key: str) -> Any:
         """The value of ``--probe-option probe.key=…`` converted to its declared type, else its default."""

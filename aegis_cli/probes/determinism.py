@@ -159,10 +159,14 @@ def determinism_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
         only = [ids[ctx.config.case]]
     evidence: list[Evidence] = []
     stats: dict[str, dict] = {}
+    tally = ctx.tally.probe("determinism")
     for name in only:
         st, ev = run_computation(device, name, runs, ctx.config.seed, ctx)
         stats[name] = st
-        if ev is not None:
+        tally.launches += runs
+        if ev is not None:  # the runs off the majority (or off the first run, without one)
+            tally.failed += runs - 1 - ev.reproduced
+            tally.flagged(ev.case_id, ev.check, runs, runs - 1 - ev.reproduced, shown=True)
             evidence.append(ev)
     ctx.stats["determinism"] = {"mode": mode, "runs": runs, "computations": stats,
                                 "nondeterministic": sorted(n for n, s in stats.items() if not s["deterministic"])}

@@ -26,8 +26,11 @@ from aegis_cli.ops.case import CaseId, case_seed
 from aegis_cli.ops.errors import ConfigError
 from aegis_cli.ops.gemm import GemmOperands, GemmResult, GemmShape, Layout, ReferenceChecksums
 from aegis_cli.ops.verdict import Evidence, Verdict
+from aegis_cli.ops.verdict import worst as worst_severity
+from aegis_cli.probes.confirmation import Tally
 from aegis_cli.probes.gemm_runs import GroupRuns, on_host
 
+PROBE = "gemm"  # the probe's name in a device's tally
 MAX_SAMPLES = 8
 MAX_LOCALISED = 16
 
@@ -85,7 +88,6 @@ class Finding:
     sms: list[int] = field(default_factory=list)
     localised: list[list[int]] = field(default_factory=list)
     axes: str = ""  # as checks.Signal.axes
-    worst: torch.Tensor | None = None  # checksums: the worst flagged positions, to recompute in fp64
 
 
 def _sms(tile_sm: torch.Tensor | None, tiles) -> list[int]:
@@ -103,12 +105,14 @@ def _samples(s: checks.Signal, res: GemmResult, tile_sm: torch.Tensor | None) ->
     tm, tn = res.tile
     out = []
     if s.check in CHECKSUM_CHECKS:
-        d, obs, ref = s.diff.cpu(), s.observed.cpu(), s.expected.cpu()
-        for flat in torch.topk(d.reshape(-1), min(MAX_SAMPLES, s.elements)).indices.tolist():
-            r, c = divmod(flat, d.shape[1])
-            tile, o = s.tile(r, c, tm, tn), float(obs[r, c])
+        # the largest differences picked where they lie; only those few values come to the host
+        top = torch.topk(s.diff.reshape(-1), min(MAX_SAMPLES, s.elements)).indices
+        d, obs, ref = (t.reshape(-1)[top].cpu() for t in (s.diff, s.observed, s.expected))
+        for i, flat in enumerate(top.tolist()):
+            r, c = divmod(flat, s.diff.shape[1])
+            tile, o = s.tile(r, c, tm, tn), float(obs[i])
             out.append({**s.position(r, c), "tile": list(tile), "observed": o, "observed_bits": _bits32(o),
-                        "expected": float(ref[r, c]), "normalised_diff": float(d[r, c]),
+                        "expected": float(ref[i]), "normalised_diff": float(d[i]),
                         **({"sm": int(tile_sm[tile])} if tile_sm is not None else {})})
         return out
     for r, c in s.where[:MAX_SAMPLES].tolist():
@@ -156,13 +160,18 @@ class GemmProbe:
     """Runs GEMM cases on one device and turns what it sees into evidence."""
 
     def __init__(self, device: Device, thresholds: numerics.Thresholds, *, reruns: int = 5,
-                 fault: FaultPlan | None = None, on_case: Callable[[str], None] | None = None, keep_flagged: bool = False):
+                 fault: FaultPlan | None = None, on_case: Callable[[str], None] | None = None, keep_flagged: bool = False,
+                 tally: Tally | None = None):
         self.device = device
         self.th = thresholds
         self.reruns = reruns
         self.fault = fault
         self.on_case = on_case or (lambda _cid: None)
         self.stats = ProbeStats()
+        # what this probe checked and how much it keeps (probes/confirmation.py); alone (no
+        # tally: calibration, benchmarks, tests) every case is confirmed and kept in full
+        self.tally = tally if tally is not None else Tally(in_full=None)
+        self.counts = self.tally.probe(PROBE)
         # case id → the flagged run itself (C and fused sums as observed), for vTask capture;
         # kept only on request, in host memory (a 70B-shape C is 128 MiB, and a device with a
         # permanent fault flags every case), up to KEEP_FLAGGED_BYTES: later ones are re-run
@@ -182,9 +191,12 @@ class GemmProbe:
         med = clean_median(dev, base_ops, base_ref) if self.fault is not None and self.fault.needs_clean_median() else None
         evidence: list[Evidence] = []
         base: GemmResult | None = None
-        runs, onces = GroupRuns(dev), {}
+        # runs are kept (host copies) only where their evidence can still be shown in full
+        runs, onces = GroupRuns(dev, keep=self.tally.may_keep(PROBE)), {}
+        self._group_reran = False
         mag = numerics.magnitudes(base_ops)  # once per case, not per scale
-        for ea, eb in sorted(scales, key=lambda s: s != [0, 0]):  # the base runs first
+        order = sorted(scales, key=lambda s: s != [0, 0])  # the base runs first
+        for i, (ea, eb) in enumerate(order):
             cid = case.case_id(ea, eb)
             if only is not None and cid != only and (ea, eb) != (0, 0):
                 continue
@@ -204,7 +216,7 @@ class GemmProbe:
                 return res, self._signals(res, ref, expected, tau)
 
             res, signals = once()
-            self._count(case.shape, res)
+            self._count(case.shape, res, signals)
             if (ea, eb) == (0, 0):
                 base = res
             # a broken pow2 expectation says the base run or this one is wrong, not which: the
@@ -213,27 +225,55 @@ class GemmProbe:
             onces[(ea, eb)] = once
             signals = [s for s in signals if s.check != checks.POW2_CHECK]
             if signals and (only is None or cid == only):
-                evidence += self._confirm(case, ea, eb, res, signals, runs.recording((ea, eb), once), tau, ops)
-                if self.keep_flagged:
+                found = self._confirm(case, ea, eb, res, signals, runs.recording((ea, eb), once), tau, ops)
+                evidence += found
+                if self.keep_flagged and found:
                     self._keep(cid, res)
             self.on_case(cid)
-        if runs.mismatched:
-            evidence += self._vote(case, runs, onces)
+            if self._stops(evidence, cid):  # fail-fast: the rest of the group is skipped, no vote
+                self.skip([case.case_id(a, b) for a, b in order[i + 1:]])
+                break
+        else:
+            if runs.mismatched:
+                evidence += self._vote(case, runs, onces)
+                self._stops(evidence, case.case_id(0, 0))
         self.stats.seconds += time.perf_counter() - t0
         return evidence
+
+    def _stops(self, evidence: list[Evidence], cid: str) -> bool:
+        """Whether, with fail-fast, the device stops at ``cid``: ``evidence`` confirms FAULTY."""
+        return any(e.severity is Verdict.FAULTY for e in evidence) and self.tally.stop(cid)
+
+    def skip(self, case_ids: list[str]) -> None:
+        """Cases fail-fast leaves unrun: named in the report, counted in the progress total."""
+        for cid in case_ids:
+            self.counts.skipped.append(cid)
+            self.on_case(cid)
+
+    def _reruns_now(self) -> int:
+        """Re-runs of a flagged case: all of them until the probe has confirmed FAULTY; then one
+        for a case still shown in full and for the first flagged case of each group (does this
+        input reproduce?), none for the group's other flagged scales, which are counted."""
+        if not self.tally.cheap(PROBE):
+            n = self.reruns
+        else:
+            n = min(1, self.reruns) if self.tally.room(PROBE) or not self._group_reran else 0
+        self._group_reran = True
+        return n
 
     # -- the power-of-two vote (docs/design.md §5) ---------------------------------------
     def _vote(self, case: GemmCase, runs: GroupRuns, onces: dict) -> list[Evidence]:
         """Evidence of the runs a broken pow2 expectation implicates (checks/vote.py): the base
         is re-run up to ``reruns`` times, the scales vote, and each scale with runs off the
         majority, re-run as often, gets one finding counting its own runs that are off.
-        Undecided: each mismatched scale against the base run, as the check compared them."""
-        n = 1 + self.reruns
+        Undecided: each mismatched scale against the base run, as the check compared them.
+        Once the probe has confirmed FAULTY, the scales vote with the runs already made."""
+        n = 1 if self.tally.cheap(PROBE) else 1 + self.reruns
 
         def again(key):
             def run():
-                res, _ = onces[key]()
-                self._count(case.shape, res)
+                res, signals = onces[key]()
+                self._count(case.shape, res, signals)
                 return res
             return run
 
@@ -253,17 +293,23 @@ class GemmProbe:
                 runs.top_up(key, again(key), n)  # off the reference: how often does it fail?
             prints = runs.prints(key)
             k = vote.failures(prints, reference)
-            if k:
-                evidence.append(self._vote_evidence(case, key, runs, prints, reference, k, how))
+            if not k:
+                continue
+            self.counts.flagged(case.case_id(*key), checks.POW2_CHECK, len(prints), k)
+            j = judge.judge((checks.POW2_CHECK,), distinct_outputs=len(set(prints)), reproducible=k == len(prints),
+                            margin=None, confirm_margin=self.th.confirm_margin)
+            if self.tally.keep(PROBE, case.case_id(*key), j.severity):
+                evidence.append(self._vote_evidence(case, key, runs, prints, reference, k, how, j))
         return evidence
 
-    def _vote_evidence(self, case: GemmCase, key, runs: GroupRuns, prints: list, reference, k: int, how: str) -> Evidence:
+    def _vote_evidence(self, case: GemmCase, key, runs: GroupRuns, prints: list, reference, k: int, how: str,
+                       j: judge.Judgement) -> Evidence:
         """One scale's finding: its first run off ``reference`` against a run that gave it, both
         brought to this scale (exactly), and how many of its runs were off."""
         (ea, eb), s, host = key, case.shape, self.device.to_host
         cid = case.case_id(ea, eb)
         odd, ref = runs.result(next(p for p in prints if p != reference), key), runs.result(reference, key)
-        ev = Evidence(check=checks.POW2_CHECK, severity=Verdict.SUSPECT, case_id=cid, summary="", op=s.op,
+        ev = Evidence(check=checks.POW2_CHECK, severity=j.severity, case_id=cid, summary="", op=s.op,
                       layout=s.layout.value, shape={"m": s.m, "n": s.n, "k": s.k}, dist=case.dist, scale=[ea, eb],
                       seed=case.seed, max_value=1.0, reruns=len(prints) - 1, reproduced=k - 1,
                       distinct_outputs=len(set(prints)), kernel=odd[1].kernel if odd else "",
@@ -277,9 +323,6 @@ class GemmProbe:
                 ev.elements, ev.samples = found.elements, _samples(found, shown, shown.tile_sm)
                 ev.tiles, ev.sms = [list(t) for t in tiles][:MAX_LOCALISED], _sms(shown.tile_sm, tiles)
                 ev.localised = found.where[:MAX_LOCALISED].tolist()
-        j = judge.judge((checks.POW2_CHECK,), distinct_outputs=len(set(prints)), reproducible=k == len(prints),
-                        margin=None, confirm_margin=self.th.confirm_margin)
-        ev.severity = j.severity
         ev.summary = (f"{checks.POW2_CHECK}: {ev.elements} element(s) at scale 2^{ea}/2^{eb} {how}; "
                       f"failed {k} of {len(prints)} runs; {j.why}")
         if self.keep_flagged and cid not in self.flagged_runs and odd is not None and odd[0] == key:
@@ -293,26 +336,32 @@ class GemmProbe:
         self.flagged_runs[cid] = on_host(self.device, res)
         self.kept_bytes += size
 
-    def _count(self, shape: GemmShape, res: GemmResult) -> None:
+    def _count(self, shape: GemmShape, res: GemmResult, signals: list) -> None:
         self.stats.gemms += 1
+        self.counts.launches += 1
+        self.counts.failed += bool(signals)
         self.stats.flops += shape.flops
         self.stats.checksums += res.row_sums.numel() + res.col_sums.numel()
 
     # -- checks ----------------------------------------------------------------------
-    def _signals(self, res: GemmResult, ref: ReferenceChecksums, expected: torch.Tensor | None, tau: float) -> list[Finding]:
+    def _signals(self, res: GemmResult, ref: ReferenceChecksums, expected: torch.Tensor | None, tau: float) -> list[checks.Signal]:
         checked = checks.check_gemm(res, ref, tau, expected=expected)
         worst = checked.clean_max()
         if worst is not None:
             self.stats.clean_max = max(self.stats.clean_max, worst)
             self.stats.clean_ratio = max(self.stats.clean_ratio, worst / tau)
-        if not checked.signals:  # a clean run (nearly every run): no tile→SM copy back to the host
-            return []
+        return checked.signals
+
+    def _findings(self, signals: list[checks.Signal], res: GemmResult) -> list[Finding]:
+        """What evidence shows of a flagged run's signals: samples, tiles, SMs, localised
+        elements. Only for evidence given in full:
+        a device that fails every launch must not copy and sort every run's checksums."""
         tm, tn = res.tile
         tile_sm = res.tile_sm.cpu() if res.tile_sm is not None else None
-        by_check = {s.check: s for s in checked.signals}
+        by_check = {s.check: s for s in signals}
         loc = checks.localise(by_check.get("gemm.row_checksum"), by_check.get("gemm.col_checksum"), tm, tn, MAX_LOCALISED)
         out = []
-        for s in checked.signals:
+        for s in signals:
             tiles = s.tiles(tm, tn)
             if s.check in CHECKSUM_CHECKS:
                 localised = loc
@@ -321,47 +370,57 @@ class GemmProbe:
             else:
                 localised = []
             out.append(Finding(s.check, s.max_value, s.elements, _samples(s, res, tile_sm), [list(t) for t in tiles][:MAX_LOCALISED],
-                              _sms(tile_sm, tiles), localised, s.axes,
-                              recheck.worst_positions(s) if s.check in CHECKSUM_CHECKS else None))
+                              _sms(tile_sm, tiles), localised, s.axes))
         return out
 
     # -- confirmation ------------------------------------------------------------------
-    def _confirm(self, case: GemmCase, ea: int, eb: int, res: GemmResult, signals: list[Finding], once, tau: float,
+    def _confirm(self, case: GemmCase, ea: int, eb: int, res: GemmResult, signals: list[checks.Signal], once, tau: float,
                  ops: GemmOperands) -> list[Evidence]:
-        """Re-run a flagged case; judge each signal by its reproduction and, for a checksum, by
-        recomputing its worst flagged entries in fp64 from ``ops`` (checks/recompute.py)."""
+        """Re-run a flagged case (as often as ``_reruns_now`` says) and count it; judge each
+        signal by its reproduction and, for a checksum, by recomputing its worst flagged entries
+        in fp64 from ``ops`` (checks/recompute.py). A case only counted (the probe confirmed
+        FAULTY and showed its first cases in full) is not judged: the device's verdict already
+        rests on FAULTY evidence in full, and what matters of it is "failed k of n"."""
+        counted = self.tally.cheap(PROBE) and not self.tally.room(PROBE)
         # fingerprinted where the result lives (the GPU kernel on CUDA): copying every re-run's C
         # to the host made a device that fails every launch take minutes to diagnose
         fp = lambda r: (self.device.fingerprint(r.c), self.device.fingerprint(r.row_sums), self.device.fingerprint(r.col_sums))
-        prints = {fp(res)}
+        prints = set() if counted else {fp(res)}
         seen = {s.check: 0 for s in signals}
-        for _ in range(self.reruns):
+        reruns = self._reruns_now()
+        for _ in range(reruns):
             r2, sig2 = once()
-            self._count(case.shape, r2)
-            prints.add(fp(r2))
+            self._count(case.shape, r2, sig2)
+            if not counted:
+                prints.add(fp(r2))
             for s in sig2:
                 if s.check in seen:
                     seen[s.check] += 1
-        s = case.shape
-        evidence = []
+        cid = case.case_id(ea, eb)
         for sig in signals:
-            ev = Evidence(check=sig.check, severity=Verdict.SUSPECT, case_id=case.case_id(ea, eb), summary="",
-                          op=s.op, layout=s.layout.value, shape={"m": s.m, "n": s.n, "k": s.k}, dist=case.dist,
-                          scale=[ea, eb], seed=case.seed, elements=sig.elements, samples=sig.samples, tiles=sig.tiles,
-                          sms=sig.sms, localised=sig.localised, reruns=self.reruns, reproduced=seen[sig.check],
-                          distinct_outputs=len(prints), kernel=res.kernel,
-                          injected=recent_injections(self.fault, case=case.case_id(ea, eb)))
+            self.counts.flagged(cid, sig.check, reruns + 1, seen[sig.check] + 1)
+        if counted:
+            return []
+        shape, judged = case.shape, []
+        for sig in signals:
+            ev = Evidence(check=sig.check, severity=Verdict.SUSPECT, case_id=cid, summary="", op=shape.op,
+                          layout=shape.layout.value, shape={"m": shape.m, "n": shape.n, "k": shape.k}, dist=case.dist,
+                          scale=[ea, eb], seed=case.seed, elements=sig.elements, reruns=reruns, reproduced=seen[sig.check],
+                          distinct_outputs=len(prints), kernel=res.kernel, max_value=sig.max_value)
             rc = None
             if sig.check in CHECKSUM_CHECKS:
-                ev.threshold, ev.max_value, ev.margin = tau, sig.max_value, judge.margin(sig.max_value, tau)
-                rc = recheck.recompute(ops, res, sig.axes, sig.worst)
+                ev.threshold, ev.margin = tau, judge.margin(sig.max_value, tau)
+                rc = recheck.recompute(ops, res, sig.axes, recheck.worst_positions(sig))
                 ev.recompute = rc.to_dict() if rc is not None else None
-            else:
-                ev.max_value = sig.max_value
             j = judge.judge((sig.check,), distinct_outputs=len(prints), reproducible=ev.reproduced == ev.reruns,
                             margin=ev.margin, confirm_margin=self.th.confirm_margin, recompute=rc)
             ev.severity = j.severity
             ev.summary = (f"{sig.check}: {sig.elements} element(s) flagged at scale 2^{ea}/2^{eb}; "
                           f"failed {ev.reproduced + 1} of {ev.reruns + 1} runs; {j.why}")
-            evidence.append(ev)
-        return evidence
+            judged.append(ev)
+        if not self.tally.keep(PROBE, cid, worst_severity(e.severity for e in judged)):
+            return []
+        for ev, f in zip(judged, self._findings(signals, res), strict=True):  # in full: where, and what was injected
+            ev.samples, ev.tiles, ev.sms, ev.localised = f.samples, f.tiles, f.sms, f.localised
+            ev.injected = recent_injections(self.fault, case=cid)
+        return judged

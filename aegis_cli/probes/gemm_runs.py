@@ -9,7 +9,8 @@ after a flag.
 
 Per scale, the first run and the first run with other bits are kept (in host memory, the base
 run where it lies) so evidence can show an odd run's bits against the majority's: at most two
-results per scale, and only once a group has flagged.
+results per scale, only once a group has flagged, and only where its evidence can still be
+shown in full (``keep``): a device that fails every launch is otherwise counted, not copied.
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ class _Scale:
 class GroupRuns:
     """Fingerprints, counts and a few kept results of every run of one case group."""
 
-    def __init__(self, device: Device):
+    def __init__(self, device: Device, keep: bool = True):
         self.device = device
+        self.keep = keep  # keep results for evidence (else fingerprints and counts only)
         self.scales: dict[Key, _Scale] = {}
         self.mismatched: list[Key] = []  # scales whose first run broke the pow2 expectation, in run order
         self._base_print: int | None = None
@@ -53,7 +55,7 @@ class GroupRuns:
             self.scales[key] = _Scale([SAME_AS_BASE], [])
             return
         p = self._print(key, res)
-        self.scales[key] = _Scale([p], [(p, on_host(self.device, res))])
+        self.scales[key] = _Scale([p], [(p, on_host(self.device, res))] if self.keep else [])
         self.mismatched.append(key)
 
     def recording(self, key: Key, once: Callable) -> Callable:
@@ -68,7 +70,7 @@ class GroupRuns:
         s = self.scales[key]
         p = self._print(key, res)
         s.prints.append(p)
-        if len(s.kept) < 2 and all(self.resolve(q) != p for q, _ in s.kept):
+        if self.keep and len(s.kept) < 2 and all(self.resolve(q) != p for q, _ in s.kept):
             s.kept.append((p, on_host(self.device, res)))
 
     def top_up(self, key: Key, once: Callable[[], GemmResult], runs: int) -> None:

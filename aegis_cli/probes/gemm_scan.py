@@ -85,10 +85,14 @@ def gemm_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     wl = workload_for(config, device)
     ctx.stats["workload"] = wl.name
     probe = GemmProbe(device, config.thresholds, reruns=config.reruns, fault=ctx.fault, keep_flagged=config.keep_flagged,
-                      on_case=lambda cid: ctx.progress("case", device=device.identity.id, case=cid))
+                      on_case=lambda cid: ctx.progress("case", device=device.identity.id, case=cid), tally=ctx.tally)
     evidence: list[Evidence] = []
-    for case in plan_cases(wl, config.seed, config.case):
+    cases = plan_cases(wl, config.seed, config.case)
+    for i, case in enumerate(cases):
         evidence += probe.run(case, wl.scan.scales, only=config.case)
+        if ctx.tally.stopped:  # fail-fast: the cases not run are named, and counted as progress
+            probe.skip([c.case_id(ea, eb) for c in cases[i + 1:] for ea, eb in wl.scan.scales])
+            break
     ctx.stats["gemm"] = probe.stats
     ctx.captured.update(probe.flagged_runs)
     return evidence

@@ -258,6 +258,7 @@ def memory_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     evidence: list[Evidence] = []
     passes_stats = []
     covered = 0
+    tally = ctx.tally.probe("memory")  # a pass (write, hold, re-read) counts as one launch
     for pass_no in range(passes):
         region = _Region(dev, chunk, piece, ctx.config.seed, pass_no)
         try:
@@ -299,6 +300,9 @@ def memory_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
                     reproduced=again, kernel="fingerprint.cu" if dev.type == "cuda" else "cpu",
                     injected=recent_injections(ctx.fault))
                 evidence.append(ev)
+                tally.failed += 1
+                tally.flagged(ev.case_id, ev.check, 1, 1, shown=True)
+            tally.launches += 1
             passes_stats.append({"pass": pass_no, "chunks": len(region.chunks), "bytes": covered,
                                  "patterns": sorted({region.pattern(i) for i in range(len(region.chunks))}),
                                  "write_and_fingerprint_s": round(tw, 3), "reread_s": round(tr, 3), "hold": held,

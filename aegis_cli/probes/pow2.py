@@ -37,6 +37,9 @@ CPU_SHAPE = (64, 96, 128)
 GPU_SHAPE = (1024, 1024, 1024)
 IMPLS = ("checked_gemm", "matmul")
 MAX_STEP = 56  # the coarsest grid with pairs inside the exact range (−56 … 56 besides the ends)
+# deviating outputs kept and localised for samples (2 each: MAX_SAMPLES); past them a device
+# that deviates everywhere has its differing elements counted on the device, not copied and sorted
+SHOWN_PAIRS = MAX_SAMPLES // 2
 
 OPTIONS = {
     "mode": (quick_or_full, "quick", "quick: exponent step 16 (GPU) / 56 (CPU); full: step 4"),
@@ -76,6 +79,7 @@ def sweep(device: Device, impl: str, step: int, ctx: ProbeContext) -> tuple[dict
     exps = list(range(EXP_RANGE[0], EXP_RANGE[1] + 1, step))
     mag = numerics.magnitudes(base_ops)
     tested, skipped, deviating = 0, 0, []
+    unshown = torch.zeros((), dtype=torch.int64, device=a.device)  # differing elements of pairs past SHOWN_PAIRS
     safe_sums: list[int] = []
     for ea in exps:
         a_scaled = numerics.pow2_scale(a, ea)
@@ -92,7 +96,12 @@ def sweep(device: Device, impl: str, step: int, ctx: ProbeContext) -> tuple[dict
             for key, got in out.items():
                 want = numerics.pow2_scale(base[key], ea + eb)
                 if not torch.equal(int_view(got), int_view(want)):
-                    deviating.append({"a": ea, "b": eb, "output": key, "expected": want, "actual": got})
+                    d = {"a": ea, "b": eb, "output": key}
+                    if len(deviating) < SHOWN_PAIRS:  # kept for samples; the rest only counted, where they lie
+                        d.update(expected=want, actual=got)
+                    else:
+                        unshown += (int_view(got) != int_view(want)).sum()
+                    deviating.append(d)
         ctx.progress("step", device=device.identity.id, case=f"{case}/a{ea:+d}")
     device.synchronize()
     if not tested:
@@ -112,8 +121,8 @@ def sweep(device: Device, impl: str, step: int, ctx: ProbeContext) -> tuple[dict
     again = _run(device, impl, GemmOperands(numerics.pow2_scale(a, first["a"]), numerics.pow2_scale(b, first["b"]), Layout.FWD),
                  ctx, f"{case}/a{first['a']:+d}b{first['b']:+d}")
     reproduced = int(not torch.equal(int_view(again[first["output"]]), int_view(first["expected"])))
-    samples, tiles, localised, count = [], set(), [], 0
-    for d in deviating:
+    samples, tiles, localised, count = [], set(), [], int(unshown)
+    for d in deviating[:SHOWN_PAIRS]:
         loc = localise(d["expected"], d["actual"], tile=device.tile if d["output"] == "c" else None, limit=2)
         count += loc["elements"]
         tiles.update(tuple(t) for t in loc["tiles"])
@@ -151,10 +160,15 @@ def pow2_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
             raise ConfigError(f"case {ctx.config.case!r}: the pow2 probe has no such case on {device.identity.id} "
                               f"(its cases: {', '.join(ids)})")
         impls = (ids[ctx.config.case],)
+    tally = ctx.tally.probe("pow2")
     for impl in impls:
         st, ev = sweep(device, impl, step, ctx)
         stats[impl] = st
+        bad = st["deviating_pairs"]
+        tally.launches += 1 + st["tested"] + bool(bad)  # the base, the pairs, the confirming re-run
+        tally.failed += bad + (ev.reproduced if ev is not None else 0)
         if ev is not None:
+            tally.flagged(ev.case_id, ev.check, st["tested"], bad, shown=True)
             evidence.append(ev)
     ctx.stats["pow2"] = {"mode": mode, "step": step, "implementations": stats}
     return evidence

@@ -20,6 +20,8 @@ SCHEMA = json.loads((Path(__file__).resolve().parents[2] / "docs" / "report.sche
         (["--inject", "bitflip:bit=exp"], "FAULTY"),
         (["--inject", "tile:mode=skipk", "--confirm-margin", "1e12", "--probes", "gemm"], "SUSPECT"),
         (["--inject", "bitflip:target=out,bit=14"], "FAULTY"),
+        (["--inject", "bitflip:bit=exp", "--fail-fast"], "FAULTY"),
+        (["--inject", "bitflip:bit=exp", "--evidence-in-full", "1"], "FAULTY"),
     ],
 )
 def test_scan_json_validates(capsys, argv, verdict):
@@ -30,6 +32,8 @@ def test_scan_json_validates(capsys, argv, verdict):
     assert doc["exit_code"] == code
     assert doc["fault_injected"] == bool(argv)
     assert doc["versions"]["torch"]
+    c = doc["devices"][0]["confirmation"]
+    assert c["launches"] > 0 and (c["failed_launches"] > 0) == (verdict != "HEALTHY")
     for ev in doc["devices"][0]["evidence"]:
         if ev["check"].startswith("gemm."):
             assert ev["case_id"].startswith("tiny/") and "reproduced in" in ev["reproduction"]
@@ -69,3 +73,16 @@ def test_replay_and_fleet_reports_validate(capsys, tmp_path):
     fleet = json.loads(out)
     jsonschema.validate(fleet, SCHEMA)
     assert fleet["kind"] == "fleet" and code == 2
+
+
+def test_prometheus_export_carries_launches_checked_and_failed(capsys):
+    code, out, _ = run_cli(capsys, "scan", "-q", "--workload", TINY, "--probes", "gemm", "--format", "json",
+                           "--inject", "bitflip:bit=exp")
+    doc = json.loads(out)
+    from aegis_cli.report import to_prometheus
+
+    prom = to_prometheus(doc)
+    c, uuid = doc["devices"][0]["confirmation"], doc["devices"][0]["device"]["uuid"]
+    assert f'aegis_device_launches_checked{{device="cpu:0",uuid="{uuid}"}} {c["launches"]}' in prom
+    assert f'aegis_device_failed_launches{{device="cpu:0",uuid="{uuid}"}} {c["failed_launches"]}' in prom
+    assert code == 2 and 0 < c["failed_launches"] <= c["launches"]

@@ -1,0 +1,63 @@
+"""``aegis scan --fail-fast``: a device stops at its first confirmed FAULTY, the others go on;
+the report names what was skipped, and the progress total still adds up."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from aegis_cli.ops.verdict import Verdict
+from aegis_cli.scan import ScanOptions, run_scan
+from tests.helpers import TINY, run_cli
+
+FAULT = "bitflip:target=acc,bit=exp"
+
+
+def test_fail_fast_stops_at_the_first_confirmed_faulty_and_names_what_it_skipped(capsys):
+    code, out, _ = run_cli(capsys, "scan", "-q", "--fail-fast", "--format", "json", "--inject", FAULT)
+    d = json.loads(out)["devices"][0]
+    assert code == 2 and d["verdict"] == "FAULTY"
+    c = d["confirmation"]
+    first = d["evidence"][0]["case_id"]
+    assert c["fail_fast"] == {"stopped_at": first, "skipped_probes": ["determinism", "pow2", "memory", "crossdevice"]}
+    gemm = c["probes"]["gemm"]
+    assert gemm["launches"] == 1 + 5  # the first case and its confirmation, nothing after
+    assert len(gemm["skipped_cases"]) == 143 and first not in gemm["skipped_cases"]
+    assert {e["case_id"] for e in d["evidence"]} == {first}
+
+
+def test_fail_fast_changes_nothing_on_a_healthy_device():
+    plain = run_scan(ScanOptions(devices="cpu", workload=TINY)).devices[0]
+    fast = run_scan(ScanOptions(devices="cpu", workload=TINY, fail_fast=True)).devices[0]
+    assert fast.verdict is plain.verdict is Verdict.HEALTHY
+    c = fast.tally.to_dict()
+    assert c["fail_fast"] == {"stopped_at": None, "skipped_probes": []}
+    assert c["launches"] == plain.tally.to_dict()["launches"] and not c["probes"]["gemm"]["skipped_cases"]
+
+
+def test_other_devices_go_on_and_the_progress_total_adds_up(monkeypatch):
+    monkeypatch.setenv("AEGIS_CPU_DEVICES", "2")
+    events: list[tuple[str, dict]] = []
+    rep = run_scan(ScanOptions(devices="cpu:0,cpu:1", workload=TINY, fail_fast=True, inject=f"{FAULT},device=cpu:0"),
+                   progress=lambda event, **info: events.append((event, info)))
+    bad, good = rep.devices
+    assert (bad.verdict, good.verdict) == (Verdict.FAULTY, Verdict.HEALTHY)
+    assert bad.tally.stopped and not good.tally.stopped
+    assert good.stats.gemms == sum(1 for e, i in events if e == "case" and i["device"] == "cpu:1")
+    assert bad.tally.probe("gemm").skipped and not good.tally.probe("gemm").skipped
+    # the node probe has one device left to compare: skipped, and said so on the device that ran on
+    assert good.tally.skipped_probes == ["crossdevice"] and "crossdevice" not in good.probe_stats
+    total = next(i["total"] for e, i in events if e == "start")
+    assert total == sum(1 for e, _ in events if e == "case")
+
+
+def test_fail_fast_in_the_table(capsys):
+    code, out, _ = run_cli(capsys, "scan", "--fail-fast", "--workload", TINY, "--inject", FAULT)
+    assert code == 2 and "--fail-fast: stopped at tiny/" in out and "skipped" in out
+
+
+@pytest.mark.parametrize("n", [0, 1001])
+def test_evidence_in_full_out_of_range_is_refused(capsys, n):
+    code, out, err = run_cli(capsys, "scan", "-q", "--evidence-in-full", str(n))
+    assert code == 3 and out == "" and "evidence in full" in err
