@@ -47,6 +47,8 @@ class DeviceReport:
     # case id → the flagged run as observed (GemmResult; only with ScanOptions.keep_flagged), for
     # --save-vtasks; holds tensors, so never serialised (not in to_dict) nor compared
     captured: dict = field(default_factory=dict, repr=False, compare=False)
+    # aegis scan --soak: the burn-in's own section (soak/record.py; docs/report-format.md), else None
+    soak: dict | None = None
 
     def to_dict(self, tau: float) -> dict:
         s = self.stats
@@ -54,6 +56,7 @@ class DeviceReport:
         if s is not None and s.checksums:
             noise = {"threshold": tau, "clean_max": s.clean_max,
                      "margin": (1.0 / s.clean_ratio) if s.clean_ratio > 0 else None}
+        soak = {"soak": self.soak} if self.soak is not None else {}
         return {
             "device": self.identity.to_dict(),
             "verdict": self.verdict.value,
@@ -66,6 +69,7 @@ class DeviceReport:
             "probes": self.probe_stats,
             "timings": {"seconds": round(self.seconds, 3),
                         "gemm_tflops": round(s.flops / s.seconds / 1e12, 4) if s and s.seconds > 0 else None},
+            **soak,
         }
 
 
