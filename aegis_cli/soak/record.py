@@ -67,6 +67,7 @@ class SoakRecord:
     telemetry_reason: str | None = None
     throttle: dict[str, int] = field(default_factory=dict)
     shapes: set = field(default_factory=set)
+    by_shape: dict[str, int] = field(default_factory=dict)  # launches read back per op/layout/MxNxK
     dists: set = field(default_factory=set)
     scales: set = field(default_factory=set)
     elapsed: float = 0.0
@@ -74,9 +75,24 @@ class SoakRecord:
     _last: tuple[float, int, int] = (0.0, 0, 0)  # (time, launches, flops) at the last interval
     _shown: float = 0.0
 
+    _stretch: int = 1  # intervals merged so far (a burn-in that ran long: confirmations, a slow device)
+
     @property
     def interval(self) -> float:
-        return max(1.0, self.seconds / MAX_INTERVALS)
+        return max(1.0, self.seconds / MAX_INTERVALS) * self._stretch
+
+    def _add_interval(self, row: dict) -> None:
+        self.intervals.append(row)
+        if len(self.intervals) > MAX_INTERVALS:  # merge neighbours: the record stays bounded however long it runs
+            merged = []
+            for a, b in zip(self.intervals[::2], [*self.intervals[1::2], None], strict=True):
+                if b is None:
+                    merged.append(a)
+                    continue
+                span_a, span_b = a["t"] - (merged[-1]["t"] if merged else 0.0), b["t"] - a["t"]
+                rate = (a["tflops"] * span_a + b["tflops"] * span_b) / max(span_a + span_b, 1e-9)
+                merged.append({**b, "launches": a["launches"] + b["launches"], "tflops": round(rate, 3)})
+            self.intervals, self._stretch = merged, self._stretch * 2
 
     def start(self, telemetry) -> None:
         self._t0 = self._shown = time.monotonic()
@@ -92,9 +108,13 @@ class SoakRecord:
         self.dists.add(plan.case.dist)
         self.scales.update(plan.scales)
 
-    def completed(self, launches: int, flops: int) -> None:
-        self.launches += launches
+    def completed(self, shapes: list, flops: int) -> None:
+        """Launches read back: their GemmShapes and GEMM work."""
+        self.launches += len(shapes)
         self.flops += flops
+        for s in shapes:
+            key = f"{s.op}/{s.layout.value}/{s.m}x{s.n}x{s.k}"
+            self.by_shape[key] = self.by_shape.get(key, 0) + 1
 
     def failure(self, launch: int, case: str, seed: int, flagged: int, mismatch: bool, opts, device: str) -> int:
         """Count one failing launch (listed while few); returns how many have failed so far."""
@@ -118,9 +138,9 @@ class SoakRecord:
         t_last, n_last, f_last = self._last
         if now - t_last >= self.interval:
             r = self._sample(telemetry) or {}
-            self.intervals.append({"t": round(now - self._t0, 2), "launches": self.launches - n_last,
-                                   "tflops": round((self.flops - f_last) / (now - t_last) / 1e12, 3),
-                                   **{k: r.get(k) for k in _READINGS}, "throttle": r.get("throttle")})
+            self._add_interval({"t": round(now - self._t0, 2), "launches": self.launches - n_last,
+                                "tflops": round((self.flops - f_last) / (now - t_last) / 1e12, 3),
+                                **{k: r.get(k) for k in _READINGS}, "throttle": r.get("throttle")})
             self._last = (now, self.launches, self.flops)
         if now - self._shown >= PROGRESS_EVERY:
             self._shown = now
@@ -133,9 +153,9 @@ class SoakRecord:
         now = time.monotonic()
         if self.launches > n_last:  # the last, partial interval
             r = self._sample(telemetry) or {}
-            self.intervals.append({"t": round(now - self._t0, 2), "launches": self.launches - n_last,
-                                   "tflops": round((self.flops - f_last) / max(now - t_last, 1e-9) / 1e12, 3),
-                                   **{k: r.get(k) for k in _READINGS}, "throttle": r.get("throttle")})
+            self._add_interval({"t": round(now - self._t0, 2), "launches": self.launches - n_last,
+                                "tflops": round((self.flops - f_last) / max(now - t_last, 1e-9) / 1e12, 3),
+                                **{k: r.get(k) for k in _READINGS}, "throttle": r.get("throttle")})
         else:
             self._sample(telemetry)
 
@@ -160,7 +180,8 @@ class SoakRecord:
             "gemms_checked": self.launches, "flops": self.flops,
             "tflops": round(self.flops / self.elapsed / 1e12, 4) if self.elapsed > 0 else None,
             "input_sets": self.sets, "schedule": {"seed": self.seed, **self.rule},
-            "coverage": {"shapes": len(self.shapes), "distributions": sorted(self.dists), "scales": len(self.scales),
+            "coverage": {"shapes": len(self.shapes), "launches_by_shape": dict(sorted(self.by_shape.items())),
+                         "distributions": sorted(self.dists), "scales": len(self.scales),
                          "ea": [min(ea), max(ea)] if ea else None, "eb": [min(eb), max(eb)] if eb else None,
                          "exponent_sum": [min(ea[i] + eb[i] for i in range(len(ea))), max(ea[i] + eb[i] for i in range(len(ea)))]
                          if ea else None},

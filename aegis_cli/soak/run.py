@@ -312,7 +312,7 @@ class _Soak:
         clean_max, clean_ratio = w.host[3 * n:].view(torch.float64).tolist()
         self.stats.gemms += n
         self.stats.flops += w.flops
-        self.rec.completed(n, w.flops)
+        self.rec.completed([x.s.plan.case.shape for x in w.launches], w.flops)
         self.stats.clean_max, self.stats.clean_ratio = max(self.stats.clean_max, clean_max), max(self.stats.clean_ratio, clean_ratio)
         for x, m in zip(w.launches, mismatch, strict=True):
             if not m and x.index != x.s.plan.first:
