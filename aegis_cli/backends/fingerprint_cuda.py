@@ -74,9 +74,9 @@ def gpu_fingerprint_tensor(t: torch.Tensor) -> torch.Tensor:
     """The fingerprint of a CUDA tensor's bits as a one-element int64 tensor left on its device
     (two's complement bits), enqueued without a sync: a burn-in compares many on the device."""
     t = _prepare(t)
-    res = torch.zeros(1, dtype=torch.int64, device=t.device)
     if t.numel() == 0:
-        return res
+        return torch.zeros(1, dtype=torch.int64, device=t.device)
+    res = torch.empty(1, dtype=torch.int64, device=t.device)
     blocks = _launch_blocks(t, _whole_block_words(t))
     dev = t.device.index if t.device.index is not None else torch.cuda.current_device()
     _launch("aegis_fp_sum", dev, 1, 1024,

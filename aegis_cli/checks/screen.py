@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from aegis_cli.ops import numerics
-from aegis_cli.ops.gemm import GemmResult, ReferenceChecksums
+from aegis_cli.ops.gemm import GemmOperands, GemmResult, ReferenceChecksums
 
 _TINY = 2.0**-1022  # numerics.normalised_diff's smallest scale
 
@@ -56,3 +56,14 @@ def clean_max(res: GemmResult, ref: ReferenceChecksums, tau: float) -> torch.Ten
     d_row, d_col = numerics.checksum_diffs(res, ref)
     zero = d_row.new_zeros(())
     return torch.maximum(torch.where(d_row <= tau, d_row, zero).amax(), torch.where(d_col <= tau, d_col, zero).amax())
+
+
+def magnitudes(ops: GemmOperands) -> torch.Tensor:
+    """(min nonzero |A|, max |A|, min nonzero |B|, max |B|) as a float32 tensor where the operands
+    live, without a sync: ``numerics.magnitudes`` (the reference, on the host) read on the device.
+    A min is inf and its max 0 when an operand is all zeros."""
+    out = []
+    for x in (ops.a, ops.b):  # stored order does not change a min or max
+        x = x.abs()
+        out += [torch.where(x != 0, x, torch.full((), float("inf"), dtype=x.dtype, device=x.device)).amin(), x.amax()]
+    return torch.stack(out).float()

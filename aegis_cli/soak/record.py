@@ -71,6 +71,7 @@ class SoakRecord:
     dists: set = field(default_factory=set)
     scales: set = field(default_factory=set)
     elapsed: float = 0.0
+    host_wait: float = 0.0  # seconds the host waited for the device: near 0 means the host, not the GPU, set the pace
     _t0: float = 0.0
     _last: tuple[float, int, int] = (0.0, 0, 0)  # (time, launches, flops) at the last interval
     _shown: float = 0.0
@@ -176,7 +177,7 @@ class SoakRecord:
         ea = [s[0] for s in self.scales]
         eb = [s[1] for s in self.scales]
         return {
-            "seconds": self.seconds, "elapsed": round(self.elapsed, 3), "launches": self.launches,
+            "seconds": self.seconds, "elapsed": round(self.elapsed, 3), "host_wait": round(self.host_wait, 3), "launches": self.launches,
             "gemms_checked": self.launches, "flops": self.flops,
             "tflops": round(self.flops / self.elapsed / 1e12, 4) if self.elapsed > 0 else None,
             "input_sets": self.sets, "schedule": {"seed": self.seed, **self.rule},

@@ -1,28 +1,23 @@
 """The burn-in loop of ``aegis scan --soak DURATION`` (docs/soak.md). Never prints.
 
 For the duration, each device runs its workload's training GEMMs back to back in our checked
-kernels. Inputs rotate on a schedule fixed by the seed: input set i holds one (shape,
-distribution) of the workload, drawn with scan seed ``set_seed(seed, i)`` exactly as
-``aegis scan --seed`` draws that case, and runs at several power-of-two scales (the base and
-pairs drawn across the whole exact range, bands the scan's grid skips included), each
-``repeats`` times. Its fp64 reference checksums are computed once: a scale's are the base's
-times 2^(ea+eb), exactly. Every launch is screened where it ran (checks/screen.py: fused
-checksums at τ; its C's fingerprint against the base's C scaled exactly), and the flags are
-read one window of launches behind, so the GPU never waits for the host. A flagged launch is
-checked in full and confirmed by the scan's own GEMM checks and judgement (the first one; later
-ones are counted), and every launch names the case id and seed that re-run it
+kernels, input set after input set of the schedule (schedule.py). A set's fp64 reference
+checksums are computed once, while the set before it runs: a scale's are the base's times
+2^(ea+eb), exactly. Every launch is screened where it ran (checks/screen.py: fused checksums at
+τ; its C's fingerprint against the base's C scaled exactly), and the flags are read one window
+of launches behind, so the GPU never waits for the host. A flagged launch is checked in full
+and confirmed by the scan's own GEMM checks and judgement (the first one; later ones are
+counted), and every launch names the case id and seed that re-run it
 (``aegis scan --seed S --case ID``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from aegis_cli.backends import resolve_devices
@@ -33,21 +28,20 @@ from aegis_cli.backends.soak_cuda import Launcher
 from aegis_cli.checks import screen
 from aegis_cli.faults.spec import FaultPlan
 from aegis_cli.ops import numerics
-from aegis_cli.ops.case import case_seed, check_seed
+from aegis_cli.ops.case import check_seed
 from aegis_cli.ops.errors import AegisError, ConfigError, DeviceError, GoldenError
+from aegis_cli.ops.gemm import GemmOperands
 from aegis_cli.ops.verdict import Evidence, Verdict, worst
 from aegis_cli.probes import DEFAULT_RERUNS, ProbeConfig
-from aegis_cli.probes.gemm import GemmCase, GemmProbe, ProbeStats, case_bytes, clean_median, scaled, scaled_reference
+from aegis_cli.probes.gemm import GemmProbe, ProbeStats, case_bytes, clean_median, scaled, scaled_reference
 from aegis_cli.probes.gemm_scan import workload_for
 from aegis_cli.report import DeviceReport, Report, new_report
 from aegis_cli.soak.record import SoakRecord
+from aegis_cli.soak.schedule import SCALES, SET_FLOPS, SetPlan, pow2, set_case, set_plan
 
 Progress = Callable[..., None]  # as scan's: progress("start" | "soak" | "device_done", **info)
 
-SCALES = 8  # scales per input set: the base and up to 7 exact-safe pairs
-SET_FLOPS = {"cuda": 1.2e14, "cpu": 1e8}  # GEMM work per input set: its fp64 reference costs ~1 % of it on an H200
-REPEATS = (2, 256)  # runs of each scale per set: at least two, so fingerprints of repeats compare
-WINDOW = {"cuda": 32, "cpu": 4}  # launches screened per host read; on a GPU the host reads one window behind
+WINDOW = {"cuda": 64, "cpu": 4}  # launches screened per host read; on a GPU the host reads one window behind
 CONFIRM = 1  # failing launches confirmed in full (re-runs, fp64 recomputation, judgement); later ones are counted
 
 
@@ -86,70 +80,6 @@ class SoakOptions:
 
     def probe_config(self) -> ProbeConfig:
         return ProbeConfig(seed=self.seed, reruns=self.reruns, thresholds=self.thresholds, workload=self.workload)
-
-
-@dataclass(frozen=True)
-class SetPlan:
-    """Input set ``index``: its case (shape, distribution, scan seed), scales and repeats; its
-    launches are numbered from ``first``, scale by scale, ``repeats`` each."""
-
-    index: int
-    case: GemmCase
-    scales: tuple[tuple[int, int], ...]
-    repeats: int
-    first: int
-
-    @property
-    def launches(self) -> int:
-        return len(self.scales) * self.repeats
-
-    def scale_of(self, launch: int) -> tuple[int, int]:
-        return self.scales[(launch - self.first) // self.repeats]
-
-
-def set_case(wl, seed: int, index: int) -> GemmCase:
-    """The case of input set ``index``: shapes rotate fastest, then distributions; its scan seed
-    is drawn from the soak's seed and the index (a valid ``--seed``)."""
-    shapes, dists = wl.gemms(), wl.scan.distributions
-    return GemmCase(wl.name, shapes[index % len(shapes)], dists[(index // len(shapes)) % len(dists)],
-                    case_seed(seed, "soak", index))
-
-
-def draw_scales(mag: numerics.Magnitudes | None, seed: int, n: int = SCALES) -> tuple[tuple[int, int], ...]:
-    """The base and up to ``n - 1`` pairs (ea, eb) drawn uniformly over the range where scaling
-    these inputs is exact (numerics.pow2_exact_safe): the sum first, then its split."""
-    out = [(0, 0)]
-    if mag is None or not mag.exact_safe(0, 0):
-        return tuple(out)
-    lg = math.log2
-    ea_lo, ea_hi = math.ceil(-126 - lg(mag.amin)), math.floor(lg(numerics.SUM_LIMIT / mag.amax))
-    eb_lo, eb_hi = math.ceil(-126 - lg(mag.bmin)), math.floor(lg(numerics.SUM_LIMIT / mag.bmax))
-    e_lo = math.ceil(-100 - lg(mag.amin * mag.bmin))
-    e_hi = math.floor(lg(numerics.SUM_LIMIT / (mag.amax * mag.bmax * mag.k * numerics.CHECKSUM_SPAN)))
-    rng = np.random.default_rng([seed, 0x50A4])
-    for _ in range(64 * n):
-        if len(out) == n or e_lo > e_hi:
-            break
-        e = int(rng.integers(e_lo, e_hi + 1))
-        lo, hi = max(ea_lo, e - eb_hi), min(ea_hi, e - eb_lo)
-        if lo > hi:
-            continue
-        ea = int(rng.integers(lo, hi + 1))
-        pair = (ea, e - ea)
-        if pair not in out and numerics.pow2_exact_safe(mag, *pair):
-            out.append(pair)
-    return tuple(out)
-
-
-def repeats_for(flops: int, scales: int, backend: str) -> int:
-    lo, hi = REPEATS
-    return max(lo, min(hi, round(SET_FLOPS.get(backend, SET_FLOPS["cpu"]) / (scales * flops))))
-
-
-def set_plan(wl, seed: int, index: int, first: int, backend: str, mag: numerics.Magnitudes | None) -> SetPlan:
-    case = set_case(wl, seed, index)
-    scales = draw_scales(mag, case.seed)
-    return SetPlan(index, case, scales, repeats_for(case.shape.flops, len(scales), backend), first)
 
 
 # ---------------------------------------------------------------------------- one device
@@ -205,16 +135,31 @@ class _Soak:
         self.n = 0  # launches enqueued
 
     # -- input sets ------------------------------------------------------------------
-    def _new_set(self, index: int) -> _Set:
+    def _draw(self, index: int) -> tuple:
+        """Enqueue input set ``index``'s operands, reference and magnitudes, and start copying the
+        magnitudes back; it is drawn while the set before it runs, so starting it needs no sync."""
         case = set_case(self.wl, self.opts.seed, index)
         ops = case.operands(self.device)
-        mag = numerics.magnitudes(ops)  # host values: one sync per input set, not per launch
-        plan = set_plan(self.wl, self.opts.seed, index, self.n, self.device.identity.backend, mag)
         ref = self.device.reference_checksums(ops, self.device.tile)
+        mags, event = screen.magnitudes(ops), None
+        if self.cuda:
+            host = torch.empty(mags.shape, dtype=mags.dtype, pin_memory=True)
+            mags, event = host.copy_(mags, non_blocking=True), torch.cuda.Event()
+            event.record()
+        return index, case, ops, ref, mags, event
+
+    def _begin(self, drawn: tuple) -> _Set:
+        index, case, ops, ref, mags, event = drawn
+        t = time.monotonic()
+        if event is not None:
+            event.synchronize()
+        self.rec.host_wait += time.monotonic() - t
+        amin, amax, bmin, bmax = mags.tolist()
+        mag = numerics.Magnitudes(amin, amax, bmin, bmax, case.shape.k) if amax > 0 and bmax > 0 else None
+        plan = set_plan(self.wl, self.opts.seed, index, self.n, self.device.identity.backend, mag)
         med = clean_median(self.device, ops, ref) if self.fault is not None and self.fault.needs_clean_median() else None
-        s = _Set(plan, ops, ref, self.th.tau_for(self.device, case.shape.k), med)
         self.rec.visit(plan)
-        return s
+        return _Set(plan, ops, ref, self.th.tau_for(self.device, case.shape.k), med)
 
     # -- the loop --------------------------------------------------------------------
     def run(self) -> None:
@@ -229,10 +174,10 @@ class _Soak:
         t0 = time.monotonic()
         pending: list[_Launch] = []
         waiting: _Window | None = None
-        index = 0
+        drawn = self._draw(0)
         while time.monotonic() - t0 < self.opts.seconds:
-            s = self._new_set(index)
-            index += 1
+            s = self._begin(drawn)
+            drawn = self._draw(s.plan.index + 1)  # runs on the GPU ahead of this set's launches
             for scale in s.plan.scales:
                 if time.monotonic() - t0 >= self.opts.seconds:
                     break
@@ -250,7 +195,7 @@ class _Soak:
     def _scale_run(self, s: _Set, scale: tuple[int, int], t0: float):
         """The launches of one scale of input set ``s`` (enqueued lazily, so the caller can stop)."""
         ea, eb = scale
-        ops = scaled(s.ops, ea, eb) if scale != (0, 0) else s.ops
+        ops = GemmOperands(pow2(s.ops.a, ea), pow2(s.ops.b, eb), s.ops.layout)
         ref = scaled_reference(s.ref, ea + eb)
         lim = screen.limits(ref, s.tau)
         prepared = self.launcher.prepare(ops)
@@ -263,7 +208,7 @@ class _Soak:
             if s.base is None:
                 s.base = res
             if expected is None:  # the base's C at this scale: exact (numerics.pow2_exact_safe)
-                expected = device_fingerprint_tensor(numerics.pow2_scale(s.base.c, ea + eb))
+                expected = device_fingerprint_tensor(pow2(s.base.c, ea + eb))
                 clean = screen.clean_max(res, ref, s.tau)
                 self.noise.append(torch.stack([clean, clean / s.tau]))
             self.stats.checksums += res.row_sums.numel() + res.col_sums.numel()
@@ -298,10 +243,12 @@ class _Soak:
         """Read the window the GPU has (nearly) finished while ``new`` runs; returns ``new``."""
         if waiting is not None:
             if waiting.event is not None:
+                t = time.monotonic()
                 try:
                     waiting.event.synchronize()
                 except Exception as exc:
                     raise DeviceError(f"{self.device.identity.id}: asynchronous failure during the burn-in: {exc}") from exc
+                self.rec.host_wait += time.monotonic() - t
             self._read(waiting)
             self.rec.tick(telemetry, self.progress, self.device.identity.id)
         return new

@@ -25,7 +25,8 @@ from aegis_cli.ops import numerics, workloads
 from aegis_cli.ops.errors import ConfigError
 from aegis_cli.probes.gemm_scan import plan_cases
 from aegis_cli.soak.record import MAX_INTERVALS, SoakRecord, parse_duration
-from aegis_cli.soak.run import SoakOptions, draw_scales, run_soak, set_case
+from aegis_cli.soak.run import SoakOptions, run_soak
+from aegis_cli.soak.schedule import draw_scales, pow2, set_case
 from tests.helpers import run_cli
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -72,7 +73,7 @@ def test_soak_table_shows_the_burn_in(soak_doc):
 
 
 def test_injected_intermittent_fault_caught_k_of_n():
-    rep = run_soak(SoakOptions(seconds=3, devices="cpu:0", inject="bitflip:target=acc,bit=exp,prob=0.2"))
+    rep = run_soak(SoakOptions(seconds=2, devices="cpu:0", inject="bitflip:target=acc,bit=exp,prob=0.2"))
     doc = rep.to_dict()
     jsonschema.validate(doc, SCHEMA)
     d = doc["devices"][0]
@@ -194,3 +195,14 @@ def test_telemetry_off_a_gpu_says_why():
     assert not tel.available and tel.read() is None and "no NVML" in tel.reason
     tel.close()
     assert throttle_names(0x4 | 0x40 | 0x10000) == ["sw_power_cap", "hw_thermal_slowdown", "0x10000"]
+
+
+def test_one_pass_scaling_and_device_magnitudes_match_the_references():
+    (dev,) = resolve_devices("cpu:0")
+    case = set_case(workloads.load("cpu-quick"), 0, 4)
+    ops = case.operands(dev)
+    mag = numerics.magnitudes(ops)
+    assert screen.magnitudes(ops).tolist() == [mag.amin, mag.amax, mag.bmin, mag.bmax]
+    for ea, eb in draw_scales(mag, case.seed):
+        for t, e in ((ops.a, ea), (ops.b, eb)):
+            assert torch.equal(pow2(t, e).view(torch.int16), numerics.pow2_scale(t, e).view(torch.int16))
