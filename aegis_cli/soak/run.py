@@ -341,6 +341,19 @@ def soak_device(device: Device, opts: SoakOptions, fault: FaultPlan | None, prog
     return dr
 
 
+def soak_after(dr: DeviceReport, device: Device, opts: SoakOptions, fault: FaultPlan | None) -> DeviceReport:
+    """A burn-in after a scan of the same device (a sweep's ``soak:``): its evidence and its
+    section join the scan's report ``dr``, whose verdict it can only worsen."""
+    sr = soak_device(device, opts, fault, lambda *_a, **_k: None)
+    dr.evidence += sr.evidence
+    dr.soak = sr.soak
+    if sr.error:
+        dr.error = (dr.error + "; " if dr.error else "") + f"soak: {sr.error}"
+    dr.verdict = worst([dr.verdict, sr.verdict])
+    dr.seconds += sr.seconds
+    return dr
+
+
 def preflight(opts: SoakOptions, devices: list[Device]) -> None:
     """Refuse, before any device runs, a workload that would not fit: a case's operands, scaled
     copies and reference, and two windows of results."""
