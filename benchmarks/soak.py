@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -36,24 +35,14 @@ from aegis_cli.probes.gemm import draw_operands
 from aegis_cli.probes.gemm_scan import DEFAULT_GPU_WORKLOAD
 from aegis_cli.soak.run import SoakOptions, run_soak
 from aegis_cli.soak.schedule import SCALES, repeats_for
+from benchmarks.fingerprint import timed
 
 INJECT = "bitflip:target=acc,bit=exp,prob=1e-4"
 
 
-def _median_ms(fn, reps: int = 6, burst: int = 4) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(burst):
-            fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) / burst)
-    return statistics.median(out)
+def _median_ms(fn, burst: int = 4) -> float:
+    """Median milliseconds per call over bursts of ``burst`` back-to-back calls (no sync inside)."""
+    return timed(lambda: [fn() for _ in range(burst)], iters=6) * 1e3 / burst
 
 
 def per_shape(dev, wl) -> tuple[dict, dict]:

@@ -206,3 +206,17 @@ def test_one_pass_scaling_and_device_magnitudes_match_the_references():
     for ea, eb in draw_scales(mag, case.seed):
         for t, e in ((ops.a, ea), (ops.b, eb)):
             assert torch.equal(pow2(t, e).view(torch.int16), numerics.pow2_scale(t, e).view(torch.int16))
+
+
+def test_progress_bar_follows_the_burn_in():
+    from rich.progress import Progress
+
+    with Progress(console=Console(file=io.StringIO()), transient=True) as progress:
+        cb = render._progress_callback(progress)
+        cb("start", total=20, devices=["cuda:0", "cuda:1"], soak=True)
+        cb("soak", device="cuda:0", elapsed=4.0, seconds=10.0, launches=900, failures=0, tflops=571.2)
+        cb("device_done", device="cuda:0", verdict="HEALTHY")
+        cb("soak", device="cuda:1", elapsed=2.5, seconds=10.0, launches=400, failures=1, tflops=560.0)
+        (task,) = progress.tasks
+        assert task.completed == 12.5 and task.total == 20
+        assert "cuda:1 soak: 400 launches, 560.0 TFLOP/s, 1 failed" in task.description
