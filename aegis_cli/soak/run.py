@@ -30,21 +30,19 @@ from aegis_cli.faults.spec import FaultPlan
 from aegis_cli.ops import numerics
 from aegis_cli.ops.case import check_seed
 from aegis_cli.ops.errors import AegisError, ConfigError, DeviceError, GoldenError
-from aegis_cli.ops.gemm import GemmOperands
+from aegis_cli.ops.gemm import GemmOperands, GemmResult, ReferenceChecksums
 from aegis_cli.ops.verdict import Evidence, Verdict, worst
 from aegis_cli.probes import DEFAULT_RERUNS, ProbeConfig
 from aegis_cli.probes.gemm import GemmProbe, ProbeStats, case_bytes, clean_median, scaled, scaled_reference
 from aegis_cli.probes.gemm_scan import workload_for
 from aegis_cli.report import DeviceReport, Report, new_report
 from aegis_cli.soak.record import SoakRecord
-from aegis_cli.soak.schedule import SCALES, SET_FLOPS, SetPlan, pow2, set_case, set_plan
+from aegis_cli.soak.schedule import REPEATS, SCALES, SET_FLOPS, SetPlan, pow2, set_case, set_plan
 
 Progress = Callable[..., None]  # as scan's: progress("start" | "soak" | "device_done", **info)
 
 WINDOW = {"cuda": 64, "cpu": 4}  # launches screened per host read; on a GPU the host reads one window behind
 CONFIRM = 1  # failing launches confirmed in full (re-runs, fp64 recomputation, judgement); later ones are counted
-
-
 MAX_RERUNS = 1000  # as aegis scan's
 
 
@@ -88,28 +86,32 @@ class _Set:
     """An input set while its launches are in flight: operands, reference, the base run."""
 
     plan: SetPlan
-    ops: object
-    ref: object
+    ops: GemmOperands
+    ref: ReferenceChecksums
     tau: float
-    median: float | None
-    base: object | None = None  # GemmResult of its first launch: the bits every scale must give, scaled
+    median: float | None  # a perturb fault's unit (FaultPlan.needs_clean_median), else None
+    base: GemmResult | None = None  # its first launch: the bits every scale must give, scaled
     matched: bool = False  # a launch after the base gave the expected bits: the base is right
-    base_blamed: bool = False
+    base_blamed: bool = False  # no launch after the base gave its bits: the base run is the odd one
 
 
 @dataclass
 class _Launch:
+    """One launch until its window is read: its result stays on the device for confirmation."""
+
     index: int  # of the burn-in's launches, from 0
     s: _Set
     scale: tuple[int, int]
-    res: object  # GemmResult
-    fp: torch.Tensor
-    expected: torch.Tensor
+    res: GemmResult
+    fp: torch.Tensor  # (1,) int64 on the device: its C's fingerprint
+    expected: torch.Tensor  # (1,) int64: the fingerprint of the base's C at this scale
     lim: screen.Limits
 
 
 @dataclass
 class _Window:
+    """Launches screened together, their flags on the way to the host."""
+
     launches: list[_Launch]
     host: torch.Tensor  # (3n + 2,) int64: flagged checksums, fingerprint mismatches, fingerprints, noise (fp64 bits)
     event: object | None  # recorded after the copy (CUDA)
@@ -127,7 +129,8 @@ class _Soak:
         self.window = WINDOW.get(backend, WINDOW["cpu"])
         self.stats = ProbeStats()
         self.rec = SoakRecord(opts.seconds, opts.seed, {
-            "workload": self.wl.name, "window": self.window, "scales_per_set": SCALES, "set_flops": SET_FLOPS.get(backend, SET_FLOPS["cpu"]),
+            "workload": self.wl.name, "window": self.window, "scales_per_set": SCALES, "repeats": list(REPEATS),
+            "set_flops": SET_FLOPS.get(backend, SET_FLOPS["cpu"]),
             "rule": "input set i: shape i mod #shapes, distribution (i div #shapes) mod #distributions, scan seed "
                     "case_seed(seed, 'soak', i); scales drawn from that seed over the exact range; each scale repeated"})
         self.evidence: list[Evidence] = []
