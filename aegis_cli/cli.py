@@ -75,8 +75,10 @@ def _writable(_ctx, _param, path: str | None) -> str | None:
 @click.option("--evidence-in-full", default=DEFAULT_IN_FULL, show_default=True, type=int, metavar="N",
               help="Once a probe has confirmed FAULTY: flagged cases shown in full; the rest are counted.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--soak", default=None, metavar="DURATION", help="Instead of the probes, a checked burn-in for DURATION "
+              "(10s, 2m, 1h): the workload's GEMMs back to back, every launch checked (docs/soak.md).")
 def scan(devices, workload, seed, case, reruns, inject, save_vtasks, probes, golden, probe_options, threshold, confirm_margin, fmt, output,
-         fail_fast, evidence_in_full, quiet):
+         fail_fast, evidence_in_full, quiet, soak):
     """Scan this node's devices with checked training-shaped GEMMs and print a verdict per device."""
     from aegis_cli.scan import ScanOptions, run_scan, scan_thresholds
 
@@ -90,6 +92,17 @@ def scan(devices, workload, seed, case, reruns, inject, save_vtasks, probes, gol
         if not eq:
             raise click.BadParameter(f"expected PROBE.KEY=VALUE, got {item!r}", param_hint="--probe-option")
         opts.probe_options[key.strip()] = value.strip()
+    if soak is not None:
+        from aegis_cli.soak.record import parse_duration
+        from aegis_cli.soak.run import SoakOptions, run_soak
+
+        sopts = SoakOptions(seconds=parse_duration(soak), devices=devices, workload=workload, seed=seed, reruns=reruns, inject=inject,
+                            thresholds=opts.thresholds, command_line=opts.command_line, case=case, keep_flagged=opts.keep_flagged,
+                            golden=golden, probe_options=opts.probe_options)
+        rep = render.run_with_progress(run_soak, sopts, inject, quiet)
+        render.emit(rep.to_dict(), fmt, output, render.soak_table)
+        render.warn_never_fired(rep)
+        sys.exit(rep.exit_code)
     rep = render.run_with_progress(run_scan, opts, inject, quiet)
     # the report first: a bundle that cannot be saved must not cost the scan's verdict
     render.emit(rep.to_dict(), fmt, output, render.verdict_table)

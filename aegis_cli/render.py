@@ -59,6 +59,14 @@ def verdict_table(console: Console, doc: dict) -> None:
     """``aegis scan``: a row per device, its error and first evidence, and how to re-run a case."""
     from aegis_cli.scan import rerun_commands  # imports torch: only when a scan table is drawn
 
+    _device_rows(console, doc)
+    for command in rerun_commands(doc):
+        # soft_wrap: a command broken over lines by the console would not paste back whole
+        console.print(_lit(f"Re-run one case: {command}"), highlight=False, soft_wrap=True)
+
+
+def _device_rows(console: Console, doc: dict) -> None:
+    """A row per device of a scan report, then each device's error and first evidence."""
     t = Table(title=_title(f"aegis {doc['kind']} — seed {doc['seed']}", doc.get("fault_injected")), title_justify="left")
     for col in ("device", "verdict", "GEMMs", "noise margin", "evidence", "time"):
         t.add_column(col, no_wrap=True)
@@ -83,9 +91,41 @@ def verdict_table(console: Console, doc: dict) -> None:
         if len(d["evidence"]) > 10:
             console.print(f"    … {len(d['evidence']) - 10} more evidence records (use --format json)")
         _confirmation_lines(console, d)
-    for command in rerun_commands(doc):
-        # soft_wrap: a command broken over lines by the console would not paste back whole
-        console.print(_lit(f"Re-run one case: {command}"), highlight=False, soft_wrap=True)
+
+
+def _span(v: dict | None, unit: str) -> str:
+    return "—" if not v else f"{v['start']:g} / {v['min']:g} / {v['peak']:g} / {v['end']:g} {unit}"
+
+
+def soak_table(console: Console, doc: dict) -> None:
+    """``aegis scan --soak``: the verdicts, then per device the burn-in's launches, failures
+    ("k of n"), TFLOP/s, clocks, temperature, power and throttling, and how to re-run a failing launch."""
+    _device_rows(console, doc)
+    for d in doc["devices"]:
+        s = d.get("soak")
+        if not s:
+            continue
+        f, tel, cov = s["failures"], s["telemetry"], s["coverage"]
+        rates = [i["tflops"] for i in s["intervals"]]
+        t = Table(title=_lit(f"{d['device']['id']} burn-in — {s['elapsed']:.0f} s of {s['seconds']:g} s"), title_justify="left",
+                  show_header=False)
+        t.add_column("what")
+        t.add_column("value", overflow="fold")
+        t.add_row("launches checked", _lit(f"{s['launches']} ({s['input_sets']} input sets, {cov['shapes']} shapes, "
+                                           f"{cov['scales']} scales: 2^ea {cov['ea']}, 2^eb {cov['eb']})"))
+        t.add_row("failed", Text(f"{f['launches']} of {f['of']} launches", style="bold red" if f["launches"] else "bold green"))
+        t.add_row("TFLOP/s", _lit(f"{s['tflops'] or 0:.3g} sustained" + (f"; per interval {min(rates):.3g}…{max(rates):.3g}"
+                                                                           f" over {len(rates)}" if rates else "")))
+        if tel["available"]:
+            t.add_row("SM clock start/min/peak/end", _span(tel["sm_clock_mhz"], "MHz"))
+            t.add_row("temperature", _span(tel["temperature_c"], "°C"))
+            t.add_row("power", _span(tel["power_w"], "W") + (f" (limit {tel['power_limit_w']:g} W)" if tel["power_limit_w"] else ""))
+            t.add_row("throttle reasons (samples)", _lit(", ".join(f"{k} ({v})" for k, v in tel["throttle"].items()) or "none"))
+        else:
+            t.add_row("telemetry", _lit(f"not available: {tel['reason']}"))
+        console.print(t)
+        for x in f["first"][:3]:
+            console.print(_lit(f"Re-run failing launch {x['launch']}: {x['command']}"), highlight=False, soft_wrap=True)
 
 
 def _confirmation_lines(console: Console, d: dict) -> None:
@@ -142,6 +182,13 @@ def _progress_callback(progress: Progress | None, banner: Text | None = None):
             task["id"] = progress.add_task("scanning", total=info["total"])
         elif event in ("case", "step") and "id" in task:  # a step (non-GEMM probes) is not one of the counted cases
             progress.update(task["id"], advance=1 if event == "case" else 0, description=f"{info['device']} {info['case'][:60]}")
+        elif event == "soak" and "id" in task:  # a burn-in counts seconds, device after device
+            task["seconds"] = info["seconds"]
+            progress.update(task["id"], completed=task.get("done", 0) + min(info["elapsed"], info["seconds"]),
+                            description=f"{info['device']} soak: {info['launches']} launches, {info['tflops']:.1f} TFLOP/s, "
+                                        f"{info['failures']} failed")
+        elif event == "device_done" and "seconds" in task:
+            task["done"] = task.get("done", 0) + task.pop("seconds")
     return cb
 
 

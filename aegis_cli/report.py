@@ -50,6 +50,8 @@ class DeviceReport:
     captured: dict = field(default_factory=dict, repr=False, compare=False)
     # launches, failed launches, "k of n" per flagged case, fail-fast (probes/confirmation.py)
     tally: Tally | None = None
+    # aegis scan --soak: the burn-in's own section (soak/record.py; docs/report-format.md), else None
+    soak: dict | None = None
 
     def to_dict(self, tau: float) -> dict:
         s = self.stats
@@ -57,6 +59,7 @@ class DeviceReport:
         if s is not None and s.checksums:
             noise = {"threshold": tau, "clean_max": s.clean_max,
                      "margin": (1.0 / s.clean_ratio) if s.clean_ratio > 0 else None}
+        soak = {"soak": self.soak} if self.soak is not None else {}
         return {
             "device": self.identity.to_dict(),
             "verdict": self.verdict.value,
@@ -70,6 +73,7 @@ class DeviceReport:
             "confirmation": None if self.tally is None else self.tally.to_dict(),
             "timings": {"seconds": round(self.seconds, 3),
                         "gemm_tflops": round(s.flops / s.seconds / 1e12, 4) if s and s.seconds > 0 else None},
+            **soak,
         }
 
 

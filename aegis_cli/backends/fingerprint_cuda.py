@@ -1,6 +1,7 @@
 """GPU fingerprints: kernels/fingerprint.cu launched on torch CUDA tensors.
 
     gpu_fingerprint(t) -> int                      == fingerprint.fingerprint(t)
+    gpu_fingerprint_tensor(t) -> int64 tensor (1,) the same, left on the device (no sync)
     gpu_block_fingerprints(t, block) -> list[int]  == fingerprint.block_fingerprints(t, block)
     gpu_block_tensor(t, block) -> int64 tensor     the same, left on the device (many blocks)
 
@@ -69,17 +70,24 @@ def _whole_block_words(t: torch.Tensor) -> int:
     return max(256, min(WHOLE_BLOCK_WORDS, bw + (bw & 1)))
 
 
-def gpu_fingerprint(t: torch.Tensor) -> int:
-    """64-bit fingerprint of a CUDA tensor's bits (same value as the CPU implementation)."""
+def gpu_fingerprint_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The fingerprint of a CUDA tensor's bits as a one-element int64 tensor left on its device
+    (two's complement bits), enqueued without a sync: a burn-in compares many on the device."""
     t = _prepare(t)
     if t.numel() == 0:
-        return 0
-    blocks = _launch_blocks(t, _whole_block_words(t))
+        return torch.zeros(1, dtype=torch.int64, device=t.device)
     res = torch.empty(1, dtype=torch.int64, device=t.device)
+    blocks = _launch_blocks(t, _whole_block_words(t))
     dev = t.device.index if t.device.index is not None else torch.cuda.current_device()
     _launch("aegis_fp_sum", dev, 1, 1024,
             [ctypes.c_uint64(blocks.data_ptr()), ctypes.c_int64(blocks.numel()), ctypes.c_uint64(res.data_ptr())])
-    _check(t.device)
+    return res
+
+
+def gpu_fingerprint(t: torch.Tensor) -> int:
+    """64-bit fingerprint of a CUDA tensor's bits (same value as the CPU implementation)."""
+    res = gpu_fingerprint_tensor(t)
+    _check(res.device)
     return int(res.item()) & MASK64
 
 

@@ -16,6 +16,14 @@ def device_fingerprint(t: torch.Tensor) -> int:
     return fingerprint_cuda.gpu_fingerprint(t) if t.device.type == "cuda" else fingerprint.fingerprint(t)
 
 
+def device_fingerprint_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``fingerprint.fingerprint(t)`` as a one-element int64 tensor (two's complement bits) on
+    ``t``'s device; on a GPU enqueued without a host sync, so many can be compared there."""
+    if t.device.type == "cuda":
+        return fingerprint_cuda.gpu_fingerprint_tensor(t)
+    return torch.tensor([fingerprint.fingerprint(t)], dtype=torch.uint64).view(torch.int64)
+
+
 def device_block_tensor(t: torch.Tensor, block: int = fingerprint.BLOCK_ELEMS) -> torch.Tensor:
     """``fingerprint.block_tensor(t, block)`` computed on ``t``'s device (int64, left there)."""
     return fingerprint_cuda.gpu_block_tensor(t, block) if t.device.type == "cuda" else fingerprint.block_tensor(t, block)

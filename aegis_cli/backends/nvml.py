@@ -1,10 +1,13 @@
-"""NVML memory-health counters (ECC, retired pages, remapped rows), absent gracefully.
+"""NVML memory-health counters (ECC, retired pages, remapped rows) and live telemetry
+(clocks, temperature, power, throttle reasons), absent gracefully.
 
 ``snapshot(identity)`` reads what the driver knows about a GPU's memory health; the memory
 probe takes one before and one after it fills and holds the GPU's memory, and ``delta``
 says what changed. Without nvidia-ml-py (``pynvml``), without a driver, or for a CPU
 device the snapshot is ``{"available": False, "reason": …}``: never an exception. Counters
-a GPU does not support are ``None``.
+a GPU does not support are ``None``. ``Telemetry`` keeps one NVML session open and reads the
+SM clock, temperature, power and throttle reasons as often as a burn-in (``aegis scan --soak``)
+samples them.
 """
 
 from __future__ import annotations
@@ -99,3 +102,82 @@ def delta(before: dict, after: dict) -> dict:
         if after.get(key) and not before.get(key):
             out[key] = True
     return out
+
+
+# clocks-event (throttle) reason bits of nvmlDeviceGetCurrentClocksEventReasons, as nvml.h names them
+THROTTLE_REASONS = {0x1: "gpu_idle", 0x2: "applications_clocks_setting", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
+                    0x10: "sync_boost", 0x20: "sw_thermal_slowdown", 0x40: "hw_thermal_slowdown",
+                    0x80: "hw_power_brake_slowdown", 0x100: "display_clock_setting"}
+
+
+def throttle_names(mask: int) -> list[str]:
+    """The reasons a clocks-event bit mask names (unknown bits as hex)."""
+    names = [name for bit, name in THROTTLE_REASONS.items() if mask & bit]
+    rest = mask & ~sum(THROTTLE_REASONS)
+    return names + ([f"0x{rest:x}"] if rest else [])
+
+
+class Telemetry:
+    """Live readings of one GPU over one NVML session: ``read()`` gives the SM clock (MHz),
+    temperature (°C), power draw (W) and throttle reasons, or None where NVML cannot say
+    (``reason`` tells why); a reading NVML refuses is None. ``close()`` ends the session."""
+
+    def __init__(self, identity: DeviceIdentity):
+        self.reason: str | None = None
+        self._nv = self._h = None
+        if identity.backend != "cuda":
+            self.reason = f"{identity.backend} device: no NVML telemetry"
+            return
+        try:
+            import pynvml as nv
+        except ImportError:
+            self.reason = "nvidia-ml-py (pynvml) is not installed"
+            return
+        try:
+            nv.nvmlInit()
+        except Exception as exc:
+            self.reason = f"NVML init failed: {exc}"
+            return
+        try:
+            self._h = _handle(nv, identity)
+        except Exception as exc:
+            self.reason = f"NVML has no handle for {identity.id}: {exc}"
+            with contextlib.suppress(Exception):
+                nv.nvmlShutdown()
+            return
+        self._nv = nv
+
+    @property
+    def available(self) -> bool:
+        return self._nv is not None
+
+    def _get(self, name: str, *args):
+        fn = getattr(self._nv, name, None)
+        if fn is None:
+            return None
+        try:
+            return fn(self._h, *args)
+        except Exception:  # NotSupported, NoPermission …: unknown, not zero
+            return None
+
+    def read(self) -> dict | None:
+        if self._nv is None:
+            return None
+        nv = self._nv
+        power = self._get("nvmlDeviceGetPowerUsage")  # mW
+        limit = self._get("nvmlDeviceGetEnforcedPowerLimit")
+        # renamed "clocks event reasons" in newer drivers; older pynvml has only the throttle name
+        mask = self._get("nvmlDeviceGetCurrentClocksEventReasons")
+        if mask is None:
+            mask = self._get("nvmlDeviceGetCurrentClocksThrottleReasons")
+        return {"sm_clock_mhz": self._get("nvmlDeviceGetClockInfo", nv.NVML_CLOCK_SM),
+                "temperature_c": self._get("nvmlDeviceGetTemperature", nv.NVML_TEMPERATURE_GPU),
+                "power_w": None if power is None else round(power / 1000, 1),
+                "power_limit_w": None if limit is None else round(limit / 1000, 1),
+                "throttle": None if mask is None else throttle_names(int(mask))}
+
+    def close(self) -> None:
+        if self._nv is not None:
+            with contextlib.suppress(Exception):
+                self._nv.nvmlShutdown()
+            self._nv = None

@@ -62,6 +62,7 @@ class SweepConfig:
     lock_file: str = "/var/lib/aegis/sweep.lock"
     inject: str | None = None  # self-test only: faults (and worker test hooks) to inject; records nothing
     drill: bool = False  # with inject: record, quarantine and act as on a real finding (on a history of its own)
+    soak: str | None = None  # a checked burn-in per device after the probes (aegis scan --soak), e.g. "5m"
     history: HistoryConfig = field(default_factory=HistoryConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     exports: ExportsConfig = field(default_factory=ExportsConfig)
@@ -79,6 +80,12 @@ class SweepConfig:
 
         check_seed(self.seed)
         self._check_probes()
+        if self.soak is not None:  # counted in each worker's time: a burn-in as long as the timeout would end ERROR
+            from aegis_cli.soak.record import parse_duration
+
+            if parse_duration(self.soak, "soak:") >= self.device_timeout_seconds:
+                raise ConfigError(f"soak: {self.soak} leaves no time for the probes within device_timeout_seconds "
+                                  f"({self.device_timeout_seconds:g} s)")
         if self.max_parallel < 0 or self.fingerprint_cases < 0:
             raise ConfigError("max_parallel and fingerprint_cases must be ≥ 0")
         if self.inject:

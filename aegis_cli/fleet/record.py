@@ -46,7 +46,7 @@ def sweep_doc(cfg: SweepConfig, devices: list[dict], started: float, extra: dict
     doc["finished"] = report_mod._now()
     doc["exit_code"] = int(overall_exit(Verdict(d["verdict"]) for d in devices))
     doc["sweep"] = {"config": cfg.source, "budget_seconds": cfg.budget_seconds, "device_timeout_seconds": cfg.device_timeout_seconds,
-                    **(extra or {})}
+                    "soak": cfg.soak, **(extra or {})}
     return doc
 
 

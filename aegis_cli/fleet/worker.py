@@ -113,6 +113,13 @@ def run(spec: dict) -> dict:
         files.atomic_write(spec["output"] + ".partial.json", report_mod.render(partial, "json"))
     dr = scan_device(device, opts, plan and plan.for_device(device_id), quiet)
     _keep_priority_findings(dr, pre)
+    if spec.get("soak"):  # sweep.yaml soak: a checked burn-in after the probes (docs/soak.md)
+        from aegis_cli.soak.record import parse_duration
+        from aegis_cli.soak.run import SoakOptions, soak_after
+
+        soak_after(dr, device, SoakOptions(seconds=parse_duration(spec["soak"], "soak:"), devices=device_id, workload=opts.workload,
+                                           seed=opts.seed, reruns=opts.reruns, thresholds=opts.thresholds,
+                                           command_line=opts.command_line), plan and plan.for_device(device_id))
     doc = dr.to_dict(opts.thresholds.tau)
     log("scanned", device=device_id, verdict=dr.verdict.value, seconds=round(time.time() - t0, 2))
     limit = int(spec.get("fingerprint_cases", 12))

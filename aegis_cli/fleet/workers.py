@@ -107,7 +107,7 @@ def _run_workers(cfg: SweepConfig, plans: list[DevicePlan], identities: dict[str
                     continue
                 spec = {"device": w.plan.device_id, "workload": cfg.workload, "seed": cfg.seed, "reruns": cfg.reruns, "fail_fast": cfg.fail_fast,
                         "probes": w.plan.probes, "inject": cfg.inject, "priority_cases": w.plan.priority_cases,
-                        "fingerprint_cases": cfg.fingerprint_cases, "output": w.out,
+                        "fingerprint_cases": cfg.fingerprint_cases, "output": w.out, "soak": cfg.soak,
                         "command_line": ["aegis", "sweep", "--config", cfg.source]}
                 spec_path = w.out + ".spec"
                 Path(spec_path).write_text(json.dumps(spec), encoding="utf-8")

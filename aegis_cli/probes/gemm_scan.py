@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from aegis_cli.backends.base import Device, memory_shortfall
 from aegis_cli.ops import workloads
-from aegis_cli.ops.case import CaseId, scale_token
+from aegis_cli.ops.case import CaseId
 from aegis_cli.ops.errors import ConfigError
 from aegis_cli.ops.verdict import Evidence
 from aegis_cli.probes import NODE_PROBES, PROBES, ProbeConfig, ProbeContext, load_all, register
@@ -41,11 +41,20 @@ def plan_cases(wl: workloads.Workload, seed: int, case: str | None = None) -> li
         if not cases:
             raise ConfigError(f"case {case!r} is not in workload {wl.name!r} (case ids look like "
                               f"{wl.name}/OP/LAYOUT/DIST/MxNxK/s+0+0)")
-        if cid not in [cases[0].group_id.with_scale(ea, eb) for ea, eb in wl.scan.scales]:
-            # else the scan would run the base scale, ignore it and say HEALTHY
-            raise ConfigError(f"case {case!r}: workload {wl.name!r} has no such scale (its scales: "
-                              f"{', '.join(scale_token(ea, eb) for ea, eb in wl.scan.scales)})")
+        if cid.scale is None:  # a case's group: the scan would run nothing of it and say HEALTHY
+            raise ConfigError(f"case {case!r} names no scale (case ids end in one, e.g. {cases[0].case_id(0, 0)})")
     return cases
+
+
+def case_scales(wl: workloads.Workload, case: str | None) -> list[list[int]]:
+    """The scales a scan runs: the workload's, and a ``--case``'s own scale beyond them (a burn-in
+    launch of ``aegis scan --soak`` runs at any scale where scaling its inputs is exact; the probe
+    refuses one where it is not)."""
+    scales = [list(s) for s in wl.scan.scales]
+    scale = CaseId.parse(case).scale if case else None
+    if scale is not None and list(scale) not in scales:
+        scales.append(list(scale))
+    return scales
 
 
 def preflight(devices: list[Device], ctx: ProbeContext) -> None:
@@ -88,10 +97,11 @@ def gemm_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
                       on_case=lambda cid: ctx.progress("case", device=device.identity.id, case=cid), tally=ctx.tally)
     evidence: list[Evidence] = []
     cases = plan_cases(wl, config.seed, config.case)
+    scales = case_scales(wl, config.case)
     for i, case in enumerate(cases):
-        evidence += probe.run(case, wl.scan.scales, only=config.case)
+        evidence += probe.run(case, scales, only=config.case)
         if ctx.tally.stopped:  # fail-fast: the cases not run are named, and counted as progress
-            probe.skip([c.case_id(ea, eb) for c in cases[i + 1:] for ea, eb in wl.scan.scales])
+            probe.skip([c.case_id(ea, eb) for c in cases[i + 1:] for ea, eb in scales])
             break
     ctx.stats["gemm"] = probe.stats
     ctx.captured.update(probe.flagged_runs)

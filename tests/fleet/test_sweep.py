@@ -360,13 +360,13 @@ def test_priority_case_caught_again_is_not_lost(tmp_path):
     seed = next(s for s in range(1000) if coin(s, 0) < 0.5 <= coin(s, 1))  # fires in the priority run only
     spec = {"device": "cpu:0", "workload": str(wl), "seed": 0, "reruns": 3, "probes": ["gemm"],
             "inject": f"bitflip:bit=30,prob=0.5,seed={seed},op=mlp_down", "fingerprint_cases": 0,
-            "priority_cases": [cid, "two/mlp_down/fwd/normal/160x256x512/s+9+9"], "output": str(tmp_path / "w.json")}
+            "priority_cases": [cid, "two/qkv/fwd/normal/160x384x256/s+0+0"], "output": str(tmp_path / "w.json")}
     doc = worker.run(spec)
     assert json.loads((tmp_path / "w.json.partial.json").read_text())["verdict"] == "FAULTY"
     assert doc["verdict"] == "FAULTY"
     assert {e["case_id"] for e in doc["evidence"]} == {cid}
     verdicts = doc["probes"]["sweep"]["priority"]["verdicts"]
-    assert verdicts[cid] == "FAULTY" and verdicts["two/mlp_down/fwd/normal/160x256x512/s+9+9"].startswith("not run:")
+    assert verdicts[cid] == "FAULTY" and verdicts["two/qkv/fwd/normal/160x384x256/s+0+0"].startswith("not run:")
 
 
 def _apply(tmp_path, cfg_path, verdicts: dict[str, str], logs: list | None = None):

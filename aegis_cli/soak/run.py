@@ -1,0 +1,392 @@
+"""The burn-in loop of ``aegis scan --soak DURATION`` (docs/soak.md). Never prints.
+
+For the duration, each device runs its workload's training GEMMs back to back in our checked
+kernels, input set after input set of the schedule (schedule.py). A set's fp64 reference
+checksums are computed once, while the set before it runs: a scale's are the base's times
+2^(ea+eb), exactly. Every launch is screened where it ran (checks/screen.py: fused checksums at
+τ; its C's fingerprint against the base's C scaled exactly), and the flags are read one window
+of launches behind, so the GPU never waits for the host. A flagged launch is checked in full
+and confirmed by the scan's own GEMM checks and judgement (the first one; later ones are
+counted), and every launch names the case id and seed that re-run it
+(``aegis scan --seed S --case ID``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from aegis_cli.backends import resolve_devices
+from aegis_cli.backends.base import Device, memory_shortfall
+from aegis_cli.backends.fingerprints import device_fingerprint_tensor
+from aegis_cli.backends.nvml import Telemetry
+from aegis_cli.backends.soak_cuda import Launcher
+from aegis_cli.checks import screen
+from aegis_cli.faults.spec import FaultPlan
+from aegis_cli.ops import numerics
+from aegis_cli.ops.case import check_seed
+from aegis_cli.ops.errors import AegisError, ConfigError, DeviceError, GoldenError
+from aegis_cli.ops.gemm import GemmOperands, GemmResult, ReferenceChecksums
+from aegis_cli.ops.verdict import Evidence, Verdict, worst
+from aegis_cli.probes import DEFAULT_RERUNS, ProbeConfig
+from aegis_cli.probes.gemm import GemmProbe, ProbeStats, case_bytes, clean_median, scaled, scaled_reference
+from aegis_cli.probes.gemm_scan import workload_for
+from aegis_cli.report import DeviceReport, Report, new_report
+from aegis_cli.soak.record import SoakRecord
+from aegis_cli.soak.schedule import REPEATS, SCALES, SET_FLOPS, SetPlan, pow2, set_case, set_plan
+
+Progress = Callable[..., None]  # as scan's: progress("start" | "soak" | "device_done", **info)
+
+WINDOW = {"cuda": 64, "cpu": 4}  # launches screened per host read; on a GPU the host reads one window behind
+CONFIRM = 1  # failing launches confirmed in full (re-runs, fp64 recomputation, judgement); later ones are counted
+MAX_RERUNS = 1000  # as aegis scan's
+
+
+@dataclass
+class SoakOptions:
+    """What the burn-in is asked for. It also answers what a report records of a scan's options
+    (report.RunOptions): the fields below ``command_line`` are a scan's that the burn-in refuses."""
+
+    seconds: float
+    devices: str = "auto"
+    workload: str | None = None  # None: cpu-quick on CPUs, llama3-70b on GPUs, as the scan
+    seed: int = 0
+    reruns: int = DEFAULT_RERUNS  # re-runs confirming a failing launch
+    inject: str | None = None
+    thresholds: numerics.Thresholds = field(default_factory=numerics.Thresholds)
+    command_line: list[str] = field(default_factory=list)
+    case: str | None = None
+    keep_flagged: bool = False
+    golden: str | None = None
+    probe_options: dict[str, str] = field(default_factory=dict)
+    probes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        check_seed(self.seed)
+        if not 1 <= self.reruns <= MAX_RERUNS:
+            raise ConfigError(f"--reruns must lie in 1…{MAX_RERUNS}, got {self.reruns}")
+        refused = {"--case": self.case, "--save-vtasks": self.keep_flagged, "--golden": self.golden,
+                   "--probe-option": self.probe_options}
+        given = [k for k, v in refused.items() if v]
+        if given:
+            raise ConfigError(f"--soak runs its own schedule of checked GEMMs and takes no {', '.join(given)} "
+                              "(re-run a failing launch with aegis scan --seed S --case ID)")
+
+    def probe_config(self) -> ProbeConfig:
+        return ProbeConfig(seed=self.seed, reruns=self.reruns, thresholds=self.thresholds, workload=self.workload)
+
+
+# ---------------------------------------------------------------------------- one device
+@dataclass
+class _Set:
+    """An input set while its launches are in flight: operands, reference, the base run."""
+
+    plan: SetPlan
+    ops: GemmOperands
+    ref: ReferenceChecksums
+    tau: float
+    median: float | None  # a perturb fault's unit (FaultPlan.needs_clean_median), else None
+    base: GemmResult | None = None  # its first launch: the bits every scale must give, scaled
+    matched: bool = False  # a launch after the base gave the expected bits: the base is right
+    base_blamed: bool = False  # no launch after the base gave its bits: the base run is the odd one
+
+
+@dataclass
+class _Launch:
+    """One launch until its window is read: its result stays on the device for confirmation."""
+
+    index: int  # of the burn-in's launches, from 0
+    s: _Set
+    scale: tuple[int, int]
+    res: GemmResult
+    fp: torch.Tensor  # (1,) int64 on the device: its C's fingerprint
+    expected: torch.Tensor  # (1,) int64: the fingerprint of the base's C at this scale
+    lim: screen.Limits
+
+
+@dataclass
+class _Window:
+    """Launches screened together, their flags on the way to the host."""
+
+    launches: list[_Launch]
+    host: torch.Tensor  # (3n + 2,) int64: flagged checksums, fingerprint mismatches, fingerprints, noise (fp64 bits)
+    event: object | None  # recorded after the copy (CUDA)
+    flops: int
+
+
+class _Soak:
+    def __init__(self, device: Device, opts: SoakOptions, fault: FaultPlan | None, progress: Progress):
+        self.device, self.opts, self.fault, self.progress = device, opts, fault, progress
+        self.wl = workload_for(opts.probe_config(), device)
+        self.th = opts.thresholds
+        self.launcher = Launcher(device)
+        backend = device.identity.backend
+        self.cuda = backend == "cuda"
+        self.window = WINDOW.get(backend, WINDOW["cpu"])
+        self.stats = ProbeStats()
+        self.rec = SoakRecord(opts.seconds, opts.seed, {
+            "workload": self.wl.name, "window": self.window, "scales_per_set": SCALES, "repeats": list(REPEATS),
+            "set_flops": SET_FLOPS.get(backend, SET_FLOPS["cpu"]),
+            "rule": "input set i: shape i mod #shapes, distribution (i div #shapes) mod #distributions, scan seed "
+                    "case_seed(seed, 'soak', i); scales drawn from that seed over the exact range; each scale repeated"})
+        self.evidence: list[Evidence] = []
+        self.noise: list[torch.Tensor] = []  # (clean max, clean max ÷ τ) of each scale's first launch, on the device
+        self.n = 0  # launches enqueued
+
+    # -- input sets ------------------------------------------------------------------
+    def _draw(self, index: int) -> tuple:
+        """Enqueue input set ``index``'s operands, reference and magnitudes, and start copying the
+        magnitudes back; it is drawn while the set before it runs, so starting it needs no sync."""
+        case = set_case(self.wl, self.opts.seed, index)
+        ops = case.operands(self.device)
+        ref = self.device.reference_checksums(ops, self.device.tile)
+        mags, event = screen.magnitudes(ops), None
+        if self.cuda:
+            host = torch.empty(mags.shape, dtype=mags.dtype, pin_memory=True)
+            mags, event = host.copy_(mags, non_blocking=True), torch.cuda.Event()
+            event.record()
+        return index, case, ops, ref, mags, event
+
+    def _begin(self, drawn: tuple) -> _Set:
+        index, case, ops, ref, mags, event = drawn
+        t = time.monotonic()
+        if event is not None:
+            event.synchronize()
+        self.rec.host_wait += time.monotonic() - t
+        amin, amax, bmin, bmax = mags.tolist()
+        mag = numerics.Magnitudes(amin, amax, bmin, bmax, case.shape.k) if amax > 0 and bmax > 0 else None
+        plan = set_plan(self.wl, self.opts.seed, index, self.n, self.device.identity.backend, mag)
+        med = clean_median(self.device, ops, ref) if self.fault is not None and self.fault.needs_clean_median() else None
+        self.rec.visit(plan)
+        return _Set(plan, ops, ref, self.th.tau_for(self.device, case.shape.k), med)
+
+    # -- the loop --------------------------------------------------------------------
+    def run(self) -> None:
+        telemetry = Telemetry(self.device.identity)
+        try:
+            self.rec.start(telemetry)
+            self._loop(telemetry)
+        finally:
+            telemetry.close()
+
+    def _loop(self, telemetry: Telemetry) -> None:
+        t0 = time.monotonic()
+        pending: list[_Launch] = []
+        waiting: _Window | None = None
+        drawn = self._draw(0)
+        while time.monotonic() - t0 < self.opts.seconds:
+            s = self._begin(drawn)
+            drawn = self._draw(s.plan.index + 1)  # runs on the GPU ahead of this set's launches
+            for scale in s.plan.scales:
+                if time.monotonic() - t0 >= self.opts.seconds:
+                    break
+                for launch in self._scale_run(s, scale, t0):
+                    pending.append(launch)
+                    if len(pending) == self.window:
+                        waiting = self._rotate(waiting, self._close(pending), telemetry)
+                        pending = []
+        window = self._close(pending) if pending else None
+        waiting = self._rotate(waiting, window, telemetry)
+        self._rotate(waiting, None, telemetry)
+        self.rec.finish(telemetry)
+        self.stats.seconds = self.rec.elapsed
+
+    def _scale_run(self, s: _Set, scale: tuple[int, int], t0: float):
+        """The launches of one scale of input set ``s`` (enqueued lazily, so the caller can stop)."""
+        ea, eb = scale
+        ops = GemmOperands(pow2(s.ops.a, ea), pow2(s.ops.b, eb), s.ops.layout)
+        ref = scaled_reference(s.ref, ea + eb)
+        lim = screen.limits(ref, s.tau)
+        prepared = self.launcher.prepare(ops)
+        cid = s.plan.case.case_id(ea, eb)
+        expected = None
+        for r in range(s.plan.repeats):
+            if r and time.monotonic() - t0 >= self.opts.seconds:
+                return
+            res = self.launcher.run(prepared, self.fault, op=cid, clean_median=s.median)
+            if s.base is None:
+                s.base = res
+            if expected is None:  # the base's C at this scale: exact (numerics.pow2_exact_safe)
+                expected = device_fingerprint_tensor(pow2(s.base.c, ea + eb))
+                clean = screen.clean_max(res, ref, s.tau)
+                self.noise.append(torch.stack([clean, clean / s.tau]))
+            self.stats.checksums += res.row_sums.numel() + res.col_sums.numel()
+            yield _Launch(self.n, s, scale, res, device_fingerprint_tensor(res.c), expected, lim)
+            self.n += 1
+
+    def _close(self, launches: list[_Launch]) -> _Window:
+        """Screen a window of launches on the device and start copying the flags to the host."""
+        flags, start = [], 0
+        for i in range(1, len(launches) + 1):  # consecutive launches of one scale share their limits
+            if i == len(launches) or launches[i].lim is not launches[start].lim:
+                run = launches[start:i]
+                flags.append(screen.flagged([x.res.row_sums for x in run], [x.res.col_sums for x in run], run[0].lim))
+                start = i
+        fps = torch.cat([x.fp for x in launches])
+        clean = torch.stack(self.noise).amax(0) if self.noise else fps.new_zeros(2, dtype=torch.float64)
+        self.noise = []
+        # one copy back: flags, mismatches, fingerprints, and the noise's two fp64 values as their bits
+        pack = torch.cat([torch.cat(flags), (fps != torch.cat([x.expected for x in launches])).long(), fps,
+                          clean.view(torch.int64)])
+        event = None
+        if self.cuda:
+            host = torch.empty(pack.shape, dtype=pack.dtype, pin_memory=True)
+            host.copy_(pack, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = pack
+        return _Window(launches, host, event, sum(x.s.plan.case.shape.flops for x in launches))
+
+    def _rotate(self, waiting: _Window | None, new: _Window | None, telemetry: Telemetry) -> _Window | None:
+        """Read the window the GPU has (nearly) finished while ``new`` runs; returns ``new``."""
+        if waiting is not None:
+            if waiting.event is not None:
+                t = time.monotonic()
+                try:
+                    waiting.event.synchronize()
+                except Exception as exc:
+                    raise DeviceError(f"{self.device.identity.id}: asynchronous failure during the burn-in: {exc}") from exc
+                self.rec.host_wait += time.monotonic() - t
+            self._read(waiting)
+            self.rec.tick(telemetry, self.progress, self.device.identity.id)
+        return new
+
+    def _read(self, w: _Window) -> None:
+        n = len(w.launches)
+        flagged, mismatch = w.host[:n].tolist(), w.host[n:2 * n].tolist()
+        clean_max, clean_ratio = w.host[3 * n:].view(torch.float64).tolist()
+        self.stats.gemms += n
+        self.stats.flops += w.flops
+        self.rec.completed([x.s.plan.case.shape for x in w.launches], w.flops)
+        self.stats.clean_max, self.stats.clean_ratio = max(self.stats.clean_max, clean_max), max(self.stats.clean_ratio, clean_ratio)
+        for x, m in zip(w.launches, mismatch, strict=True):
+            if not m and x.index != x.s.plan.first:
+                x.s.matched = True
+        for x, f, m in zip(w.launches, flagged, mismatch, strict=True):
+            if f:
+                self._fail(x, f, bool(m))
+            elif m and not x.s.base_blamed:
+                if x.s.matched:
+                    self._fail(x, 0, True)
+                else:  # nothing after the base gave its bits: the base run is the odd one
+                    x.s.base_blamed = True
+                    base = dataclasses.replace(x, index=x.s.plan.first, scale=(0, 0), res=x.s.base)
+                    self._fail(base, 0, True, blamed=x)
+
+    # -- failures --------------------------------------------------------------------
+    def _fail(self, x: _Launch, flagged: int, mismatch: bool, blamed: _Launch | None = None) -> None:
+        case = x.s.plan.case
+        cid = case.case_id(*x.scale)
+        k = self.rec.failure(x.index, cid, case.seed, flagged, mismatch, self.opts, self.device.identity.id)
+        if k <= CONFIRM:
+            self.evidence += self._confirm(x, blamed)
+
+    def _confirm(self, x: _Launch, blamed: _Launch | None) -> list[Evidence]:
+        """The scan's own checks and confirmation (probes/gemm.py, checks/judge.py) on the flagged
+        launch's result: re-runs of its exact inputs, fingerprints, fp64 recomputation."""
+        self.device.synchronize()
+        s, (ea, eb) = x.s, x.scale
+        probe = GemmProbe(self.device, self.th, reruns=self.opts.reruns, fault=self.fault)
+        ops = scaled(s.ops, ea, eb) if x.scale != (0, 0) else s.ops
+        ref = scaled_reference(s.ref, ea + eb)
+        if blamed is not None:  # the base against the bits later runs gave, scaled back (exact)
+            expected = numerics.pow2_scale(blamed.res.c, -sum(blamed.scale))
+        else:
+            expected = None if s.base_blamed else numerics.pow2_scale(s.base.c, ea + eb)
+        cid = s.plan.case.case_id(ea, eb)
+
+        def once():
+            res = self.device.checked_gemm(ops, self.fault, op=cid, clean_median=s.median)
+            probe._count(s.plan.case.shape, res)
+            return res, probe._signals(res, ref, expected, s.tau)
+
+        signals = probe._signals(x.res, ref, expected, s.tau)
+        found = probe._confirm(s.plan.case, ea, eb, x.res, signals, once, s.tau, ops) if signals else []
+        self.stats.gemms += probe.stats.gemms
+        self.stats.flops += probe.stats.flops
+        if found:
+            return found
+        # the screen saw it, the full checks did not (a fingerprint against a base that was itself
+        # off, with no run of the base's scale to compare): counted, never confirmed
+        sh = s.plan.case.shape
+        return [Evidence(check="soak.screen", severity=Verdict.SUSPECT, case_id=cid, op=sh.op, layout=sh.layout.value,
+                         shape={"m": sh.m, "n": sh.n, "k": sh.k}, dist=s.plan.case.dist, scale=[ea, eb], seed=s.plan.case.seed,
+                         kernel=x.res.kernel, summary="soak.screen: the burn-in's screen flagged this launch, and its full "
+                         "checks found nothing to confirm")]
+
+
+def soak_device(device: Device, opts: SoakOptions, fault: FaultPlan | None, progress: Progress) -> DeviceReport:
+    """The burn-in on one device; any failure of the device → ERROR (FAULTY evidence kept)."""
+    t0 = time.time()
+    dr = DeviceReport(identity=device.identity, verdict=Verdict.ERROR)
+    soak = None
+    ran = Verdict.HEALTHY
+    try:
+        soak = _Soak(device, opts, fault, progress)
+        soak.run()
+    except AegisError as exc:
+        if isinstance(exc, (ConfigError, GoldenError)):
+            raise
+        dr.error, ran = str(exc), Verdict.ERROR
+    except Exception as exc:  # a driver or runtime failure during the burn-in: the device is not trusted
+        dr.error, ran = f"{type(exc).__name__}: {exc}", Verdict.ERROR
+    if soak is not None:
+        dr.evidence = soak.rec.annotate(soak.evidence)
+        dr.workload, dr.stats, dr.soak = soak.wl.name, soak.stats, soak.rec.to_dict()
+    dr.verdict = worst([ran, *(e.severity for e in dr.evidence)])
+    dr.seconds = time.time() - t0
+    progress("device_done", device=device.identity.id, verdict=dr.verdict.value)
+    return dr
+
+
+def soak_after(dr: DeviceReport, device: Device, opts: SoakOptions, fault: FaultPlan | None) -> DeviceReport:
+    """A burn-in after a scan of the same device (a sweep's ``soak:``): its evidence and its
+    section join the scan's report ``dr``, whose verdict it can only worsen."""
+    sr = soak_device(device, opts, fault, lambda *_a, **_k: None)
+    dr.evidence += sr.evidence
+    dr.soak = sr.soak
+    if sr.error:
+        dr.error = (dr.error + "; " if dr.error else "") + f"soak: {sr.error}"
+    dr.verdict = worst([dr.verdict, sr.verdict])
+    dr.seconds += sr.seconds
+    return dr
+
+
+def preflight(opts: SoakOptions, devices: list[Device]) -> None:
+    """Refuse, before any device runs, a workload that would not fit: a case's operands, scaled
+    copies and reference, and two windows of results."""
+    for d in devices:
+        wl = workload_for(opts.probe_config(), d)
+        held = 2 * WINDOW.get(d.identity.backend, WINDOW["cpu"])  # results of two windows: C, 2 bytes an element
+        big = max(wl.gemms(), key=lambda s: case_bytes(s.m, s.n, s.k) + held * s.m * s.n * 2)
+        need = case_bytes(big.m, big.n, big.k) + held * big.m * big.n * 2
+        short = memory_shortfall(d, need)
+        if short is not None:
+            raise ConfigError(f"--soak: workload {wl.name!r}: its largest GEMM ({big.op} {big.layout.value} "
+                              f"{big.m}x{big.n}x{big.k}) needs about {need / 2**30:.1f} GiB on {d.identity.id}, {short[1]}")
+
+
+def run_soak(opts: SoakOptions, progress: Progress | None = None) -> Report:
+    """``aegis scan --soak``: the burn-in on every device of ``opts.devices``, one after another."""
+    progress = progress or (lambda *_a, **_k: None)
+    plan = FaultPlan.parse(opts.inject) if opts.inject else None
+    devices = resolve_devices(opts.devices)
+    if plan is not None:
+        plan.check_devices([d.identity.id for d in devices])
+    preflight(opts, devices)
+    report = new_report(opts)
+    report.options["soak_seconds"] = opts.seconds
+    progress("start", total=round(opts.seconds * len(devices)), devices=[d.identity.id for d in devices], soak=True)
+    for device in devices:
+        fault = plan.for_device(device.identity.id) if plan else None
+        report.devices.append(soak_device(device, opts, fault, progress))
+    if plan is not None:
+        report.never_fired = plan.never_fired()
+    report.finish()
+    return report
+
