@@ -47,13 +47,14 @@ class AttentionSignal:
     """One check that fired on one run."""
 
     check: str
-    max_value: float  # normalised difference (invariants), 1.0 (an exact expectation broken)
+    max_value: float  # difference in units of σ (invariants), 1.0 (an exact expectation broken)
     where: torch.Tensor  # (E, n) int64 on the host: flagged positions of ``tensor``
     tensor: str  # which output or sum the positions index (OUTPUT_AXES)
     observed: torch.Tensor | None = None
     expected: torch.Tensor | None = None
     diff: torch.Tensor | None = None
-    bound: float | None = None  # normalised rounding bound (invariants)
+    bound: float | None = None  # rounding bound in units of s (invariants)
+    rel_max: float | None = None  # the largest flagged difference in units of s
 
     @property
     def elements(self) -> int:
@@ -86,7 +87,7 @@ def invariant_signals(diffs: sums.Diffs, th: AttentionThresholds, ops: Attention
         if bool(flag.any()):
             found.append(AttentionSignal(PREFIX + name, float(d.max()), flag.nonzero().cpu(), name,
                                          observed=diffs.observed[name], expected=diffs.expected[name], diff=d,
-                                         bound=sums.rounding_bound(name, ops, scale)))
+                                         bound=sums.rounding_bound(name, ops, scale), rel_max=float(diffs.rel[name][flag].max())))
     return Checked(found, clean, {n: th.tau[n] for n in diffs.diff})
 
 
@@ -125,15 +126,11 @@ def check_attention(ops: AttentionOperands, fwd: AttentionForward, bwd: Attentio
                     expected: dict[str, torch.Tensor] | None = None) -> Checked:
     """Every attention check of one run: the invariants (the forward's and dQ's need ``ref``),
     NaN/Inf, and each output bit for bit against ``expected`` (the base run's, scaled) where given."""
-    diffs = sums.Diffs({}, {}, {})
+    diffs = sums.Diffs()
     if ref is not None:
-        f = sums.forward_diffs(ops, fwd, ref, scale)
-        diffs = sums.Diffs(dict(f.diff), dict(f.observed), dict(f.expected))
+        diffs.update(sums.forward_diffs(ops, fwd, ref, scale))
     if bwd is not None:
-        b = sums.backward_diffs(ops, bwd, ref, scale)
-        diffs.diff.update(b.diff)
-        diffs.observed.update(b.observed)
-        diffs.expected.update(b.expected)
+        diffs.update(sums.backward_diffs(ops, bwd, ref, scale))
     checked = invariant_signals(diffs, th, ops, scale)
     outs = outputs_of(fwd, bwd)
     for extra in (nonfinite_signal(outs), pow2_signal(outs, expected) if expected is not None else None):
@@ -157,9 +154,9 @@ def judge_signal(sig: AttentionSignal, *, distinct_outputs: int, reproducible: b
     margin = judge.margin(sig.max_value, tau) if tau else None
 
     def doubt() -> str | None:
-        if sig.bound is not None and sig.max_value <= sig.bound:
+        if sig.bound is not None and sig.rel_max is not None and sig.rel_max <= sig.bound:
             return (f"{margin:.3g}× over threshold, but within the rounding bound of this invariant "
-                    f"({sig.max_value:.3g} ≤ {sig.bound:.3g}): could be rounding")
+                    f"({sig.rel_max:.3g}·s ≤ {sig.bound:.3g}·s): could be rounding")
         return None
 
     return judge.judge((sig.check,), distinct_outputs=distinct_outputs, reproducible=reproducible, margin=margin,

@@ -165,11 +165,11 @@ class AttentionFault:
 def apply_fault(fault: AttentionFault | None, stage: str, shape: AttentionShape, tile: torch.Tensor,
                 starts: tuple[int, ...] = ()) -> bool:
     """Corrupt ``tile`` (fp32, in place) where ``fault`` hits it: ``tile`` holds the stage's
-    tensor from ``starts`` (offsets of its leading-aligned dims; missing ones are 0). True if it hit."""
+    tensor from offset ``starts`` in each dim (none: the whole tensor). True if it hit."""
     if fault is None or fault.stage != stage:
         return False
     at = fault.coords(shape)
-    starts = (0,) * (len(at) - len(starts)) + tuple(starts) if len(starts) < len(at) else starts
+    starts = starts or (0,) * len(at)
     local = [c - s for c, s in zip(at, starts, strict=True)]
     if not all(0 <= x < n for x, n in zip(local, tile.shape, strict=True)):
         return False
@@ -218,18 +218,18 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
         for j0 in range(0, i1 if causal else s, block):
             j1 = min(s, j0 + block)
             sc = (qi @ k32[:, :, j0:j1].transpose(-1, -2)) * scale
-            apply_fault(fault, "scores", shape, sc, (i0, j0))
+            apply_fault(fault, "scores", shape, sc, (0, 0, i0, j0))
             if causal:
                 sc = sc.masked_fill(_mask(sc, i0, j0), -math.inf)
             m_new = torch.maximum(m, sc.amax(-1))
             p = torch.exp(sc - m_new.unsqueeze(-1))
-            apply_fault(fault, "softmax", shape, p, (i0, j0))
+            apply_fault(fault, "softmax", shape, p, (0, 0, i0, j0))
             alpha = torch.exp(m - m_new)
             l_sum = l_sum * alpha + p.sum(-1)
             acc = acc * alpha.unsqueeze(-1) + _bf16(p) @ v32[:, :, j0:j1]
             m = m_new
         oi = acc / l_sum.unsqueeze(-1)
-        apply_fault(fault, "pv", shape, oi, (0, 0, i0))
+        apply_fault(fault, "pv", shape, oi, (0, 0, i0, 0))
         li = m + torch.log(l_sum)
         apply_fault(fault, "lse", shape, li, (0, 0, i0))
         o[:, :, i0:i1], lse[:, :, i0:i1] = oi, li
@@ -262,10 +262,10 @@ def flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
             if causal:
                 sc = sc.masked_fill(_mask(sc, i0, j0), -math.inf)
             p = torch.exp(sc - lse[:, :, i0:i1].unsqueeze(-1))
-            apply_fault(fault, "recompute_p", shape, p, (i0, j0))
+            apply_fault(fault, "recompute_p", shape, p, (0, 0, i0, j0))
             dv_acc += _bf16(p).transpose(-1, -2) @ do32[:, :, i0:i1]
             dp = do32[:, :, i0:i1] @ vj.transpose(-1, -2)
-            apply_fault(fault, "dp", shape, dp, (i0, j0))
+            apply_fault(fault, "dp", shape, dp, (0, 0, i0, j0))
             ds = _bf16(p * (dp - delta[:, :, i0:i1].unsqueeze(-1)))
             dk_acc += ds.transpose(-1, -2) @ q32[:, :, i0:i1]
             dq[:, :, i0:i1] += ds @ kj
@@ -293,6 +293,10 @@ class AttentionReference:
     dv: torch.Tensor  # (B, Hkv, S, D)
     o_rowsum_scale: torch.Tensor  # (B, Hq, S): Σ_j P_ij·Σ_d|V_jd|
     dq_rowsum_scale: torch.Tensor  # (B, Hq, S): scale·Σ_j P_ij(A_ij + Ā_i)·Σ_d|K_jd|, A = |dO|·|V|ᵀ
+    o_rowsum_sigma: torch.Tensor  # (B, Hq, S): the bf16 rounding of P's spread in O·1 (attention_sums)
+    dq_rowsum_sigma: torch.Tensor  # (B, Hq, S): that of dS and D_i in dQ·1
+    p_rms: torch.Tensor  # (B, Hq, S): ‖P_i‖₂, the spread of the bf16 rounding of P's row sum (÷ 2⁻⁹)
+    ds_rms: torch.Tensor  # (B, Hq, S): ‖dS_i‖₂ + r_i, that of dS's row sum (÷ 2⁻⁹)
     p_min: float  # the smallest P_ij a query may attend to (0.0: some underflows fp64)
 
     def rescaled(self, ev: int, edo: int) -> AttentionReference:
@@ -300,7 +304,8 @@ class AttentionReference:
         by 2^(ev+edo); LSE unchanged."""
         fv, fdo = 2.0**ev, 2.0**edo
         return AttentionReference(self.o * fv, self.lse, self.dq * (fv * fdo), self.dk * (fv * fdo), self.dv * fdo,
-                                  self.o_rowsum_scale * fv, self.dq_rowsum_scale * (fv * fdo), self.p_min)
+                                  self.o_rowsum_scale * fv, self.dq_rowsum_scale * (fv * fdo), self.o_rowsum_sigma * fv,
+                                  self.dq_rowsum_sigma * (fv * fdo), self.p_rms, self.ds_rms * (fv * fdo), self.p_min)
 
 
 def reference(ops: AttentionOperands, scale: float, *, rows: int = 256) -> AttentionReference:
@@ -313,8 +318,10 @@ def reference(ops: AttentionOperands, scale: float, *, rows: int = 256) -> Atten
     k, v = _expand(ops.k.double(), g), _expand(ops.v.double(), g)
     b, h, s, d = q.shape
     vabs, kabs = v.abs().sum(-1), k.abs().sum(-1)  # (B, Hq, S)
+    v1, k1 = v.sum(-1).unsqueeze(-2), k.sum(-1).unsqueeze(-2)  # (B, Hq, 1, S): V·1 and K·1 per key
     out = {n: torch.empty((b, h, s, *t), dtype=torch.float64) for n, t in (("o", (d,)), ("lse", ()), ("dq", (d,)),
-                                                                          ("os", ()), ("dqs", ()))}
+                                                                          ("os", ()), ("dqs", ()), ("osg", ()), ("dqsg", ()),
+                                                                          ("prms", ()), ("dsrms", ()))}
     dk = torch.zeros((b, h, s, d), dtype=torch.float64)
     dv = torch.zeros((b, h, s, d), dtype=torch.float64)
     p_min = 1.0
@@ -330,7 +337,15 @@ def reference(ops: AttentionOperands, scale: float, *, rows: int = 256) -> Atten
         ds = p * (dp - (p * dp).sum(-1, keepdim=True))
         a = do[:, :, i0:i1].abs() @ v.abs().transpose(-1, -2)
         a_bar = (p * a).sum(-1, keepdim=True)
-        out["o"][:, :, i0:i1] = p @ v
+        o = p @ v
+        out["o"][:, :, i0:i1] = o
+        # rounding spreads (docs/attention.md §3): each bf16 rounding of P or dS moves its product by
+        # at most 2⁻⁹ of it, independently; D_i's error (from the bf16 O and P) shifts a row's dS together
+        rms = lambda x: x.square().sum(-1).sqrt()
+        out["osg"][:, :, i0:i1] = 2.0**-8 * (rms(p * v1) + rms(p) * (p * v1).sum(-1).abs())
+        r = rms(p * dp) + rms(do[:, :, i0:i1] * o)
+        out["dqsg"][:, :, i0:i1] = scale * 2.0**-8 * (rms(ds * k1) + r * (p * k1).sum(-1).abs())
+        out["prms"][:, :, i0:i1], out["dsrms"][:, :, i0:i1] = rms(p), rms(ds) + r
         out["lse"][:, :, i0:i1] = lse
         out["dq"][:, :, i0:i1] = (ds @ k) * scale
         out["os"][:, :, i0:i1] = (p * vabs.unsqueeze(-2)).sum(-1)
@@ -338,4 +353,5 @@ def reference(ops: AttentionOperands, scale: float, *, rows: int = 256) -> Atten
         dk += (ds.transpose(-1, -2) @ q[:, :, i0:i1]) * scale
         dv += p.transpose(-1, -2) @ do[:, :, i0:i1]
     fold = lambda t: t.reshape(b, shape.kv_heads, g, s, d).sum(2)
-    return AttentionReference(out["o"], out["lse"], out["dq"], fold(dk), fold(dv), out["os"], out["dqs"], p_min)
+    return AttentionReference(out["o"], out["lse"], out["dq"], fold(dk), fold(dv), out["os"], out["dqs"], out["osg"],
+                              out["dqsg"], out["prms"], out["dsrms"], p_min)
