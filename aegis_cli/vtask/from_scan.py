@@ -15,6 +15,7 @@ import os
 from aegis_cli.backends import resolve_devices
 from aegis_cli.backends.base import Device, DeviceIdentity
 from aegis_cli.backends.loader import kernel_hashes
+from aegis_cli.checks.attention import ATTENTION_CHECKS
 from aegis_cli.checks.gemm import GEMM_CHECKS
 from aegis_cli.faults.spec import FaultPlan
 from aegis_cli.ops.case import CaseId
@@ -24,6 +25,7 @@ from aegis_cli.ops.provenance import versions
 from aegis_cli.ops.verdict import Evidence
 from aegis_cli.probes.gemm import clean_median, draw_operands, scaled
 from aegis_cli.report import Report
+from aegis_cli.vtask import attention
 from aegis_cli.vtask.bundle import BundleWriter
 from aegis_cli.vtask.capture import ObservedGemm, capture_gemm
 from aegis_cli.vtask.model import MAX_STRING
@@ -72,13 +74,31 @@ def scan_provenance(report: Report, ident: DeviceIdentity, workload: str, inject
     return {k: v for k, v in prov.items() if v is not None}
 
 
+def _save_attention(writer: BundleWriter, dr, report: Report, plan: FaultPlan | None) -> None:
+    """One device's flagged attention cases, one vTask per finding."""
+    found = [e for e in dr.evidence if e.check in ATTENTION_CHECKS]
+    if not found:
+        return
+    device = resolve_devices(dr.identity.id)[0]
+    fault = plan.for_device(dr.identity.id) if plan else None
+    prov = scan_provenance(report, dr.identity, dr.workload, any(e.injected for e in found))
+    by_case: dict[str, list[Evidence]] = {}
+    for e in found:
+        by_case.setdefault(e.case_id, []).append(e)
+    for evs in by_case.values():
+        for vt in attention.capture_scan_case(device, evs, fault, prov):
+            writer.add(vt)
+
+
 def save_scan_vtasks(report: Report, path: str | os.PathLike) -> int:
     """Save every flagged GEMM case of a scan as vTasks in one bundle; returns how many.
-    Evidence of non-GEMM checks is skipped (no vTask kind for it yet)."""
+    Attention findings become vTasks of kind attention (vtask/attention.py); evidence of other
+    checks is skipped (no vTask kind for it yet)."""
     thresholds = Thresholds(tau=report.tau, confirm_margin=report.options["confirm_margin"])
     plan = FaultPlan.parse(report.injected[0]) if report.injected else None  # a scan's one --inject spec
     writer = BundleWriter(path)
     for dr in report.devices:
+        _save_attention(writer, dr, report, plan)
         ev_gemm = [e for e in dr.evidence if e.check in GEMM_CHECKS]
         if not ev_gemm:
             continue
