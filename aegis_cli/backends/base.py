@@ -17,13 +17,13 @@ import socket
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from aegis_cli.ops.attention import AttentionBackward, AttentionForward
 from aegis_cli.ops.gemm import GemmOperands, GemmResult, ReferenceChecksums
 
 if TYPE_CHECKING:  # torch is heavy; import lazily at run time
     import torch
 
     from aegis_cli.faults.spec import FaultPlan
+    from aegis_cli.ops.attention import AttentionBackward, AttentionForward
 
 
 def node_name() -> str:

@@ -106,6 +106,16 @@ def count_cases(devices: list[Device], config: ProbeConfig) -> int:
     return sum(len(SCALES) * len(workload_for(config, d).scan.distributions) for d in devices)
 
 
+def run_pass(device: Device, ops: AttentionOperands, fault: FaultPlan | None, cid: str):
+    """Forward and backward of case ``cid`` on ``device``: the launch ops ``cid:fwd`` and
+    ``cid:bwd`` are where ``fault``'s positions are drawn (at every scale of the case alike)."""
+    sc = ops.shape.scale
+    fwd = device.attention_forward(ops.q, ops.k, ops.v, causal=ops.causal, scale=sc, fault=fault, op=f"{cid}:fwd")
+    bwd = device.attention_backward(ops.q, ops.k, ops.v, fwd.o, fwd.lse, ops.do, causal=ops.causal, scale=sc,
+                                    fault=fault, op=f"{cid}:bwd")
+    return fwd, bwd
+
+
 @dataclass
 class Stats:
     cases: int = 0
@@ -125,13 +135,9 @@ class AttentionProbe:
         self.stats = Stats()
 
     def _once(self, ops: AttentionOperands, ref, expected, cid: str):
-        sc = ops.shape.scale
-        d = self.device
-        fwd = d.attention_forward(ops.q, ops.k, ops.v, causal=ops.causal, scale=sc, fault=self.fault, op=f"{cid}:fwd")
-        bwd = d.attention_backward(ops.q, ops.k, ops.v, fwd.o, fwd.lse, ops.do, causal=ops.causal, scale=sc,
-                                   fault=self.fault, op=f"{cid}:bwd")
+        fwd, bwd = run_pass(self.device, ops, self.fault, cid)
         self.stats.runs += 1
-        return fwd, bwd, checks.check_attention(ops, fwd, bwd, ref, sc, self.th, expected=expected)
+        return fwd, bwd, checks.check_attention(ops, fwd, bwd, ref, ops.shape.scale, self.th, expected=expected)
 
     def run(self, case: AttentionCase, only: str | None = None) -> list[Evidence]:
         t0 = time.perf_counter()

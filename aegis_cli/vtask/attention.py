@@ -20,7 +20,7 @@ from aegis_cli.faults.spec import FaultPlan, recent_injections
 from aegis_cli.ops import attention_sums as sums
 from aegis_cli.ops.attention import AttentionOperands, AttentionShape, reference
 from aegis_cli.ops.verdict import Evidence, Verdict, worst
-from aegis_cli.probes.attention import AttentionCase
+from aegis_cli.probes.attention import AttentionCase, case_bytes, run_pass
 from aegis_cli.vtask.model import ATTENTION_INPUTS, AttentionSpec, VTask
 
 RERUN = "re-run at save time on the capturing device"
@@ -33,22 +33,13 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").reshape(-1, t.shape[-1]).contiguous()
 
 
-def run_case(device: Device, ops: AttentionOperands, fault: FaultPlan | None, cid: str):
-    """One forward+backward on ``device`` as the probe runs it (launch ops ``cid:fwd``, ``cid:bwd``)."""
-    sc = ops.shape.scale
-    fwd = device.attention_forward(ops.q, ops.k, ops.v, causal=ops.causal, scale=sc, fault=fault, op=f"{cid}:fwd")
-    bwd = device.attention_backward(ops.q, ops.k, ops.v, fwd.o, fwd.lse, ops.do, causal=ops.causal, scale=sc,
-                                    fault=fault, op=f"{cid}:bwd")
-    return fwd, bwd
-
-
 def capture_scan_case(device: Device, evidence: list[Evidence], fault: FaultPlan | None, provenance: dict) -> list[VTask]:
     """The vTasks of one flagged attention case of a scan (``evidence``: its findings at one scale)."""
     ev = evidence[0]
     s = ev.shape
     shape = AttentionShape(s["batch"], s["q_heads"], s["kv_heads"], s["seq"], s["head_dim"], s["causal"])
     ops = sums.scaled_operands(AttentionCase(shape, ev.dist, ev.seed).operands(device), *ev.scale)
-    fwd, bwd = run_case(device, ops, fault, ev.case_id)
+    fwd, bwd = run_pass(device, ops, fault, ev.case_id)
     spec = AttentionSpec(shape.batch, shape.q_heads, shape.kv_heads, shape.seq, shape.head_dim, shape.causal, shape.scale)
     tensors = {"q": _flat(ops.q), "k": _flat(ops.k), "v": _flat(ops.v), "do": _flat(ops.do),
                **{k: _flat(t) for k, t in checks.outputs_of(fwd, bwd).items()}}
@@ -70,8 +61,6 @@ def capture_scan_case(device: Device, evidence: list[Evidence], fault: FaultPlan
 
 def replay_bytes(vt: VTask) -> int:
     """Upper estimate of the memory replaying ``vt`` holds (probes.attention.case_bytes' rule)."""
-    from aegis_cli.probes.attention import case_bytes
-
     a = vt.attention
     return 2 * case_bytes(AttentionShape(a.batch, a.q_heads, a.kv_heads, a.seq, a.head_dim, a.causal))
 
@@ -87,10 +76,10 @@ def replay(device: Device, vt: VTask, repeat: int, fault: FaultPlan | None, bund
     ev_, edo = vt.scale
     if (ev_, edo) != (0, 0):  # the base scale, restored exactly: every run must be its outputs, scaled
         base = sums.scaled_operands(ops, -ev_, -edo)
-        expected = checks.expected_at(checks.outputs_of(*run_case(device, base, fault, vt.case_id or vt.id)), ev_, edo)
+        expected = checks.expected_at(checks.outputs_of(*run_pass(device, base, fault, vt.case_id or vt.id)), ev_, edo)
     prints, fired, first = set(), {}, None
     for _ in range(repeat):
-        fwd, bwd = run_case(device, ops, fault, vt.case_id or vt.id)
+        fwd, bwd = run_pass(device, ops, fault, vt.case_id or vt.id)
         c = checks.check_attention(ops, fwd, bwd, ref, a.scale, th, expected=expected)
         prints.add(tuple(device.fingerprint(t) for t in checks.outputs_of(fwd, bwd).values()))
         for s in c.signals:

@@ -74,20 +74,17 @@ def scan_provenance(report: Report, ident: DeviceIdentity, workload: str, inject
     return {k: v for k, v in prov.items() if v is not None}
 
 
-def _save_attention(writer: BundleWriter, dr, report: Report, plan: FaultPlan | None) -> None:
-    """One device's flagged attention cases, one vTask per finding."""
-    found = [e for e in dr.evidence if e.check in ATTENTION_CHECKS]
+def _flagged(dr, report: Report, plan: FaultPlan | None, checks) -> tuple | None:
+    """One device's findings of ``checks`` by case id, with the device, its faults and the
+    provenance of its vTasks; None where it has none."""
+    found = [e for e in dr.evidence if e.check in checks]
     if not found:
-        return
-    device = resolve_devices(dr.identity.id)[0]
-    fault = plan.for_device(dr.identity.id) if plan else None
-    prov = scan_provenance(report, dr.identity, dr.workload, any(e.injected for e in found))
+        return None
     by_case: dict[str, list[Evidence]] = {}
     for e in found:
         by_case.setdefault(e.case_id, []).append(e)
-    for evs in by_case.values():
-        for vt in attention.capture_scan_case(device, evs, fault, prov):
-            writer.add(vt)
+    return (resolve_devices(dr.identity.id)[0], plan.for_device(dr.identity.id) if plan else None,
+            scan_provenance(report, dr.identity, dr.workload, any(e.injected for e in found)), by_case)
 
 
 def save_scan_vtasks(report: Report, path: str | os.PathLike) -> int:
@@ -98,16 +95,16 @@ def save_scan_vtasks(report: Report, path: str | os.PathLike) -> int:
     plan = FaultPlan.parse(report.injected[0]) if report.injected else None  # a scan's one --inject spec
     writer = BundleWriter(path)
     for dr in report.devices:
-        _save_attention(writer, dr, report, plan)
-        ev_gemm = [e for e in dr.evidence if e.check in GEMM_CHECKS]
-        if not ev_gemm:
+        flagged = _flagged(dr, report, plan, ATTENTION_CHECKS)
+        if flagged is not None:  # one vTask per finding, a re-run's outputs (vtask/attention.py)
+            device, fault, prov, by_case = flagged
+            for evs in by_case.values():
+                for vt in attention.capture_scan_case(device, evs, fault, prov):
+                    writer.add(vt)
+        flagged = _flagged(dr, report, plan, GEMM_CHECKS)
+        if flagged is None:
             continue
-        device = resolve_devices(dr.identity.id)[0]
-        fault = plan.for_device(dr.identity.id) if plan else None
-        prov = scan_provenance(report, dr.identity, dr.workload, any(e.injected for e in ev_gemm))
-        by_case: dict[str, list[Evidence]] = {}
-        for e in ev_gemm:
-            by_case.setdefault(e.case_id, []).append(e)
+        device, fault, prov, by_case = flagged
         # a group's flagged scales come one after another and share its draw: drawn once for them all
         drawn: tuple[tuple, GemmOperands] | None = None  # ((group, seed), base operands)
         for cid, evs in by_case.items():
