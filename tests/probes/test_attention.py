@@ -86,3 +86,19 @@ def test_grammar_accepts_and_gemm_ignores_attention_faults():
     plan = FaultPlan.parse("mask:target=attn.dk,mask=0x80000000;perturb:target=attn.scores,r=3;bitflip:target=attn.lse,index=5")
     assert [f.target for f in plan.faults] == ["attn.dk", "attn.scores", "attn.lse"]
     assert not plan.needs_clean_median()
+
+
+def test_json_report_of_an_attention_finding_validates(capsys):
+    import json
+    from pathlib import Path
+
+    from tests.helpers import run_cli
+
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((Path(__file__).resolve().parents[2] / "docs" / "report.schema.json").read_text())
+    code, out, _ = run_cli(capsys, "scan", "-q", "--workload", TINY, "--probes", "attention", "--reruns", "1",
+                           "--format", "json", "--inject", "perturb:target=attn.dq,r=1000,index=5")
+    doc = json.loads(out)
+    jsonschema.validate(doc, schema)
+    assert code == 2 and {e["check"] for e in doc["devices"][0]["evidence"]} >= {"attention.dq_rowsum"}
+    assert all(e["case_id"].startswith(CASE) for e in doc["devices"][0]["evidence"])
