@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # torch is heavy; import lazily at run time
     import torch
 
     from aegis_cli.faults.spec import FaultPlan
+    from aegis_cli.ops.attention import AttentionBackward, AttentionForward
 
 
 def node_name() -> str:
@@ -85,6 +86,21 @@ class Device(abc.ABC):
         the hardware fault it models would act (``op`` names the case for the fault's
         filters, ``clean_median`` scales perturbation faults). Synchronises and checks
         errors; raises DeviceError when the device fails."""
+
+    @abc.abstractmethod
+    def attention_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
+                          fault: FaultPlan | None = None, op: str = "") -> AttentionForward:
+        """Checked flash-attention forward (ops/attention.py: shapes, GQA, what each output
+        holds): O, the log-sum-exp and the row sums of the fp32 O accumulator. ``fault``'s
+        ``target=attn.*`` faults of the forward stages act inside the pass (faults/attention.py).
+        Synchronises; raises DeviceError when the device fails."""
+
+    @abc.abstractmethod
+    def attention_backward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                           lse: torch.Tensor, do: torch.Tensor, *, causal: bool, scale: float,
+                           fault: FaultPlan | None = None, op: str = "") -> AttentionBackward:
+        """Checked, deterministic flash-attention backward from the forward's O and LSE: dQ,
+        dK, dV and the fused sums of their fp32 accumulators; backward-stage faults as above."""
 
     @abc.abstractmethod
     def reference_checksums(self, ops: GemmOperands, tile: tuple[int, int]) -> ReferenceChecksums:

@@ -24,8 +24,9 @@ import torch
 
 from aegis_cli.backends.base import Backend, Device, DeviceIdentity, node_name
 from aegis_cli.faults import tensor as corrupt
+from aegis_cli.faults.attention import pass_fault
 from aegis_cli.faults.spec import FaultPlan, LaunchContext
-from aegis_cli.ops import fingerprint, numerics
+from aegis_cli.ops import attention, fingerprint, numerics
 from aegis_cli.ops.errors import DeviceError
 from aegis_cli.ops.gemm import GemmOperands, GemmResult, ReferenceChecksums
 
@@ -126,6 +127,16 @@ class CpuDevice(Device):
         return GemmResult(c=c, row_sums=row_sums, col_sums=col_sums, tile=self.tile,
                           tile_sm=torch.from_numpy(tile_sm), kernel="cpu-fp32acc",
                           injected=fault is not None)
+
+    def attention_forward(self, q, k, v, *, causal: bool, scale: float, fault: FaultPlan | None = None,
+                          op: str = "") -> attention.AttentionForward:
+        af = pass_fault(fault, self.identity.id, op, attention.AttentionShape.of(q, k, causal), attention.FORWARD_STAGES)
+        return attention.flash_forward(q, k, v, causal=causal, scale=scale, fault=af)
+
+    def attention_backward(self, q, k, v, o, lse, do, *, causal: bool, scale: float, fault: FaultPlan | None = None,
+                           op: str = "") -> attention.AttentionBackward:
+        af = pass_fault(fault, self.identity.id, op, attention.AttentionShape.of(q, k, causal), attention.BACKWARD_STAGES)
+        return attention.flash_backward(q, k, v, o, lse, do, causal=causal, scale=scale, fault=af)
 
     def reference_checksums(self, ops: GemmOperands, tile: tuple[int, int]) -> ReferenceChecksums:
         return numerics.reference_checksums(ops, tile)

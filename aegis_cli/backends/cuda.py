@@ -23,19 +23,21 @@ Importing this module touches neither CuPy nor CUDA.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import importlib.util
 import os
 from dataclasses import dataclass, field
 
 import torch
 
-from aegis_cli.backends import fingerprint_cuda, loader
+from aegis_cli.backends import cuda_attention, fingerprint_cuda, loader
 from aegis_cli.backends.base import Backend, Device
 from aegis_cli.backends.cuda_identity import device_identity
 from aegis_cli.faults import tensor as corrupt
+from aegis_cli.faults.attention import pass_fault
 from aegis_cli.faults.kernel_params import InjectParams, acc_faults, inject_params, no_inject
 from aegis_cli.faults.spec import FaultPlan, LaunchContext
-from aegis_cli.ops import numerics
+from aegis_cli.ops import attention, numerics
 from aegis_cli.ops.errors import ConfigError, DeviceError
 from aegis_cli.ops.gemm import GemmOperands, GemmResult, Layout, ReferenceChecksums
 
@@ -261,6 +263,56 @@ class CudaDevice(Device):
             fault.launches += 1
         return GemmResult(c=c, row_sums=row_sums, col_sums=col_sums, tile=self.tile, tile_sm=tile_sm,
                           kernel=f"gemm_{launch.kernel}" + ("+inject" if inj is not None else ""), injected=fault is not None)
+
+    # -- checked attention (kernels/attention_*.cu through backends/cuda_attention.py) ------------
+    def _attention_run(self, what: str, shape: attention.AttentionShape, tensors: dict, af, call):
+        """Check the inputs, pad the head dim to one the kernels take (64 or 128: zeros in Q, K,
+        V and dO change no score and no sum), run ``call(padded tensors, fault tuple)`` and
+        synchronise; DeviceError names the launch."""
+        for name, t in tensors.items():
+            if t.device != self.torch_device or (name not in ("lse",) and t.dtype != torch.bfloat16):
+                raise DeviceError(f"cuda:{self.index}: attention {name} must be a bf16 tensor on {self.torch_device}, "
+                                  f"got {t.dtype} on {t.device}")
+        d = shape.head_dim
+        if d > 128:
+            raise ConfigError(f"attention head dim {d}: the CUDA kernels take head dims up to 128")
+        dp = 64 if d <= 64 else 128
+        padded = {n: (t if n == "lse" or dp == d else torch.nn.functional.pad(t, (0, dp - d))).contiguous()
+                  for n, t in tensors.items()}
+        if af is not None and dp != d:
+            af = af.moved(shape, dataclasses.replace(shape, head_dim=dp))
+        try:
+            with torch.cuda.device(self.torch_device):
+                out = call(padded, af.as_tuple() if af is not None else None)
+                torch.cuda.synchronize(self.torch_device)
+        except (DeviceError, ConfigError):
+            raise
+        except Exception as exc:
+            raise DeviceError(f"cuda:{self.index}: attention {what} {shape.token()} failed: {exc}") from exc
+        return out, d
+
+    def attention_forward(self, q, k, v, *, causal: bool, scale: float, fault: FaultPlan | None = None,
+                          op: str = "") -> attention.AttentionForward:
+
+        shape = attention.AttentionShape.of(q, k, causal)
+        af = pass_fault(fault, self.identity.id, op, shape, attention.FORWARD_STAGES)
+        call = lambda t, f: cuda_attention.attention_forward(t["q"], t["k"], t["v"], causal=causal, scale=scale, fault=f)
+        (o, lse, o_rowsum), d = self._attention_run("forward", shape, {"q": q, "k": k, "v": v}, af, call)
+        return attention.AttentionForward(o[..., :d].contiguous(), lse, o_rowsum,
+                                          kernel="attention_fwd" + ("+inject" if af is not None else ""))
+
+    def attention_backward(self, q, k, v, o, lse, do, *, causal: bool, scale: float, fault: FaultPlan | None = None,
+                           op: str = "") -> attention.AttentionBackward:
+
+        shape = attention.AttentionShape.of(q, k, causal)
+        af = pass_fault(fault, self.identity.id, op, shape, attention.BACKWARD_STAGES)
+        call = lambda t, f: cuda_attention.attention_backward(t["q"], t["k"], t["v"], t["o"], t["lse"], t["do"],
+                                                              causal=causal, scale=scale, fault=f)
+        (dq, dk, dv, dq_rs, dk_cs, dv_cs), d = self._attention_run(
+            "backward", shape, {"q": q, "k": k, "v": v, "o": o, "lse": lse, "do": do}, af, call)
+        cut = lambda t: t[..., :d].contiguous()
+        return attention.AttentionBackward(cut(dq), cut(dk), cut(dv), dq_rs, cut(dk_cs), cut(dv_cs),
+                                           kernel="attention_bwd" + ("+inject" if af is not None else ""))
 
     def _operand_faults(self, plan: FaultPlan, ctx: LaunchContext, ops: GemmOperands) -> tuple[torch.Tensor, torch.Tensor]:
         """target=a|b: corrupt host copies of the operands (corrupt.py) and feed those to the kernel;

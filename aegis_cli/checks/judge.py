@@ -26,7 +26,8 @@ from aegis_cli.checks.recompute import Recompute
 from aegis_cli.ops.verdict import Verdict
 
 # checks whose firing no rounding can explain: exact expectations and rigorous bounds
-RIGOROUS = frozenset({"gemm.nonfinite", "gemm.output_rowsum", "gemm.pow2_exact", "gemm.element_reference"})
+RIGOROUS = frozenset({"gemm.nonfinite", "gemm.output_rowsum", "gemm.pow2_exact", "gemm.element_reference",
+                      "attention.nonfinite", "attention.pow2_exact"})
 
 
 @dataclass(frozen=True)

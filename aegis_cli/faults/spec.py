@@ -14,6 +14,11 @@ Each fault acts where the hardware fault it models would act:
               probe buffers, repeated outputs of the determinism, golden and cross-device
               probes): ``memflip`` flips stored bits, ``swap`` exchanges two stored elements.
               Only those probes apply it (docs/fingerprints.md); the GEMM backends never see it.
+- target=attn.STAGE  one fp32 value of a checked-attention stage (ops/attention.py STAGES:
+              load_q, scores, softmax, pv, lse in the forward; recompute_p, dp, dv, dk, dq in
+              the backward), before any fused sum reads it: ``bitflip`` and ``mask`` XOR its
+              bits, ``perturb`` adds ``r`` to it; ``index=`` pins the flat index, else it is drawn
+              (docs/attention.md §5). Only the attention probe applies them.
 A fault is permanent by default (fires on every launch, at positions fixed by its seed);
 ``prob=p`` makes it intermittent. The backend calls ``FaultPlan`` at each stage.
 """
@@ -26,16 +31,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from aegis_cli.ops.attention import STAGES as ATTENTION_STAGES
 from aegis_cli.ops.case import op_site
 from aegis_cli.ops.errors import InjectSpecError
 
+ATTN_TARGETS = {f"attn.{s}" for s in ATTENTION_STAGES}
 MODELS = {
     # model: (allowed keys beyond the common ones, allowed targets)
-    "bitflip": ({"bit", "count", "row", "col"}, {"acc", "out", "a", "b"}),
-    "mask": ({"mask", "count", "row", "col"}, {"acc", "out", "a", "b"}),
+    "bitflip": ({"bit", "count", "row", "col", "index"}, {"acc", "out", "a", "b"} | ATTN_TARGETS),
+    "mask": ({"mask", "count", "row", "col", "index"}, {"acc", "out", "a", "b"} | ATTN_TARGETS),
     "stuck-lane": ({"mask", "stride", "offset"}, {"acc", "out"}),
     "replace": ({"span", "value", "row", "col"}, {"acc", "out", "a", "b"}),
-    "perturb": ({"rate", "r"}, {"acc"}),
+    "perturb": ({"rate", "r", "index"}, {"acc"} | ATTN_TARGETS),
     "tile": ({"mode", "tile", "every", "sm", "value", "kstep"}, {"acc"}),
     "row": ({"mode", "row", "value"}, {"acc"}),
     "memflip": ({"bit", "count", "index"}, {"mem"}),
@@ -139,6 +146,7 @@ def _validate(text: str, f: FaultSpec) -> None:
     if f.target not in targets:
         raise InjectSpecError(f"--inject {text!r}: target={f.target} not valid for {f.model} (valid: {', '.join(sorted(targets))})")
     p = f.params
+    _validate_attention(text, f)
     for key in ("count", "row", "col", "stride", "offset", "every", "sm", "seed", "kstep", "index"):
         if key in p:
             _check_int(text, key, p[key], lo=1 if key in ("count", "stride", "every") else 0)
@@ -152,7 +160,7 @@ def _validate(text: str, f: FaultSpec) -> None:
         _check_float(text, "value", p["value"], -3e38, 3e38)
     if "mask" in p:
         _check_int(text, "mask", p["mask"], lo=1)
-        width = 32 if f.target == "acc" else 16  # fp32 accumulator; bf16 output and operands
+        width = 32 if f.target == "acc" or is_attention(f) else 16  # fp32 accumulator and stages; bf16 output and operands
         if int(p["mask"], 0) >> width:  # bits the element lacks: dropped, so 0x10000 on a bf16 flipped nothing
             raise InjectSpecError(f"--inject {text!r}: mask={p['mask']} has bits above bit {width - 1}; "
                                   f"target={f.target} elements have {width}")
@@ -195,6 +203,26 @@ def _validate_training(text: str, f: FaultSpec) -> None:
         raise InjectSpecError(f"--inject {text!r}: persist must be 0 or 1")
     if f.params.get("persist") == "1" and "step" not in f.params:
         raise InjectSpecError(f"--inject {text!r}: persist=1 needs step=N (without step= the fault fires after every update)")
+
+
+def is_attention(f: FaultSpec) -> bool:
+    return f.target in ATTN_TARGETS
+
+
+def _validate_attention(text: str, f: FaultSpec) -> None:
+    """An attention fault is one value of one stage per pass: ``index=`` pins it; row, col,
+    count and rate (GEMM placements) mean nothing there. ``index=`` means nothing elsewhere
+    (except for the memory models, which define it)."""
+    if f.model in ("memflip", "swap"):
+        return
+    if is_attention(f):
+        bad = sorted(k for k in ("row", "col", "rate") if k in f.params)
+        if bad or f.params.get("count", "1") != "1":
+            raise InjectSpecError(f"--inject {text!r}: target={f.target} hits one value per pass (index= pins it); "
+                                  f"{', '.join(bad) or 'count'} does not apply")
+    elif "index" in f.params:
+        raise InjectSpecError(f"--inject {text!r}: index= pins an attention fault (target=attn.STAGE); "
+                              f"target={f.target} takes row= and col=")
 
 
 def _validate_worker(text: str, f: FaultSpec) -> None:
@@ -296,19 +324,19 @@ class FaultPlan:
         return [str(f) for s, f in zip(self.slots, self.faults, strict=True) if s not in self.fired]
 
     def needs_clean_median(self) -> bool:
-        return any(f.model == "perturb" for f in self.faults)
+        return any(f.model == "perturb" and not is_attention(f) for f in self.faults)
 
     def describe(self) -> list[str]:
         return [str(f) for f in self.faults]
 
     # -- per-launch ---------------------------------------------------------------
     def active(self, ctx: LaunchContext, stage: str) -> list[tuple[FaultSpec, np.random.Generator]]:
-        """Faults that fire at ``stage`` (operands|acc|out|mem) on this launch. Positions come
+        """Faults that fire at ``stage`` (operands|acc|out|mem|attn) on this launch. Positions come
         from a generator seeded by (fault seed, op) so a permanent fault sits still;
         firing of an intermittent fault is drawn per launch."""
         fired = []
         for i, f in zip(self.slots, self.faults, strict=True):
-            st = {"a": "operands", "b": "operands", "acc": "acc", "out": "out", "mem": "mem"}[f.target]
+            st = "attn" if is_attention(f) else {"a": "operands", "b": "operands", "acc": "acc", "out": "out", "mem": "mem"}[f.target]
             if st != stage or not f.applies_to(ctx.device_id, ctx.op):
                 continue
             if f.prob < 1.0:

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from aegis_cli.ops.numerics import Thresholds
     from aegis_cli.ops.verdict import Evidence
 
-DEFAULT_PROBES = ("gemm", "determinism", "pow2", "memory", "crossdevice")
+DEFAULT_PROBES = ("gemm", "determinism", "pow2", "memory", "crossdevice", "attention")
 DEFAULT_RERUNS = 5  # re-runs of a flagged case (aegis scan --reruns)
 
 

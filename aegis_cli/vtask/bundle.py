@@ -25,8 +25,21 @@ from pathlib import Path
 import torch
 
 from aegis_cli.ops.errors import AegisError, BundleError
-from aegis_cli.vtask.manifest import HEX64, ID_RE, Check, InputCheck, check_vtask, loads, short, tree_problem, vtask_from_entry
-from aegis_cli.vtask.model import DTYPES, FORMAT, FORMAT_VERSION, MAX_DEPTH, MAX_DIM, READABLE_VERSIONS, TORCH_DTYPE_NAME, Bundle, GemmSpec, Limits, VTask
+from aegis_cli.vtask.attention_entry import input_problem
+from aegis_cli.vtask.manifest import HEX64, ID_RE, Check, InputCheck, check_vtask, loads, short, spec_of, tree_problem, vtask_from_entry
+from aegis_cli.vtask.model import (
+    ATTENTION_INPUTS,
+    DTYPES,
+    FORMAT,
+    FORMAT_VERSION,
+    MAX_DEPTH,
+    MAX_DIM,
+    READABLE_VERSIONS,
+    TORCH_DTYPE_NAME,
+    Bundle,
+    Limits,
+    VTask,
+)
 
 
 # -- reading ---------------------------------------------------------------------------------
@@ -133,8 +146,9 @@ def _parse(data: bytes, label: str, limits: Limits) -> Bundle:
         if v["id"] in seen:
             raise ck.fail(f"duplicate vTask id {v['id']!r}")
         seen.add(v["id"])
-        g = v["gemm"]
-        spec = GemmSpec.from_json(g)
+        spec = spec_of(v)
+        what = (f"a {spec.layout.value} GEMM of {spec.m_sub}x{spec.n_sub}x{spec.k}" if v["kind"] == "gemm" else
+                f"attention of batch {spec.batch}, {spec.q_heads}/{spec.kv_heads} heads, seq {spec.seq}, head dim {spec.head_dim}")
         for role, name in names.items():
             if name not in header:
                 raise ck.fail(f"vTask {v['id']!r}: tensor {name!r} (role {role}) is not in the file")
@@ -142,7 +156,7 @@ def _parse(data: bytes, label: str, limits: Limits) -> Bundle:
             e = header[name]
             if e["dtype"] != dt or tuple(e["shape"]) != shape:
                 raise ck.fail(f"vTask {v['id']!r}: tensor {name!r} (role {role}) is {e['dtype']} {e['shape']}, "
-                              f"expected {dt} {list(shape)} for a {g['layout']} GEMM of {spec.m_sub}x{spec.n_sub}x{spec.k}")
+                              f"expected {dt} {list(shape)} for {what}")
             used.add(name)
         entries.append((v, names, spec))
     unused = sorted(set(header) - used)
@@ -165,9 +179,17 @@ def _parse(data: bytes, label: str, limits: Limits) -> Bundle:
         raise ck.fail(f"safetensors rejected the file ({str(exc).splitlines()[0][:160]})") from None
     vtasks = []
     inputs = InputCheck(ck)
+    attention_inputs: dict[tuple, str | None] = {}
     for v, names, spec in entries:
         ts = {role: tensors[name] for role, name in names.items()}
-        inputs.check(v["id"], ts, names, spec.layout)
+        if v["kind"] == "attention":
+            problem = attention_inputs.get(tuple(names[r] for r in ATTENTION_INPUTS), "unchecked")
+            if problem == "unchecked":  # once per set of stored inputs, however many vTasks share it
+                problem = attention_inputs[tuple(names[r] for r in ATTENTION_INPUTS)] = input_problem(ts)
+            if problem:
+                raise ck.fail(f"vTask {v['id']!r}: {problem}")
+        else:
+            inputs.check(v["id"], ts, names, spec.layout)
         vtasks.append(vtask_from_entry(v, spec, ts))
     return Bundle(label, int(meta["format_version"]), created, producer, vtasks)
 
@@ -232,10 +254,15 @@ class BundleWriter:
             raise ck.fail(f"a bundle holds at most {Limits().max_vtasks} vTasks (what readers accept); save the rest in another")
         check_vtask(ck, len(self._vtasks), vt.manifest_entry({r: "x" for r in vt.tensors}))
         for role, t in vt.tensors.items():
-            dt, shape = vt.gemm.expected(role)
+            dt, shape = vt.spec.expected(role)
             if TORCH_DTYPE_NAME.get(t.dtype) != dt or tuple(t.shape) != shape:
                 raise ck.fail(f"vTask {vt.id!r}: tensor {role} is {t.dtype} {list(t.shape)}, expected {dt} {list(shape)}")
-        InputCheck(ck).check(vt.id, vt.tensors, {"a": "a", "b": "b"}, vt.gemm.layout)
+        if vt.kind == "attention":
+            problem = input_problem(vt.tensors)
+            if problem:
+                raise ck.fail(f"vTask {vt.id!r}: {problem}")
+        else:
+            InputCheck(ck).check(vt.id, vt.tensors, {"a": "a", "b": "b"}, vt.gemm.layout)
         self._ids.add(vt.id)
         self._vtasks.append(vt)
 

@@ -15,6 +15,7 @@ import os
 from aegis_cli.backends import resolve_devices
 from aegis_cli.backends.base import Device, DeviceIdentity
 from aegis_cli.backends.loader import kernel_hashes
+from aegis_cli.checks.attention import ATTENTION_CHECKS
 from aegis_cli.checks.gemm import GEMM_CHECKS
 from aegis_cli.faults.spec import FaultPlan
 from aegis_cli.ops.case import CaseId
@@ -24,6 +25,7 @@ from aegis_cli.ops.provenance import versions
 from aegis_cli.ops.verdict import Evidence
 from aegis_cli.probes.gemm import clean_median, draw_operands, scaled
 from aegis_cli.report import Report
+from aegis_cli.vtask import attention
 from aegis_cli.vtask.bundle import BundleWriter
 from aegis_cli.vtask.capture import ObservedGemm, capture_gemm
 from aegis_cli.vtask.model import MAX_STRING
@@ -72,22 +74,37 @@ def scan_provenance(report: Report, ident: DeviceIdentity, workload: str, inject
     return {k: v for k, v in prov.items() if v is not None}
 
 
+def _flagged(dr, report: Report, plan: FaultPlan | None, checks) -> tuple | None:
+    """One device's findings of ``checks`` by case id, with the device, its faults and the
+    provenance of its vTasks; None where it has none."""
+    found = [e for e in dr.evidence if e.check in checks]
+    if not found:
+        return None
+    by_case: dict[str, list[Evidence]] = {}
+    for e in found:
+        by_case.setdefault(e.case_id, []).append(e)
+    return (resolve_devices(dr.identity.id)[0], plan.for_device(dr.identity.id) if plan else None,
+            scan_provenance(report, dr.identity, dr.workload, any(e.injected for e in found)), by_case)
+
+
 def save_scan_vtasks(report: Report, path: str | os.PathLike) -> int:
     """Save every flagged GEMM case of a scan as vTasks in one bundle; returns how many.
-    Evidence of non-GEMM checks is skipped (no vTask kind for it yet)."""
+    Attention findings become vTasks of kind attention (vtask/attention.py); evidence of other
+    checks is skipped (no vTask kind for it yet)."""
     thresholds = Thresholds(tau=report.tau, confirm_margin=report.options["confirm_margin"])
     plan = FaultPlan.parse(report.injected[0]) if report.injected else None  # a scan's one --inject spec
     writer = BundleWriter(path)
     for dr in report.devices:
-        ev_gemm = [e for e in dr.evidence if e.check in GEMM_CHECKS]
-        if not ev_gemm:
+        flagged = _flagged(dr, report, plan, ATTENTION_CHECKS)
+        if flagged is not None:  # one vTask per finding, a re-run's outputs (vtask/attention.py)
+            device, fault, prov, by_case = flagged
+            for evs in by_case.values():
+                for vt in attention.capture_scan_case(device, evs, fault, prov):
+                    writer.add(vt)
+        flagged = _flagged(dr, report, plan, GEMM_CHECKS)
+        if flagged is None:
             continue
-        device = resolve_devices(dr.identity.id)[0]
-        fault = plan.for_device(dr.identity.id) if plan else None
-        prov = scan_provenance(report, dr.identity, dr.workload, any(e.injected for e in ev_gemm))
-        by_case: dict[str, list[Evidence]] = {}
-        for e in ev_gemm:
-            by_case.setdefault(e.case_id, []).append(e)
+        device, fault, prov, by_case = flagged
         # a group's flagged scales come one after another and share its draw: drawn once for them all
         drawn: tuple[tuple, GemmOperands] | None = None  # ((group, seed), base operands)
         for cid, evs in by_case.items():

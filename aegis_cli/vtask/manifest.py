@@ -18,7 +18,19 @@ from aegis_cli.checks.gemm import GEMM_CHECKS
 from aegis_cli.ops import numerics
 from aegis_cli.ops.errors import BundleError
 from aegis_cli.ops.gemm import GemmOperands, Layout
-from aegis_cli.vtask.model import GEMM_ROLES, KINDS, MAX_DIM, MAX_SAMPLES, MAX_STRING, NORMALISATIONS, SEVERITIES, TAU_RANGE, GemmSpec, VTask
+from aegis_cli.vtask.attention_entry import check_attention
+from aegis_cli.vtask.model import (
+    GEMM_ROLES,
+    KINDS,
+    MAX_DIM,
+    MAX_SAMPLES,
+    MAX_STRING,
+    SEVERITIES,
+    TAU_RANGE,
+    AttentionSpec,
+    GemmSpec,
+    VTask,
+)
 
 # matched with fullmatch: "$" would also accept a trailing newline
 ID_RE = re.compile(r"[A-Za-z0-9._:/+=@-]{1,256}")
@@ -148,17 +160,25 @@ _OBSERVED = {"severity", "summary", "max_normalised_diff", "margin", "elements",
 def check_vtask(ck: Check, i: int, v) -> tuple[dict, dict]:
     """Validate one manifest vTask entry; returns (entry, role → tensor name)."""
     w = f"vtasks[{i}]"
-    v = ck.obj(v, w, {"id", "kind", "check", "op", "gemm", "tensors", "scale", "threshold"},
-               {"case_id", "seed", "dist", "observed", "provenance", "extra"})
+    kind = v.get("kind") if isinstance(v, dict) else None
+    v = ck.obj(v, w, {"id", "kind", "check", "op", "attention" if kind == "attention" else "gemm", "tensors", "scale",
+                      "threshold"}, {"case_id", "seed", "dist", "observed", "provenance", "extra"})
     ck.str_(v["id"], f"{w}.id", ID_RE)
     w = f"vTask {v['id']!r}"
     if v["kind"] not in KINDS:
         raise ck.fail(f"{w}: kind {short(v['kind'])} is not supported by this aegis (supported: {', '.join(KINDS)})")
-    ck.str_(v["check"], f"{w}: check", choices=GEMM_CHECKS)
     ck.str_(v["op"], f"{w}: op")
     ck.opt(v.get("case_id"), ck.str_, f"{w}: case_id")
     ck.opt(v.get("seed"), ck.int_, f"{w}: seed", 0, 2**63 - 1)
     ck.opt(v.get("dist"), ck.str_, f"{w}: dist")
+    names = check_attention(ck, w, v) if kind == "attention" else _check_gemm(ck, w, v)
+    _check_common(ck, w, v)
+    return v, names
+
+
+def _check_gemm(ck: Check, w: str, v: dict) -> dict:
+    """The gemm-specific fields of entry ``v``; returns role → tensor name."""
+    ck.str_(v["check"], f"{w}: check", choices=GEMM_CHECKS)
     g = ck.obj(v["gemm"], f"{w}: gemm", {"layout", "m", "n", "k", "tile"}, {"rows", "cols", "flagged_rows", "flagged_cols"})
     ck.str_(g["layout"], f"{w}: gemm.layout", choices=tuple(x.value for x in Layout))
     for d in "mnk":
@@ -183,7 +203,7 @@ def check_vtask(ck: Check, i: int, v) -> tuple[dict, dict]:
     if "confirm_margin" in th:
         ck.num(th["confirm_margin"], f"{w}: threshold.confirm_margin", 1.0, 1e12)
     if "normalisation" in th:
-        ck.str_(th["normalisation"], f"{w}: threshold.normalisation", None, NORMALISATIONS)
+        ck.str_(th["normalisation"], f"{w}: threshold.normalisation", None, ("abs-product",))
     names = ck.obj(v["tensors"], f"{w}: tensors", {"a", "b"}, set(GEMM_ROLES) - {"a", "b"})
     for role, name in names.items():
         ck.str_(name, f"{w}: tensors.{role}")
@@ -191,6 +211,11 @@ def check_vtask(ck: Check, i: int, v) -> tuple[dict, dict]:
         raise ck.fail(f"{w}: tensors.row_sums is only allowed when gemm.cols is null")
     if "col_sums" in names and g.get("rows") is not None:
         raise ck.fail(f"{w}: tensors.col_sums is only allowed when gemm.rows is null")
+    return names
+
+
+def _check_common(ck: Check, w: str, v: dict) -> None:
+    """observed, provenance and extra: the same for every kind."""
     obs = ck.obj(v.get("observed", {}), f"{w}: observed", set(), _OBSERVED)
     for key in ("max_normalised_diff", "margin"):
         ck.opt(obs.get(key), ck.num, f"{w}: observed.{key}", -math.inf, math.inf, True)
@@ -232,7 +257,6 @@ def check_vtask(ck: Check, i: int, v) -> tuple[dict, dict]:
         else:
             ck.str_(x, f"{w}: provenance.{key}")
     ck.str_map(v.get("extra", {}), f"{w}: extra")
-    return v, names
 
 
 class InputCheck:
@@ -286,18 +310,26 @@ def entry_problem(vt: VTask) -> str | None:
     """What a reader would object to in ``vt``'s manifest entry (its tensors aside), or None:
     lets a producer refuse, before any work, what it could not save."""
     try:
-        check_vtask(Check(""), 0, vt.manifest_entry({"a": "a", "b": "b"}))
+        roles = ("q", "k", "v", "do") if vt.kind == "attention" else ("a", "b")
+        check_vtask(Check(""), 0, vt.manifest_entry({r: r for r in roles}))
     except BundleError as exc:
         return str(exc).removeprefix("bundle : ")
     return None
 
 
-def vtask_from_entry(v: dict, spec: GemmSpec, tensors: dict[str, torch.Tensor]) -> VTask:
+def spec_of(v: dict) -> GemmSpec | AttentionSpec:
+    """The object of a checked entry's kind."""
+    return AttentionSpec.from_json(v["attention"]) if v["kind"] == "attention" else GemmSpec.from_json(v["gemm"])
+
+
+def vtask_from_entry(v: dict, spec: GemmSpec | AttentionSpec, tensors: dict[str, torch.Tensor]) -> VTask:
     th = v["threshold"]
+    attention = v["kind"] == "attention"
     obs = {k: (float(x) if k in ("max_normalised_diff", "margin") and x is not None else x)
            for k, x in (v.get("observed") or {}).items()}
-    return VTask(id=v["id"], kind=v["kind"], check=v["check"], op=v["op"], gemm=spec, tensors=tensors,
+    return VTask(id=v["id"], kind=v["kind"], check=v["check"], op=v["op"], gemm=None if attention else spec,
+                 attention=spec if attention else None, tensors=tensors,
                  tau=float(th["tau"]), confirm_margin=float(th.get("confirm_margin", 4.0)),
-                 normalisation=th.get("normalisation", "abs-product"), scale=(v["scale"][0], v["scale"][1]),
+                 normalisation=th.get("normalisation", "rounding-spread" if attention else "abs-product"), scale=(v["scale"][0], v["scale"][1]),
                  case_id=v.get("case_id") or "", seed=v.get("seed"), dist=v.get("dist"), observed=obs,
                  provenance=dict(v.get("provenance") or {}), extra=dict(v.get("extra") or {}))

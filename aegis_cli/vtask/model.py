@@ -22,11 +22,15 @@ from aegis_cli.ops.files import sanitize
 from aegis_cli.ops.gemm import GemmOperands, Layout
 
 FORMAT = "aegis-vtask-bundle"
-FORMAT_VERSION = 1
-READABLE_VERSIONS = (1,)
-KINDS = ("gemm",)  # later: "attention", "fingerprint" (each with its own object, see the spec)
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+KINDS = ("gemm", "attention")  # later: "fingerprint" (each with its own object, see the spec)
 GEMM_ROLES = ("a", "b", "c", "row_sums", "col_sums")
-NORMALISATIONS = ("abs-product",)  # s = Σ_k |A_ik|·(|B|·1)_k over the checksum's tile
+ATTENTION_INPUTS = ("q", "k", "v", "do")
+ATTENTION_ROLES = (*ATTENTION_INPUTS, "o", "lse", "o_rowsum", "dq", "dk", "dv", "dq_rowsum", "dk_colsum", "dv_colsum")
+# gemm: s = Σ_k |A_ik|·(|B|·1)_k over the checksum's tile; attention: the spread the bf16 roundings
+# of P and dS give each invariant (docs/attention.md §3)
+NORMALISATIONS = ("abs-product", "rounding-spread")
 SEVERITIES = ("HEALTHY", "SUSPECT", "FAULTY", "ERROR")
 DTYPES = {"BF16": (torch.bfloat16, 2), "F32": (torch.float32, 4)}
 TORCH_DTYPE_NAME = {t: name for name, (t, _) in DTYPES.items()}
@@ -130,13 +134,52 @@ class GemmSpec:
                 "rows": self.rows, "cols": self.cols, "flagged_rows": self.flagged_rows, "flagged_cols": self.flagged_cols}
 
 
+@dataclass(frozen=True)
+class AttentionSpec:
+    """The attention a vTask of kind ``attention`` carries: Q (B, Hq, S, D), K, V (B, Hkv, S, D),
+    dO like Q, the softmax scale and the mask. Bundles hold 2-D tensors: (B·H·S, D) for the
+    (B, H, S, D) ones, (B·H, S) for the LSE and the row sums, (B·Hkv, D) for the column sums."""
+
+    batch: int
+    q_heads: int
+    kv_heads: int
+    seq: int
+    head_dim: int
+    causal: bool
+    scale: float
+
+    def expected(self, role: str) -> tuple[str, tuple[int, int]]:
+        b, hq, hkv, s, d = self.batch, self.q_heads, self.kv_heads, self.seq, self.head_dim
+        rows = {"q": b * hq * s, "do": b * hq * s, "o": b * hq * s, "dq": b * hq * s, "k": b * hkv * s, "v": b * hkv * s,
+                "dk": b * hkv * s, "dv": b * hkv * s}
+        if role in rows:
+            return "BF16", (rows[role], d)
+        return "F32", {"lse": (b * hq, s), "o_rowsum": (b * hq, s), "dq_rowsum": (b * hq, s), "dk_colsum": (b * hkv, d),
+                       "dv_colsum": (b * hkv, d)}[role]
+
+    def full_shape(self, role: str) -> tuple[int, ...]:
+        """The (B, H, …) shape of a role's 2-D tensor."""
+        h = self.kv_heads if role in ("k", "v", "dk", "dv", "dk_colsum", "dv_colsum") else self.q_heads
+        rows, cols = self.expected(role)[1]
+        return (self.batch, h, rows // (self.batch * h), cols) if role not in ("lse", "o_rowsum", "dq_rowsum",
+                                                                              "dk_colsum", "dv_colsum") else (self.batch, h, cols)
+
+    @classmethod
+    def from_json(cls, a: dict) -> AttentionSpec:
+        return cls(a["batch"], a["q_heads"], a["kv_heads"], a["seq"], a["head_dim"], a["causal"], float(a["scale"]))
+
+    def to_json(self) -> dict:
+        return {"batch": self.batch, "q_heads": self.q_heads, "kv_heads": self.kv_heads, "seq": self.seq,
+                "head_dim": self.head_dim, "causal": self.causal, "scale": self.scale}
+
+
 @dataclass
 class VTask:
     id: str
     check: str
     op: str
-    gemm: GemmSpec
-    tensors: dict[str, torch.Tensor]  # role → tensor (a, b required; c, row_sums, col_sums observed)
+    gemm: GemmSpec | None  # kind gemm
+    tensors: dict[str, torch.Tensor]  # role → tensor (gemm: a, b required; c, row_sums, col_sums observed)
     tau: float
     scale: tuple[int, int] = (0, 0)  # the stored operands are 2^ea·A, 2^eb·B of the case
     confirm_margin: float = 4.0
@@ -148,13 +191,23 @@ class VTask:
     observed: dict = field(default_factory=dict)
     provenance: dict = field(default_factory=dict)
     extra: dict = field(default_factory=dict)
+    attention: AttentionSpec | None = None  # kind attention
+
+    @property
+    def spec(self) -> GemmSpec | AttentionSpec:
+        """The object of this vTask's kind (what its tensors' roles and shapes follow)."""
+        return self.attention if self.kind == "attention" else self.gemm
+
+    def full(self, role: str) -> torch.Tensor:
+        """An attention tensor in its (B, H, …) shape."""
+        return self.tensors[role].reshape(self.attention.full_shape(role))
 
     def operands(self, device: str | torch.device = "cpu") -> GemmOperands:
         return GemmOperands(self.tensors["a"].to(device), self.tensors["b"].to(device), self.gemm.layout)
 
     def manifest_entry(self, names: dict[str, str]) -> dict:
         return {"id": self.id, "kind": self.kind, "check": self.check, "op": self.op, "case_id": self.case_id,
-                "gemm": self.gemm.to_json(), "tensors": names, "scale": list(self.scale), "seed": self.seed,
+                self.kind: self.spec.to_json(), "tensors": names, "scale": list(self.scale), "seed": self.seed,
                 "dist": self.dist, "threshold": {"tau": self.tau, "confirm_margin": self.confirm_margin,
                                                  "normalisation": self.normalisation},
                 "observed": sanitize(self.observed), "provenance": self.provenance, "extra": self.extra}

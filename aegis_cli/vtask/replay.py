@@ -49,6 +49,7 @@ from aegis_cli.ops.verdict import Evidence, Verdict, worst
 from aegis_cli.probes.gemm import ProbeStats, case_bytes, scaled, scaled_reference
 from aegis_cli.probes.gemm import clean_median as clean_median_of
 from aegis_cli.report import DeviceReport, Report
+from aegis_cli.vtask import attention
 from aegis_cli.vtask import model as vtask
 from aegis_cli.vtask.bundle import read_bundle
 from aegis_cli.vtask.manifest import error as bundle_error
@@ -344,12 +345,16 @@ def replay_device(device: Device, bundles: list[vtask.Bundle], opts: ReplayOptio
     try:
         for b in bundles:
             for vt in b.vtasks:
-                replay = _VTaskReplay(device, vt, opts, fault, stats)
-                with _cpu_threads(device, vt.gemm.m_sub * vt.gemm.n_sub * vt.gemm.k):
-                    out = replay.run()
+                if vt.kind == "attention":  # vtask/attention.py
+                    out, ev = attention.replay(device, vt, opts.repeat, fault, b.path)
+                    dr.evidence += [ev] if ev is not None else []
+                else:
+                    replay = _VTaskReplay(device, vt, opts, fault, stats)
+                    with _cpu_threads(device, vt.gemm.m_sub * vt.gemm.n_sub * vt.gemm.k):
+                        out = replay.run()
+                    if out["outcome"] != "not_reproduced":
+                        dr.evidence.append(_evidence(vt, out, replay.fired, b.path, fault))
                 out["bundle"] = b.path
-                if out["outcome"] != "not_reproduced":
-                    dr.evidence.append(_evidence(vt, out, replay.fired, b.path, fault))
                 outcomes.append(out)
                 progress("case", device=device.identity.id, case=vt.id)
         dr.verdict = worst([Verdict.HEALTHY, *(Verdict(o["severity"]) for o in outcomes)])
@@ -383,6 +388,8 @@ def replay_bytes(vt: vtask.VTask) -> int:
     """Upper estimate of the memory replaying ``vt`` holds at its peak: a scan case of its
     (sub-)GEMM (probes.gemm.case_bytes), plus, where every element is checked, the fp64 exact
     product, magnitudes and bound and one scale's fp64 error terms (12 fp64 values per output)."""
+    if vt.kind == "attention":
+        return attention.replay_bytes(vt)
     m, n, k = vt.gemm.m_sub, vt.gemm.n_sub, vt.gemm.k
     elements = 96 * m * n if checks.checks_elements(m, n, k, ELEMENT_BUDGET) else 0
     return case_bytes(m, n, k) + elements
@@ -399,7 +406,8 @@ def check_memory(bundles: list[vtask.Bundle], devices: list[Device]) -> None:
             g = big.gemm
             short = memory_shortfall(d, need)
             if short is not None:
-                raise bundle_error(b.path, f"vTask {big.id!r} replays a {g.m_sub}x{g.n_sub}x{g.k} GEMM that needs about "
+                what = f"a {g.m_sub}x{g.n_sub}x{g.k} GEMM" if g is not None else "an attention"
+                raise bundle_error(b.path, f"vTask {big.id!r} replays {what} that needs about "
                                            f"{need / 2**30:.1f} GiB on {d.identity.id}, {short[1]}"
                                            + ("; replay when the device is idle" if short[0] == "busy" else ""))
 

@@ -19,7 +19,7 @@ def test_every_probe_registers_itself_with_its_preflight():
     probes.load_all()
     assert {"gemm", "determinism", "pow2", "memory", "golden"} <= set(probes.PROBES) and "crossdevice" in probes.NODE_PROBES
     assert {"gemm", "memory", "crossdevice", "golden"} <= set(probes.PREFLIGHTS)
-    assert probes.PROBES["gemm"] is gemm_scan.gemm_probe and set(probes.CASE_COUNTS) == {"gemm"}
+    assert probes.PROBES["gemm"] is gemm_scan.gemm_probe and set(probes.CASE_COUNTS) == {"gemm", "attention"}
 
 
 def test_scan_options_hand_the_probes_a_frozen_copy_of_what_they_read():

@@ -26,6 +26,7 @@ from aegis_cli.vtask.model import GemmSpec, VTask
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 GOLDEN_BUNDLE = GOLDEN / "bundle-v1.aegis"
+GOLDEN_V2 = GOLDEN / "bundle-v2.aegis"  # written by today's writer
 GOLDEN_CREATED = "2026-01-01T00:00:00+00:00"
 
 
@@ -60,7 +61,7 @@ def assert_same(v1: VTask, v2: VTask) -> None:
     for f in ("id", "kind", "check", "op", "tau", "confirm_margin", "normalisation", "case_id", "seed", "dist", "provenance", "extra"):
         assert getattr(v1, f) == getattr(v2, f), f
     assert tuple(v1.scale) == tuple(v2.scale)
-    assert v1.gemm.to_json() == v2.gemm.to_json()
+    assert v1.spec.to_json() == v2.spec.to_json()
     for key, x in v1.observed.items():
         y = v2.observed[key]
         if isinstance(x, float) and math.isnan(x):
@@ -193,21 +194,38 @@ def golden_vtasks() -> list[VTask]:
     return [full, rows, cols]
 
 
+def golden_vtasks_v2() -> list[VTask]:
+    """The content of tests/golden/bundle-v2.aegis: version 1's, and one attention vTask (inputs
+    only: B 1, 2 query heads sharing 1 KV head, S 8, D 4, causal, at V·2^8, dO·2^-8)."""
+    from aegis_cli.ops.numerics import generate_bf16
+    from aegis_cli.vtask.model import AttentionSpec
+
+    g = lambda rows, i: generate_bf16((rows, 4), "normal", 20 + i, "cpu")
+    att = VTask(id="golden/attention/attention.dv_colsum", check="attention.dv_colsum", op="attention", gemm=None,
+                attention=AttentionSpec(1, 2, 1, 8, 4, True, 0.5), kind="attention",
+                tensors={"q": g(16, 0), "k": g(8, 1), "v": g(8, 2), "do": g(16, 3)}, tau=10.0, normalisation="rounding-spread",
+                confirm_margin=1.0, scale=(8, -8), case_id="attention/normal/b1h2k1s8d4c/s+8-8", seed=14, dist="normal",
+                observed={"severity": "FAULTY", "max_normalised_diff": 1e9, "samples": [{"kv_head": 0, "column": 2}]},
+                provenance={"host": "golden-host", "injected": True})
+    return [*golden_vtasks(), att]
+
+
 def write_golden(path: Path) -> None:
     with BundleWriter(path, producer={"name": "aegis", "version": "golden"}, created=GOLDEN_CREATED) as w:
-        for vt in golden_vtasks():
+        for vt in golden_vtasks_v2():
             w.add(vt)
 
 
-def test_golden_bundle_still_reads():
-    back = read_bundle(GOLDEN_BUNDLE)
-    assert back.format_version == 1 and back.created == GOLDEN_CREATED
-    expected = golden_vtasks()
+@pytest.mark.parametrize(("path", "version", "content"), [(GOLDEN_BUNDLE, 1, golden_vtasks), (GOLDEN_V2, 2, golden_vtasks_v2)])
+def test_golden_bundle_still_reads(path, version, content):
+    back = read_bundle(path)
+    assert back.format_version == version and back.created == GOLDEN_CREATED
+    expected = content()
     assert len(back.vtasks) == len(expected)
     for v1, v2 in zip(expected, back.vtasks, strict=True):
         assert_same(v1, v2)
     readme = (GOLDEN / "README.md").read_text(encoding="utf-8")
-    assert re.search(r"format_version:\s*1\b", readme)
+    assert re.search(rf"format_version:\s*{version}\b", readme)
 
 
 def test_writer_output_matches_golden_layout(tmp_path):
@@ -220,7 +238,7 @@ def test_writer_output_matches_golden_layout(tmp_path):
         header = json.loads(data[8:8 + n])
         return header, json.loads(header["__metadata__"]["manifest"]), data[8 + n:]
 
-    (h1, m1, d1), (h2, m2, d2) = split(GOLDEN_BUNDLE), split(tmp_path / "now.aegis")
+    (h1, m1, d1), (h2, m2, d2) = split(GOLDEN_V2), split(tmp_path / "now.aegis")
     assert m1 == m2
     assert {k: v for k, v in h1.items() if k != "__metadata__"} == {k: v for k, v in h2.items() if k != "__metadata__"}
     assert d1 == d2
@@ -248,5 +266,5 @@ def test_limits_from_env(monkeypatch):
 
 
 if __name__ == "__main__":  # regenerate the golden bundle (only with a format_version bump!)
-    write_golden(GOLDEN_BUNDLE)
-    print(f"wrote {GOLDEN_BUNDLE}")
+    write_golden(GOLDEN_V2)
+    print(f"wrote {GOLDEN_V2}")

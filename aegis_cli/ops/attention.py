@@ -1,0 +1,358 @@
+"""Checked attention: data types, the tiled flash-attention reference and its fp64 reference
+(docs/attention.md).
+
+Convention (kernels/attention_*.cu take the same): Q (B, Hq, S, D), K and V (B, Hkv, S, D),
+bf16; query head h reads KV head h // (Hq / Hkv) (grouped-query attention); softmax scale
+``scale``; causal: query i sees keys j ≤ i. The forward writes O (bf16), the log-sum-exp LSE
+(fp32, natural log) and the row sums of its fp32 O accumulator; the backward writes dQ, dK, dV
+(bf16; dK and dV summed over each KV head's query heads) and the fused sums of their fp32
+accumulators: dQ·1 per query, and Σ over keys of dK and dV per head-dim column.
+
+``flash_forward`` / ``flash_backward`` are the reference the CPU backend runs: flash attention
+(FlashAttention-2's loop order) in torch, fp32 accumulators, with the kernels' operand roundings
+(P and dS to bf16 before their products), so the clean noise of every invariant is the
+kernels' own. Deterministic: fixed block order, dQ summed over key blocks in order, dK and dV
+over a group's query heads in order. An ``AttentionFault`` acts on one fp32 value of one stage,
+as the kernels' injection build does. ``reference`` is plain softmax attention in fp64.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from aegis_cli.ops.errors import ConfigError, InjectSpecError
+
+BLOCK = 64  # query and key block of the tiled reference (the kernels' tile edge)
+MAX_SEQ = 1 << 17
+
+# stage → which tensor its index addresses: dims named from (B, Hq|Hkv, S, S|D)
+STAGES = {
+    "load_q": ("q", "s", "d"), "scores": ("q", "s", "s"), "softmax": ("q", "s", "s"), "pv": ("q", "s", "d"),
+    "lse": ("q", "s"), "dv": ("kv", "s", "d"), "dk": ("kv", "s", "d"), "dq": ("q", "s", "d"),
+    "dp": ("q", "s", "s"), "recompute_p": ("q", "s", "s"),
+}
+FORWARD_STAGES = ("load_q", "scores", "softmax", "pv", "lse")
+BACKWARD_STAGES = ("recompute_p", "dp", "dv", "dk", "dq")
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    batch: int
+    q_heads: int
+    kv_heads: int
+    seq: int
+    head_dim: int
+    causal: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "q_heads", "kv_heads", "seq", "head_dim"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_SEQ:
+                raise ConfigError(f"attention {name} = {v!r} is outside 1…{MAX_SEQ}")
+        if self.q_heads % self.kv_heads:
+            raise ConfigError(f"attention: {self.q_heads} query heads are not a multiple of {self.kv_heads} KV heads")
+
+    @classmethod
+    def of(cls, q: torch.Tensor, k: torch.Tensor, causal: bool) -> AttentionShape:
+        """The shape of Q (B, Hq, S, D) and K (B, Hkv, S, D); ConfigError for tensors that do not fit."""
+        if q.dim() != 4 or k.dim() != 4 or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
+            raise ConfigError(f"attention: Q {tuple(q.shape)} and K {tuple(k.shape)} are not (B, H, S, D) of one B, S, D")
+        return cls(q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.shape[3], causal)
+
+    @property
+    def group(self) -> int:
+        """Query heads per KV head."""
+        return self.q_heads // self.kv_heads
+
+    @property
+    def scale(self) -> float:
+        """The softmax scale training uses, 1/√D."""
+        return 1.0 / math.sqrt(self.head_dim)
+
+    def token(self) -> str:
+        """The shape part of a case id: ``b1h8k2s192d32c`` (``c`` causal, ``f`` full)."""
+        return f"b{self.batch}h{self.q_heads}k{self.kv_heads}s{self.seq}d{self.head_dim}{'c' if self.causal else 'f'}"
+
+    def stage_shape(self, stage: str) -> tuple[int, ...]:
+        size = {"q": self.q_heads, "kv": self.kv_heads, "s": self.seq, "d": self.head_dim}
+        return (self.batch, *(size[x] for x in STAGES[stage]))
+
+    @property
+    def flops(self) -> int:
+        """Multiply-adds ×2 of forward (2 products) plus backward (5), halved when causal."""
+        full = 2 * self.batch * self.q_heads * self.seq * self.seq * self.head_dim * 7
+        return full // 2 if self.causal else full
+
+
+@dataclass
+class AttentionOperands:
+    q: torch.Tensor  # (B, Hq, S, D) bf16
+    k: torch.Tensor  # (B, Hkv, S, D) bf16
+    v: torch.Tensor  # (B, Hkv, S, D) bf16
+    do: torch.Tensor  # (B, Hq, S, D) bf16, the upstream gradient
+    causal: bool = True
+
+    @property
+    def shape(self) -> AttentionShape:
+        return AttentionShape.of(self.q, self.k, self.causal)
+
+
+@dataclass
+class AttentionForward:
+    o: torch.Tensor  # (B, Hq, S, D) bf16
+    lse: torch.Tensor  # (B, Hq, S) fp32
+    o_rowsum: torch.Tensor  # (B, Hq, S) fp32: Σ_d of the normalised fp32 O accumulator
+    kernel: str = ""
+
+
+@dataclass
+class AttentionBackward:
+    dq: torch.Tensor  # (B, Hq, S, D) bf16
+    dk: torch.Tensor  # (B, Hkv, S, D) bf16
+    dv: torch.Tensor  # (B, Hkv, S, D) bf16
+    dq_rowsum: torch.Tensor  # (B, Hq, S) fp32
+    dk_colsum: torch.Tensor  # (B, Hkv, D) fp32
+    dv_colsum: torch.Tensor  # (B, Hkv, D) fp32
+    kernel: str = ""
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {k: getattr(self, k) for k in ("dq", "dk", "dv", "dq_rowsum", "dk_colsum", "dv_colsum")}
+
+
+@dataclass(frozen=True)
+class AttentionFault:
+    """One corrupted fp32 value of one stage: its bits XOR ``xor``, then ``add`` added
+    (the contract of the kernels' injection build: ``as_tuple()``)."""
+
+    stage: str
+    index: int
+    xor: int = 0
+    add: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.stage not in STAGES:
+            raise InjectSpecError(f"attention fault stage {self.stage!r} is unknown (known: {', '.join(STAGES)})")
+        if not 0 <= self.xor < 1 << 32 or self.index < 0 or not math.isfinite(self.add):
+            raise InjectSpecError(f"attention fault {self}: xor must be a 32-bit mask, index ≥ 0, add finite")
+
+    def check(self, shape: AttentionShape) -> AttentionFault:
+        n = math.prod(shape.stage_shape(self.stage))
+        if self.index >= n:
+            raise InjectSpecError(f"attention fault at {self.stage}[{self.index}]: the stage has {n} values")
+        return self
+
+    def as_tuple(self) -> tuple[str, int, int, float]:
+        return (self.stage, self.index, self.xor, self.add)
+
+    def moved(self, shape: AttentionShape, to: AttentionShape) -> AttentionFault:
+        """The same value's fault in a tensor of shape ``to`` (a head dim padded with zeros)."""
+        index = 0
+        for c, n in zip(self.coords(shape), to.stage_shape(self.stage), strict=True):
+            index = index * n + c
+        return AttentionFault(self.stage, index, self.xor, self.add)
+
+    def coords(self, shape: AttentionShape) -> tuple[int, ...]:
+        out, rest = [], self.index
+        for n in reversed(shape.stage_shape(self.stage)):
+            rest, r = divmod(rest, n)
+            out.append(r)
+        return tuple(reversed(out))
+
+
+def apply_fault(fault: AttentionFault | None, stage: str, shape: AttentionShape, tile: torch.Tensor,
+                starts: tuple[int, ...] = ()) -> bool:
+    """Corrupt ``tile`` (fp32, in place) where ``fault`` hits it: ``tile`` holds the stage's
+    tensor from offset ``starts`` in each dim (none: the whole tensor). True if it hit."""
+    if fault is None or fault.stage != stage:
+        return False
+    at = fault.coords(shape)
+    starts = starts or (0,) * len(at)
+    local = [c - s for c, s in zip(at, starts, strict=True)]
+    if not all(0 <= x < n for x, n in zip(local, tile.shape, strict=True)):
+        return False
+    cell = tile[tuple(local)].reshape(1)
+    bits = cell.view(torch.int32)
+    x = fault.xor - (1 << 32) if fault.xor >= 1 << 31 else fault.xor
+    cell = (bits ^ x).view(torch.float32) + fault.add
+    tile[tuple(local)] = cell[0]
+    return True
+
+
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to bf16 as a kernel rounds a matrix-unit operand, kept in fp32."""
+    return x.to(torch.bfloat16).float()
+
+
+def _expand(t: torch.Tensor, group: int) -> torch.Tensor:
+    return t.repeat_interleave(group, dim=1) if group > 1 else t
+
+
+def _mask(s: torch.Tensor, i0: int, j0: int) -> torch.Tensor:
+    """Causal mask of one (query block from i0, key block from j0) tile: True where j > i."""
+    bq, bk = s.shape[-2:]
+    i = torch.arange(i0, i0 + bq).unsqueeze(1)
+    j = torch.arange(j0, j0 + bk).unsqueeze(0)
+    return j > i
+
+
+def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float,
+                  fault: AttentionFault | None = None, block: int = BLOCK) -> AttentionForward:
+    """Tiled online-softmax forward (the reference of kernels/attention_fwd): per query block,
+    key blocks in order; P rounded to bf16 for P·V, its fp32 value summed into the row sum."""
+    shape = AttentionShape.of(q, k, causal)
+    q32 = q.float().contiguous()
+    if apply_fault(fault, "load_q", shape, q32):
+        q32 = _bf16(q32)  # a Q element is bf16 as loaded: the kernels round the corrupted value back
+    k32, v32 = _expand(k.float(), shape.group), _expand(v.float(), shape.group)
+    b, h, s, d = q32.shape
+    o = torch.empty((b, h, s, d))
+    lse = torch.empty((b, h, s))
+    for i0 in range(0, s, block):
+        i1 = min(s, i0 + block)
+        qi = q32[:, :, i0:i1]
+        m = torch.full((b, h, i1 - i0), -math.inf)
+        l_sum = torch.zeros((b, h, i1 - i0))
+        acc = torch.zeros((b, h, i1 - i0, d))
+        for j0 in range(0, i1 if causal else s, block):
+            j1 = min(s, j0 + block)
+            sc = (qi @ k32[:, :, j0:j1].transpose(-1, -2)) * scale
+            apply_fault(fault, "scores", shape, sc, (0, 0, i0, j0))
+            if causal:
+                sc = sc.masked_fill(_mask(sc, i0, j0), -math.inf)
+            m_new = torch.maximum(m, sc.amax(-1))
+            p = torch.exp(sc - m_new.unsqueeze(-1))
+            apply_fault(fault, "softmax", shape, p, (0, 0, i0, j0))
+            alpha = torch.exp(m - m_new)
+            l_sum = l_sum * alpha + p.sum(-1)
+            acc = acc * alpha.unsqueeze(-1) + _bf16(p) @ v32[:, :, j0:j1]
+            m = m_new
+        oi = acc / l_sum.unsqueeze(-1)
+        apply_fault(fault, "pv", shape, oi, (0, 0, i0, 0))
+        li = m + torch.log(l_sum)
+        apply_fault(fault, "lse", shape, li, (0, 0, i0))
+        o[:, :, i0:i1], lse[:, :, i0:i1] = oi, li
+    return AttentionForward(o.to(torch.bfloat16), lse, o.sum(-1), kernel="cpu-flash")
+
+
+def flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                   do: torch.Tensor, *, causal: bool, scale: float, fault: AttentionFault | None = None,
+                   block: int = BLOCK) -> AttentionBackward:
+    """Tiled backward (the reference of kernels/attention_bwd): per key block, query blocks in
+    order; P recomputed from the saved LSE, D_i = dO_i·O_i from the bf16 O, dS = P∘(dP − D);
+    P and dS rounded to bf16 for their products, fp32 accumulators."""
+    shape = AttentionShape.of(q, k, causal)
+    g = shape.group
+    q32, do32 = q.float(), do.float()
+    k32, v32 = _expand(k.float(), g), _expand(v.float(), g)
+    b, h, s, d = q32.shape
+    delta = (do32 * o.float()).sum(-1)  # (B, Hq, S)
+    dq = torch.zeros((b, h, s, d))
+    dk = torch.empty((b, h, s, d))
+    dv = torch.empty((b, h, s, d))
+    for j0 in range(0, s, block):
+        j1 = min(s, j0 + block)
+        kj, vj = k32[:, :, j0:j1], v32[:, :, j0:j1]
+        dk_acc = torch.zeros((b, h, j1 - j0, d))
+        dv_acc = torch.zeros((b, h, j1 - j0, d))
+        for i0 in range((j0 // block) * block if causal else 0, s, block):
+            i1 = min(s, i0 + block)
+            sc = (q32[:, :, i0:i1] @ kj.transpose(-1, -2)) * scale
+            if causal:
+                sc = sc.masked_fill(_mask(sc, i0, j0), -math.inf)
+            p = torch.exp(sc - lse[:, :, i0:i1].unsqueeze(-1))
+            apply_fault(fault, "recompute_p", shape, p, (0, 0, i0, j0))
+            dv_acc += _bf16(p).transpose(-1, -2) @ do32[:, :, i0:i1]
+            dp = do32[:, :, i0:i1] @ vj.transpose(-1, -2)
+            apply_fault(fault, "dp", shape, dp, (0, 0, i0, j0))
+            ds = _bf16(p * (dp - delta[:, :, i0:i1].unsqueeze(-1)))
+            dk_acc += ds.transpose(-1, -2) @ q32[:, :, i0:i1]
+            dq[:, :, i0:i1] += ds @ kj
+        dk[:, :, j0:j1], dv[:, :, j0:j1] = dk_acc * scale, dv_acc
+    dq *= scale
+    # a KV head's gradients: its query heads' contributions, summed in head order
+    dk = dk.reshape(b, shape.kv_heads, g, s, d).sum(2)
+    dv = dv.reshape(b, shape.kv_heads, g, s, d).sum(2)
+    apply_fault(fault, "dq", shape, dq)
+    apply_fault(fault, "dk", shape, dk)
+    apply_fault(fault, "dv", shape, dv)
+    return AttentionBackward(dq.to(torch.bfloat16), dk.to(torch.bfloat16), dv.to(torch.bfloat16),
+                             dq.sum(-1), dk.sum(-2), dv.sum(-2), kernel="cpu-flash")
+
+
+@dataclass
+class AttentionReference:
+    """Plain softmax attention in fp64, and the reference sides of the invariants whose
+    magnitudes need P or dS (docs/attention.md: the expensive ones)."""
+
+    o: torch.Tensor  # (B, Hq, S, D) fp64
+    lse: torch.Tensor  # (B, Hq, S)
+    dq: torch.Tensor  # (B, Hq, S, D)
+    dk: torch.Tensor  # (B, Hkv, S, D)
+    dv: torch.Tensor  # (B, Hkv, S, D)
+    o_rowsum_scale: torch.Tensor  # (B, Hq, S): Σ_j P_ij·Σ_d|V_jd|
+    dq_rowsum_scale: torch.Tensor  # (B, Hq, S): scale·Σ_j P_ij(A_ij + Ā_i)·Σ_d|K_jd|, A = |dO|·|V|ᵀ
+    o_rowsum_sigma: torch.Tensor  # (B, Hq, S): the bf16 rounding of P's spread in O·1 (attention_sums)
+    dq_rowsum_sigma: torch.Tensor  # (B, Hq, S): that of dS and D_i in dQ·1
+    p_rms: torch.Tensor  # (B, Hq, S): ‖P_i‖₂, the spread of the bf16 rounding of P's row sum (÷ 2⁻⁹)
+    ds_rms: torch.Tensor  # (B, Hq, S): ‖dS_i‖₂ + r_i, that of dS's row sum (÷ 2⁻⁹)
+    p_min: float  # the smallest P_ij a query may attend to (0.0: some underflows fp64)
+
+    def rescaled(self, ev: int, edo: int) -> AttentionReference:
+        """The reference for V·2^ev and dO·2^edo (exact in fp64): O·2^ev, dV·2^edo, dQ and dK
+        by 2^(ev+edo); LSE unchanged."""
+        fv, fdo = 2.0**ev, 2.0**edo
+        return AttentionReference(self.o * fv, self.lse, self.dq * (fv * fdo), self.dk * (fv * fdo), self.dv * fdo,
+                                  self.o_rowsum_scale * fv, self.dq_rowsum_scale * (fv * fdo), self.o_rowsum_sigma * fv,
+                                  self.dq_rowsum_sigma * (fv * fdo), self.p_rms, self.ds_rms * (fv * fdo), self.p_min)
+
+
+def reference(ops: AttentionOperands, scale: float, *, rows: int = 256) -> AttentionReference:
+    """Attention forward and backward in fp64, ``rows`` queries at a time (memory O(rows·S)
+    per head): P = softmax(scale·QKᵀ) (causal mask), O = P·V, dP = dO·Vᵀ, dS = P∘(dP − rowsum(P∘dP)),
+    dQ = scale·dS·K, dK = scale·dSᵀ·Q, dV = Pᵀ·dO."""
+    shape = ops.shape
+    g = shape.group
+    q, do = ops.q.double(), ops.do.double()
+    k, v = _expand(ops.k.double(), g), _expand(ops.v.double(), g)
+    b, h, s, d = q.shape
+    vabs, kabs = v.abs().sum(-1), k.abs().sum(-1)  # (B, Hq, S)
+    v1, k1 = v.sum(-1).unsqueeze(-2), k.sum(-1).unsqueeze(-2)  # (B, Hq, 1, S): V·1 and K·1 per key
+    out = {n: torch.empty((b, h, s, *t), dtype=torch.float64) for n, t in (("o", (d,)), ("lse", ()), ("dq", (d,)),
+                                                                          ("os", ()), ("dqs", ()), ("osg", ()), ("dqsg", ()),
+                                                                          ("prms", ()), ("dsrms", ()))}
+    dk = torch.zeros((b, h, s, d), dtype=torch.float64)
+    dv = torch.zeros((b, h, s, d), dtype=torch.float64)
+    p_min = 1.0
+    for i0 in range(0, s, rows):
+        i1 = min(s, i0 + rows)
+        sc = (q[:, :, i0:i1] @ k.transpose(-1, -2)) * scale
+        if ops.causal:
+            sc = sc.masked_fill(_mask(sc, i0, 0), -math.inf)
+        lse = torch.logsumexp(sc, -1)
+        p = torch.exp(sc - lse.unsqueeze(-1))
+        p_min = min(p_min, float(p.masked_fill(torch.isinf(sc), 1.0).min()))
+        dp = do[:, :, i0:i1] @ v.transpose(-1, -2)
+        ds = p * (dp - (p * dp).sum(-1, keepdim=True))
+        a = do[:, :, i0:i1].abs() @ v.abs().transpose(-1, -2)
+        a_bar = (p * a).sum(-1, keepdim=True)
+        o = p @ v
+        out["o"][:, :, i0:i1] = o
+        # rounding spreads (docs/attention.md §3): each bf16 rounding of P or dS moves its product by
+        # at most 2⁻⁹ of it, independently; D_i's error (from the bf16 O and P) shifts a row's dS together
+        rms = lambda x: x.square().sum(-1).sqrt()
+        out["osg"][:, :, i0:i1] = 2.0**-8 * (rms(p * v1) + rms(p) * (p * v1).sum(-1).abs())
+        r = rms(p * dp) + rms(do[:, :, i0:i1] * o)
+        out["dqsg"][:, :, i0:i1] = scale * 2.0**-8 * (rms(ds * k1) + r * (p * k1).sum(-1).abs())
+        out["prms"][:, :, i0:i1], out["dsrms"][:, :, i0:i1] = rms(p), rms(ds) + r
+        out["lse"][:, :, i0:i1] = lse
+        out["dq"][:, :, i0:i1] = (ds @ k) * scale
+        out["os"][:, :, i0:i1] = (p * vabs.unsqueeze(-2)).sum(-1)
+        out["dqs"][:, :, i0:i1] = scale * (p * (a + a_bar) * kabs.unsqueeze(-2)).sum(-1)
+        dk += (ds.transpose(-1, -2) @ q[:, :, i0:i1]) * scale
+        dv += p.transpose(-1, -2) @ do[:, :, i0:i1]
+    fold = lambda t: t.reshape(b, shape.kv_heads, g, s, d).sum(2)
+    return AttentionReference(out["o"], out["lse"], out["dq"], fold(dk), fold(dv), out["os"], out["dqs"], out["osg"],
+                              out["dqsg"], out["prms"], out["dsrms"], p_min)

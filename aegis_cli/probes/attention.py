@@ -1,0 +1,275 @@
+"""The attention probe (docs/attention.md): checked flash-attention forward and backward on
+the workload's per-GPU attention shape, across input distributions and exact input scales.
+
+Shape from the workload's model config: query heads = heads / TP, KV heads = max(1, kv_heads /
+TP), head dim = hidden / heads, sequence = seq_len (at most ``max_seq``: 256 on a CPU by
+default), batch = micro_batch, causal. For each distribution the probe draws Q, K, V, dO once
+and computes the fp64 reference once; each scale (V·2^a, dO·2^b with a + b = 0: exact, where
+Q·2^a or K·2^a would change the softmax) runs forward and backward through the attention checks
+(checks/attention.py), and from the second scale on every output must be the base run's, scaled,
+bit for bit. A flagged case is re-run; the re-runs decide FAULTY vs SUSPECT.
+
+Case ids: ``attention/DIST/b1h8k2s192d32c/s+0+0`` (batch, query heads, KV heads, sequence,
+head dim, causal; the scale exponents of V and dO).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from aegis_cli.backends.base import Device, memory_shortfall
+from aegis_cli.checks import attention as checks
+from aegis_cli.faults.spec import FaultPlan
+from aegis_cli.ops import attention_sums as sums
+from aegis_cli.ops.attention import BLOCK, AttentionOperands, AttentionShape, reference
+from aegis_cli.ops.case import CaseId, case_seed, op_site, scale_token
+from aegis_cli.ops.errors import ConfigError
+from aegis_cli.ops.verdict import Evidence
+from aegis_cli.ops.workloads import Workload
+from aegis_cli.probes import ProbeConfig, ProbeContext, bounded, register
+from aegis_cli.probes.gemm_scan import workload_for
+
+SCALES = ((0, 0), (8, -8), (-8, 8))  # (V, dO) exponents: a + b = 0 keeps dS's bits (docs/attention.md §6)
+CPU_MAX_SEQ = 256
+MAX_SAMPLES = 8
+OPTIONS = {"max_seq": (bounded(int, 1, 1 << 17, auto=0), 0,
+                       f"longest sequence to check (0: the workload's; at most {CPU_MAX_SEQ} on a CPU)")}
+
+
+def shape_for(wl: Workload, device: Device, max_seq: int) -> AttentionShape:
+    m = wl.model
+    cap = max_seq or (CPU_MAX_SEQ if device.identity.backend == "cpu" else m.seq_len)
+    return AttentionShape(m.micro_batch, m.heads // m.tp, max(1, m.kv_heads // m.tp), min(m.seq_len, cap),
+                          m.head_dim, causal=True)
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    shape: AttentionShape
+    dist: str
+    seed: int
+
+    @property
+    def group_id(self) -> CaseId:
+        return CaseId("attention", (self.dist, self.shape.token()))
+
+    def case_id(self, ev: int, edo: int) -> str:
+        return str(self.group_id.with_scale(ev, edo))
+
+    def operands(self, device: Device) -> AttentionOperands:
+        s, gid = self.shape, str(self.group_id)
+        q_shape, kv_shape = (s.batch, s.q_heads, s.seq, s.head_dim), (s.batch, s.kv_heads, s.seq, s.head_dim)
+        draw = lambda shape, name: device.generate(shape, self.dist, case_seed(self.seed, gid, name))
+        return AttentionOperands(draw(q_shape, "Q"), draw(kv_shape, "K"), draw(kv_shape, "V"), draw(q_shape, "dO"), s.causal)
+
+
+def plan_cases(wl: Workload, device: Device, config: ProbeConfig, max_seq: int) -> list[AttentionCase]:
+    shape = shape_for(wl, device, max_seq)
+    cases = [AttentionCase(shape, dist, config.seed) for dist in wl.scan.distributions]
+    if config.case is not None:
+        cid = CaseId.parse(config.case)
+        cases = [c for c in cases if cid.extends(c.group_id)]
+        if not cases or cid.scale not in SCALES:
+            raise ConfigError(f"case {config.case!r}: the attention probe has no such case on {device.identity.id} "
+                              f"(its cases: attention/DIST/{shape.token()}/SCALE with DIST one of "
+                              f"{', '.join(wl.scan.distributions)} and SCALE one of {', '.join(scale_token(*s) for s in SCALES)})")
+    return cases
+
+
+def case_bytes(s: AttentionShape) -> int:
+    """Peak memory of one case: bf16 operands and outputs (and their scaled copies), the fp64
+    reference (7 tensors of B·H·S·D) and its row chunk of P, dP, dS, |dO|·|V|ᵀ (256 rows)."""
+    bhsd = s.batch * s.q_heads * s.seq * s.head_dim
+    return 120 * bhsd + 6 * 8 * s.batch * s.q_heads * min(s.seq, 256) * s.seq
+
+
+def preflight(devices: list[Device], ctx: ProbeContext) -> None:
+    for d in devices:
+        wl = workload_for(ctx.config, d)
+        shape = shape_for(wl, d, ctx.option("attention", "max_seq"))
+        if d.identity.backend != "cpu" and shape.head_dim > 128:
+            raise ConfigError(f"workload {wl.name!r}: attention head dim {shape.head_dim}; the CUDA kernels take up to 128")
+        plan_cases(wl, d, ctx.config, ctx.option("attention", "max_seq"))
+        short = memory_shortfall(d, case_bytes(shape))
+        if short is not None:
+            raise ConfigError(f"workload {wl.name!r}: attention {shape.token()} needs about "
+                              f"{case_bytes(shape) / 2**30:.1f} GiB on {d.identity.id}, {short[1]}; lower attention.max_seq")
+
+
+def count_cases(devices: list[Device], config: ProbeConfig) -> int:
+    """The cases the probe runs over ``devices`` (a --case at a scale also runs the base scale)."""
+    if config.case is not None:
+        return (1 if CaseId.parse(config.case).scale == (0, 0) else 2) * len(devices)
+    return sum(len(SCALES) * len(workload_for(config, d).scan.distributions) for d in devices)
+
+
+def run_pass(device: Device, ops: AttentionOperands, fault: FaultPlan | None, cid: str):
+    """Forward and backward of case ``cid`` on ``device``: the launch ops ``cid:fwd`` and
+    ``cid:bwd`` are where ``fault``'s positions are drawn (at every scale of the case alike)."""
+    sc = ops.shape.scale
+    fwd = device.attention_forward(ops.q, ops.k, ops.v, causal=ops.causal, scale=sc, fault=fault, op=f"{cid}:fwd")
+    bwd = device.attention_backward(ops.q, ops.k, ops.v, fwd.o, fwd.lse, ops.do, causal=ops.causal, scale=sc,
+                                    fault=fault, op=f"{cid}:bwd")
+    return fwd, bwd
+
+
+@dataclass
+class Stats:
+    cases: int = 0
+    runs: int = 0
+    skipped_scales: int = 0
+    clean_max: dict[str, float] = field(default_factory=dict)  # per invariant: largest normalised difference under τ
+    clean_ratio: float = 0.0  # largest (clean difference ÷ τ) over every invariant
+    shape: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+class AttentionProbe:
+    def __init__(self, device: Device, th: sums.AttentionThresholds, *, reruns: int, confirm_margin: float,
+                 fault: FaultPlan | None, on_case=None):
+        self.device, self.th, self.reruns, self.confirm_margin, self.fault = device, th, reruns, confirm_margin, fault
+        self.on_case = on_case or (lambda _cid: None)
+        self.stats = Stats()
+
+    def _once(self, ops: AttentionOperands, ref, expected, cid: str):
+        fwd, bwd = run_pass(self.device, ops, self.fault, cid)
+        self.stats.runs += 1
+        return fwd, bwd, checks.check_attention(ops, fwd, bwd, ref, ops.shape.scale, self.th, expected=expected)
+
+    def run(self, case: AttentionCase, only: str | None = None) -> list[Evidence]:
+        t0 = time.perf_counter()
+        base_ops = case.operands(self.device)
+        base_ref = reference(base_ops, case.shape.scale)
+        self.stats.cases += 1
+        evidence, base = [], None
+        for ev, edo in SCALES:
+            cid = case.case_id(ev, edo)
+            if only is not None and cid != only and (ev, edo) != (0, 0):
+                continue
+            if not sums.pow2_safe(base_ops, base_ref, ev, edo):
+                if cid == only:
+                    raise ConfigError(f"case {cid!r} cannot run with seed {case.seed}: the scale would take these inputs "
+                                      "out of the range where scaling V and dO is exact")
+                self.stats.skipped_scales += 1
+                self.on_case(cid)
+                continue
+            ops = sums.scaled_operands(base_ops, ev, edo)
+            ref = base_ref.rescaled(ev, edo)
+            expected = checks.expected_at(base, ev, edo) if base is not None else None
+            fwd, bwd, checked = self._once(ops, ref, expected, cid)
+            self._note(checked)
+            if base is None:
+                base = checks.outputs_of(fwd, bwd)
+            if checked.signals and (only is None or cid == only):
+                evidence += self._confirm(case, ev, edo, ops, ref, expected, fwd, bwd, checked)
+            self.on_case(cid)
+        self.stats.seconds += time.perf_counter() - t0
+        return evidence
+
+    def _note(self, checked: checks.Checked) -> None:
+        for name, v in checked.clean_max.items():
+            self.stats.clean_max[name] = max(self.stats.clean_max.get(name, 0.0), v)
+            self.stats.clean_ratio = max(self.stats.clean_ratio, v / checked.tau[name])
+
+    def _confirm(self, case, ev, edo, ops, ref, expected, fwd, bwd, checked) -> list[Evidence]:
+        """Re-run a flagged case; each signal is judged by how often it came back and whether
+        the runs' bits agreed (the kernels are deterministic)."""
+        cid = case.case_id(ev, edo)
+        fp = lambda f, b: tuple(self.device.fingerprint(t) for t in checks.outputs_of(f, b).values())
+        prints = {fp(fwd, bwd)}
+        seen = {s.check: 0 for s in checked.signals}
+        for _ in range(self.reruns):
+            f2, b2, c2 = self._once(ops, ref, expected, cid)
+            prints.add(fp(f2, b2))
+            for s in c2.signals:
+                if s.check in seen:
+                    seen[s.check] += 1
+        out = []
+        for sig in checked.signals:
+            tau = checked.tau.get(sig.tensor) if sig.check in checks.INVARIANT_CHECKS else None
+            j = checks.judge_signal(sig, distinct_outputs=len(prints), reproducible=seen[sig.check] == self.reruns,
+                                    tau=tau, confirm_margin=self.confirm_margin)
+            out.append(self._evidence(case, ev, edo, sig, tau, seen[sig.check], len(prints), j, fwd, bwd))
+        return out
+
+    def _evidence(self, case, ev, edo, sig, tau, reproduced, distinct, j, fwd, bwd) -> Evidence:
+        s, cid = case.shape, case.case_id(ev, edo)
+        samples, blocks = _samples(sig), sorted({tuple(x) for x in _blocks(sig)})
+        ev_ = Evidence(check=sig.check, severity=j.severity, case_id=cid, summary="", op="attention",
+                       shape={"batch": s.batch, "q_heads": s.q_heads, "kv_heads": s.kv_heads, "seq": s.seq,
+                              "head_dim": s.head_dim, "causal": s.causal},
+                       dist=case.dist, scale=[ev, edo], seed=case.seed, threshold=tau, max_value=sig.max_value,
+                       margin=sig.max_value / tau if tau else None, elements=sig.elements, samples=samples,
+                       tiles=[list(b) for b in blocks][:16], reruns=self.reruns, reproduced=reproduced,
+                       distinct_outputs=distinct, kernel=f"{fwd.kernel}/{bwd.kernel}",
+                       injected=_injections(self.fault, cid))
+        where = f"{sig.tensor} " + ", ".join(f"{k}={v}" for k, v in samples[0].items() if k in _NAMES) if samples else ""
+        ev_.summary = (f"{sig.check}: {sig.elements} value(s) flagged at V·2^{ev}, dO·2^{edo} ({where}); "
+                       f"failed {reproduced + 1} of {self.reruns + 1} runs; {j.why}")
+        return ev_
+
+
+def _injections(plan: FaultPlan | None, cid: str, n: int = 4) -> list[dict]:
+    """The last ``n`` injection records of this case's shape group, forward and backward passes
+    (launch ops ``CASE:fwd``, ``CASE:bwd``) at any scale."""
+    if plan is None:
+        return []
+    site = op_site(cid)
+    return [r for r in plan.injected if op_site(r["op"]).partition(":")[0] == site][-n:]
+
+
+_NAMES = ("head", "kv_head", "query_block", "key_block", "column")
+
+
+def _blocks(sig: checks.AttentionSignal) -> list[tuple[int, int]]:
+    """(head, query or key block) of each flagged position that names one."""
+    out = []
+    for pos in sig.where[:4096].tolist():
+        p = sig.position(tuple(pos), BLOCK)
+        block = p.get("query_block", p.get("key_block"))
+        if block is not None:
+            out.append((p.get("head", p.get("kv_head")), block))
+    return out
+
+
+def _samples(sig: checks.AttentionSignal) -> list[dict]:
+    """The largest differences (invariants), else the first positions, with what was seen."""
+    if sig.diff is not None:
+        d = sig.diff.cpu()
+        flat = torch.topk(d.reshape(-1), min(MAX_SAMPLES, sig.elements)).indices
+        coords = torch.stack(torch.unravel_index(flat, d.shape), 1).tolist()
+    else:
+        coords = sig.where[:MAX_SAMPLES].tolist()
+    out = []
+    for c in coords:
+        sample = sig.position(tuple(c), BLOCK)
+        if sig.observed is not None:
+            sample["observed"] = float(sig.observed.cpu()[tuple(c)])
+        if sig.expected is not None:
+            sample["expected"] = float(sig.expected.cpu()[tuple(c)])
+        if sig.diff is not None:
+            sample["normalised_diff"] = float(sig.diff.cpu()[tuple(c)])
+        out.append(sample)
+    return out
+
+
+@register("attention", OPTIONS, preflight=preflight, count_cases=count_cases)
+def attention_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
+    """Checked flash attention, forward and backward, on the workload's attention shape."""
+    config = ctx.config
+    wl = workload_for(config, device)
+    max_seq = ctx.option("attention", "max_seq")
+    probe = AttentionProbe(device, sums.AttentionThresholds(), reruns=config.reruns,
+                           confirm_margin=config.thresholds.confirm_margin, fault=ctx.fault,
+                           on_case=lambda cid: ctx.progress("case", device=device.identity.id, case=cid))
+    evidence: list[Evidence] = []
+    cases = plan_cases(wl, device, config, max_seq)
+    for case in cases:
+        evidence += probe.run(case, only=config.case)
+    st = probe.stats
+    st.shape = {"token": cases[0].shape.token(), "workload": wl.name} if cases else {}
+    ctx.stats["attention"] = {**st.__dict__, "tau": dict(sums.DEFAULT_TAU)}
+    return evidence
