@@ -27,7 +27,7 @@ from aegis_cli.ops import attention_sums as sums
 from aegis_cli.ops.attention import BLOCK, AttentionOperands, AttentionShape, reference
 from aegis_cli.ops.case import CaseId, case_seed, op_site, scale_token
 from aegis_cli.ops.errors import ConfigError
-from aegis_cli.ops.verdict import Evidence
+from aegis_cli.ops.verdict import Evidence, Verdict
 from aegis_cli.ops.workloads import Workload
 from aegis_cli.probes import ProbeConfig, ProbeContext, bounded, register
 from aegis_cli.probes.gemm_scan import workload_for
@@ -267,8 +267,19 @@ def attention_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
                            on_case=lambda cid: ctx.progress("case", device=device.identity.id, case=cid))
     evidence: list[Evidence] = []
     cases = plan_cases(wl, device, config, max_seq)
-    for case in cases:
-        evidence += probe.run(case, only=config.case)
+    tally = ctx.tally.probe("attention")
+    for i, case in enumerate(cases):
+        found = probe.run(case, only=config.case)
+        failed: dict[str, int] = {}  # per case id: runs that failed, counted once over its checks
+        for ev in found:
+            tally.flagged(ev.case_id, ev.check, ev.reruns + 1, ev.reproduced + 1, shown=True)
+            failed[ev.case_id] = max(failed.get(ev.case_id, 0), ev.reproduced + 1)
+        tally.failed += sum(failed.values())
+        evidence += found
+        if any(ev.severity is Verdict.FAULTY for ev in found) and ctx.tally.stop(found[0].case_id):
+            tally.skipped += [c.case_id(ev, edo) for c in cases[i + 1:] for ev, edo in SCALES]
+            break
+    tally.launches += probe.stats.runs
     st = probe.stats
     st.shape = {"token": cases[0].shape.token(), "workload": wl.name} if cases else {}
     ctx.stats["attention"] = {**st.__dict__, "tau": dict(sums.DEFAULT_TAU)}

@@ -20,7 +20,7 @@ def test_fail_fast_stops_at_the_first_confirmed_faulty_and_names_what_it_skipped
     assert code == 2 and d["verdict"] == "FAULTY"
     c = d["confirmation"]
     first = d["evidence"][0]["case_id"]
-    assert c["fail_fast"] == {"stopped_at": first, "skipped_probes": ["determinism", "pow2", "memory", "crossdevice"]}
+    assert c["fail_fast"] == {"stopped_at": first, "skipped_probes": ["determinism", "pow2", "memory", "crossdevice", "attention"]}
     gemm = c["probes"]["gemm"]
     assert gemm["launches"] == 1 + 5  # the first case and its confirmation, nothing after
     assert len(gemm["skipped_cases"]) == 143 and first not in gemm["skipped_cases"]
