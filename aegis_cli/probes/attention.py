@@ -278,6 +278,8 @@ def attention_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
         evidence += found
         if any(ev.severity is Verdict.FAULTY for ev in found) and ctx.tally.stop(found[0].case_id):
             tally.skipped += [c.case_id(ev, edo) for c in cases[i + 1:] for ev, edo in SCALES]
+            for cid in tally.skipped:
+                ctx.progress("case", device=device.identity.id, case=cid)
             break
     tally.launches += probe.stats.runs
     st = probe.stats
