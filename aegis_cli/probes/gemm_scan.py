@@ -5,16 +5,18 @@ on GPUs) gives GEMM shapes, input distributions and power-of-two scales; each (s
 distribution) is one GemmCase run at every scale (probes/gemm.py checks and confirms it).
 Before any probe runs, ``preflight`` refuses a workload, a ``--case`` or a largest case that
 could not run on a device; ``count_cases`` is the number of cases the scan's progress counts.
+The option ``gemm.shift=A,B`` moves every scale but the base by (A, B): a sweep's scale
+dithering (ops/dither.py) sets it, and a case id at a shifted scale re-runs with it.
 """
 
 from __future__ import annotations
 
 from aegis_cli.backends.base import Device, memory_shortfall
-from aegis_cli.ops import workloads
+from aegis_cli.ops import dither, workloads
 from aegis_cli.ops.case import CaseId, scale_token
 from aegis_cli.ops.errors import ConfigError
 from aegis_cli.ops.verdict import Evidence
-from aegis_cli.probes import NODE_PROBES, PROBES, ProbeConfig, ProbeContext, load_all, register
+from aegis_cli.probes import NODE_PROBES, PROBES, ProbeConfig, ProbeContext, convert_option, load_all, register
 from aegis_cli.probes.gemm import GemmCase, GemmProbe, case_bytes
 
 DEFAULT_CPU_WORKLOAD = "cpu-quick"
@@ -33,7 +35,16 @@ def workload_for(config: ProbeConfig, device: Device) -> workloads.Workload:
     return wl
 
 
-def plan_cases(wl: workloads.Workload, seed: int, case: str | None = None) -> list[GemmCase]:
+OPTIONS = {"shift": (dither.parse_pair, (0, 0), "move every scale but (0, 0) by A,B: a sweep's scale dithering (docs/fleet.md)")}
+
+
+def scales_for(wl: workloads.Workload, config: ProbeConfig) -> list[list[int]]:
+    """The scale pairs the probe runs: the workload's, moved by ``gemm.shift``."""
+    raw = config.probe_options.get("gemm.shift")
+    return wl.scan.scales if raw is None else dither.shifted(wl.scan.scales, convert_option("gemm", "shift", raw))
+
+
+def plan_cases(wl: workloads.Workload, seed: int, case: str | None = None, scales: list[list[int]] | None = None) -> list[GemmCase]:
     cases = [GemmCase(wl.name, shape, dist, seed) for shape in wl.gemms() for dist in wl.scan.distributions]
     if case is not None:
         cid = CaseId.parse(case)
@@ -41,10 +52,12 @@ def plan_cases(wl: workloads.Workload, seed: int, case: str | None = None) -> li
         if not cases:
             raise ConfigError(f"case {case!r} is not in workload {wl.name!r} (case ids look like "
                               f"{wl.name}/OP/LAYOUT/DIST/MxNxK/s+0+0)")
-        if cid not in [cases[0].group_id.with_scale(ea, eb) for ea, eb in wl.scan.scales]:
+        scales = wl.scan.scales if scales is None else scales
+        if cid not in [cases[0].group_id.with_scale(ea, eb) for ea, eb in scales]:
             # else the scan would run the base scale, ignore it and say HEALTHY
-            raise ConfigError(f"case {case!r}: workload {wl.name!r} has no such scale (its scales: "
-                              f"{', '.join(scale_token(ea, eb) for ea, eb in wl.scan.scales)})")
+            shifted = "" if scales == wl.scan.scales else " with this gemm.shift; a sweep's case gives its shift"
+            raise ConfigError(f"case {case!r}: workload {wl.name!r} has no such scale{shifted} (its scales: "
+                              f"{', '.join(scale_token(ea, eb) for ea, eb in scales)})")
     return cases
 
 
@@ -58,7 +71,7 @@ def preflight(devices: list[Device], ctx: ProbeContext) -> None:
     config = ctx.config
     for d in devices:
         wl = workload_for(config, d)
-        big = max({c.shape for c in plan_cases(wl, config.seed, config.case)}, key=lambda s: case_bytes(s.m, s.n, s.k))
+        big = max({c.shape for c in plan_cases(wl, config.seed, config.case, scales_for(wl, config))}, key=lambda s: case_bytes(s.m, s.n, s.k))
         need = case_bytes(big.m, big.n, big.k)
         short = memory_shortfall(d, need)
         if short is not None:
@@ -73,12 +86,13 @@ def count_cases(devices: list[Device], config: ProbeConfig) -> int:
     for d in devices:
         wl = workload_for(config, d)
         # a --case at a scale also runs the base scale it is checked against
-        n_scales = (1 if CaseId.parse(config.case).scale == (0, 0) else 2) if config.case else len(wl.scan.scales)
-        total += len(plan_cases(wl, config.seed, config.case)) * n_scales
+        scales = scales_for(wl, config)
+        n_scales = (1 if CaseId.parse(config.case).scale == (0, 0) else 2) if config.case else len(scales)
+        total += len(plan_cases(wl, config.seed, config.case, scales)) * n_scales
     return total
 
 
-@register("gemm", preflight=preflight, count_cases=count_cases)
+@register("gemm", OPTIONS, preflight=preflight, count_cases=count_cases)
 def gemm_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     """Checked training GEMMs across distributions and power-of-two scales."""
     config = ctx.config
@@ -87,8 +101,9 @@ def gemm_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     probe = GemmProbe(device, config.thresholds, reruns=config.reruns, fault=ctx.fault, keep_flagged=config.keep_flagged,
                       on_case=lambda cid: ctx.progress("case", device=device.identity.id, case=cid))
     evidence: list[Evidence] = []
-    for case in plan_cases(wl, config.seed, config.case):
-        evidence += probe.run(case, wl.scan.scales, only=config.case)
+    scales = scales_for(wl, config)
+    for case in plan_cases(wl, config.seed, config.case, scales):
+        evidence += probe.run(case, scales, only=config.case)
     ctx.stats["gemm"] = probe.stats
     ctx.captured.update(probe.flagged_runs)
     return evidence
