@@ -87,16 +87,18 @@ def run(spec: dict) -> dict:
     (device,) = resolve_devices(device_id)
     inject = ";".join(str(f) for f in faults) or None
     opts = ScanOptions(devices=device_id, workload=spec.get("workload"), seed=spec.get("seed", 0), reruns=spec.get("reruns", 3),
-                       inject=inject, probes=tuple(spec.get("probes") or ("gemm",)), command_line=spec.get("command_line", []))
+                       inject=inject, probes=tuple(spec.get("probes") or ("gemm",)), probe_options=dict(spec.get("probe_options") or {}),
+                       command_line=spec.get("command_line", []))
     preflight(opts, [device])  # a workload that cannot fit: one line, exit 3, before any work
     plan = FaultPlan(faults, slots=slots) if faults else None
     quiet = lambda *a, **k: None
     priority = {"cases": list(spec.get("priority_cases") or []), "verdicts": {}}
     t0 = time.time()
     pre = []
+    seeds = spec.get("priority_seeds") or {}
     for cid in priority["cases"]:
         try:
-            dr = scan_device(device, replace(opts, case=cid), plan and plan.for_device(device_id), quiet)
+            dr = scan_device(device, _as_judged(opts, cid, seeds.get(cid, opts.seed), device), plan and plan.for_device(device_id), quiet)
         except ConfigError as exc:  # a case from history this configuration no longer has
             priority["verdicts"][cid] = f"not run: {exc}"
             log("priority_case_skipped", device=device_id, case=cid, reason=str(exc))
@@ -123,8 +125,29 @@ def run(spec: dict) -> dict:
                                                                    wl.name, opts.seed), "seed": opts.seed, "fingerprints": fps}
         except Exception as exc:  # the comparison is extra: a failure here is recorded, not fatal
             doc["probes"][PROBE_KEY] = {"error": f"{type(exc).__name__}: {exc}"}
+    if spec.get("vtasks"):  # captured vTasks (a training job's sensors, a scan's --save-vtasks) replayed here
+        from aegis_cli.fleet.vtasks import replay_directory
+
+        doc["probes"]["vtasks"] = replay_directory(device, spec["vtasks"], log)
     doc["probes"]["sweep"] = {"priority": priority, "full_scan": "completed", "worker_seconds": round(time.time() - t0, 3)}
     return doc
+
+
+def _as_judged(opts, cid: str, seed: int, device):
+    """The options that re-run ``cid`` as it failed before: with its sweep's seed (every sweep
+    draws new inputs) and, for a GEMM case at a dithered scale, the gemm shift that gives it."""
+    from aegis_cli.ops.case import CaseId
+    from aegis_cli.probes.gemm_scan import scales_for, workload_for
+
+    o = replace(opts, case=cid, seed=seed)
+    scale = CaseId.parse(cid).scale
+    if scale is None or scale == (0, 0):
+        return o
+    wl = workload_for(o.probe_config(), device)
+    base = next(([a, b] for a, b in wl.scan.scales if (a, b) != (0, 0)), None)
+    if base is None or list(scale) in scales_for(wl, o.probe_config()):
+        return o
+    return replace(o, probe_options={**o.probe_options, "gemm.shift": f"{scale[0] - base[0]},{scale[1] - base[1]}"})
 
 
 def _keep_priority_findings(dr, pre: list) -> None:

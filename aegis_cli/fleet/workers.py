@@ -65,6 +65,8 @@ def run_workers(cfg: SweepConfig, plans: list[DevicePlan], identities: dict[str,
                 env: dict[str, str] | None = None, stop: Stop | None = None) -> list[dict]:
     """One worker process per device (at most ``max_parallel`` at once); device reports in
     ``plans`` order. Workers are killed on timeout, on the sweep's deadline and on exit."""
+    if cfg.seed is None:  # a bug, not bad input: the sweep chooses the seed first (fleet/coverage.py)
+        raise ValueError("run_workers needs the sweep's chosen seed: coverage.resolve(cfg, …) first")
     stop = stop or (lambda: None)
     # removed after (the reports are read by now; the workers' logs live on only in the sweep's
     # log), and by the next sweep when this one is killed
@@ -106,7 +108,8 @@ def _run_workers(cfg: SweepConfig, plans: list[DevicePlan], identities: dict[str
                     log("device_skipped", level="warning", device=w.plan.device_id, reason="budget")
                     continue
                 spec = {"device": w.plan.device_id, "workload": cfg.workload, "seed": cfg.seed, "reruns": cfg.reruns,
-                        "probes": w.plan.probes, "inject": cfg.inject, "priority_cases": w.plan.priority_cases,
+                        "probes": w.plan.probes, "probe_options": cfg.probe_options, "vtasks": cfg.vtasks, "inject": cfg.inject,
+                        "priority_cases": w.plan.priority_cases, "priority_seeds": w.plan.priority_seeds,
                         "fingerprint_cases": cfg.fingerprint_cases, "output": w.out,
                         "command_line": ["aegis", "sweep", "--config", cfg.source]}
                 spec_path = w.out + ".spec"
