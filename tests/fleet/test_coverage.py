@@ -132,7 +132,7 @@ def test_consecutive_sweeps_check_other_inputs_and_record_their_seeds(two_sweeps
         ev = next(e for e in d["devices"][0]["evidence"] if CaseId.parse(e["case_id"]).scale == (0, 0))
         return ev["case_id"], [s.get("expected") for s in ev["samples"]]
     assert bits(docs[0])[0] == bits(docs[1])[0] and bits(docs[0])[1] != bits(docs[1])[1]
-    assert docs[1]["options"]["probe_options"] == {"gemm.shift": "1,1"}  # sweep 1 of the schedule
+    assert docs[1]["options"]["probe_options"] == {"gemm.shift": "1,1", "pow2.step": "16", "pow2.offset": "1,1"}  # sweep 1
     with History(tmp / "history.sqlite") as h:
         assert [r.seed for r in h.results()] == seeds
         assert [r.coverage["index"] for r in h.results()] == [0, 1] and all(r.launches and r.failures for r in h.results())
@@ -163,7 +163,7 @@ def test_history_coverage_view(two_sweeps):
     (d,) = doc["devices"]
     c = d["coverage"]
     assert c["sweeps"] == 2 and c["seeds"] == 2 and c["last_seed"] == docs[1]["seed"]
-    assert c["bands"] == 256 and c["gemm_bands"] == 2 and c["pow2_bands"] == 0  # pow2 not among the sweep's probes
+    assert c["bands"] == 256 and c["gemm_bands"] == 2 and c["pow2_bands"] == 2
     assert c["launches"] == sum(x["devices"][0]["coverage"]["launches"] for x in docs) and c["failures"] > 0
     rows = history_csv(doc, coverage=True).splitlines()
     assert rows[0].startswith("uuid,last_host,last_id,sweeps,seeds,last_seed,bands") and f",2,2,{docs[1]['seed']},256," in rows[1]
