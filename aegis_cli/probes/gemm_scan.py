@@ -55,9 +55,10 @@ def plan_cases(wl: workloads.Workload, seed: int, case: str | None = None, scale
         scales = wl.scan.scales if scales is None else scales
         if cid not in [cases[0].group_id.with_scale(ea, eb) for ea, eb in scales]:
             # else the scan would run the base scale, ignore it and say HEALTHY
-            shifted = "" if scales == wl.scan.scales else " with this gemm.shift; a sweep's case gives its shift"
+            shifted = "" if scales == wl.scan.scales else " with this gemm.shift"
             raise ConfigError(f"case {case!r}: workload {wl.name!r} has no such scale{shifted} (its scales: "
-                              f"{', '.join(scale_token(ea, eb) for ea, eb in scales)})")
+                              f"{', '.join(scale_token(ea, eb) for ea, eb in scales)}); a sweep's case at a dithered "
+                              "scale re-runs with its --probe-option gemm.shift=A,B, as the report's re-run command gives it")
     return cases
 
 
