@@ -139,6 +139,12 @@ class ResultRow:
                 "coverage": self.coverage, "launches": self.launches, "failures": self.failures, "vtasks": self.vtasks}
 
 
+def _replays(vt: dict) -> list[dict]:
+    """A device's vTask replays as the history keeps them: per bundle, or the one error that
+    stopped them all (a directory that could not be listed, a worker killed while replaying)."""
+    return vt.get("bundles") or ([{"bundle": None, "sha256": None, "outcome": "error", "error": vt["error"]}] if vt.get("error") else [])
+
+
 class History:
     """The history database. Use as a context manager; every method raises HistoryError."""
 
@@ -300,7 +306,7 @@ class History:
              (d.get("timings") or {}).get("seconds"), len(ev),
              json.dumps(sorted({e["check"] for e in flagged})), json.dumps(sorted({e["case_id"] for e in flagged})),
              noise if isinstance(noise, (int, float)) else None, cov.get("seed"), json.dumps(cov.get("dither") or {}),
-             cov.get("launches"), cov.get("failures"), json.dumps(((d.get("probes") or {}).get("vtasks") or {}).get("bundles") or [])))
+             cov.get("launches"), cov.get("failures"), json.dumps(_replays((d.get("probes") or {}).get("vtasks") or {}))))
 
     def record_action(self, uuid: str, event: str, state: str, reason: str, argv: list[str] | None,
                       executed: bool, returncode: int | None, output: str | None) -> None:

@@ -84,7 +84,7 @@ def replay_directory(device, directory: str, log) -> dict:
         return {"directory": directory, "error": f"cannot list {directory}: {exc.strerror}", "bundles": []}
     out = [replay_one(device, p) for p in paths]  # the sweep logs each outcome (summarise)
     counts = {k: sum(e["outcome"] == k for e in out) for k in ("reproduced", "not_reproduced", "error")}
-    return {"directory": directory, "bundles": out, **counts, "left_for_later": left}
+    return {"directory": directory, "bundles": out, "counts": counts, "left_for_later": left}
 
 
 def summarise(cfg: SweepConfig, devices: list[dict], log) -> dict:
@@ -94,7 +94,10 @@ def summarise(cfg: SweepConfig, devices: list[dict], log) -> dict:
         return {}
     by: dict[tuple, dict] = {}
     for d in devices:
-        for e in ((d.get("probes") or {}).get("vtasks") or {}).get("bundles") or []:
+        vt = (d.get("probes") or {}).get("vtasks") or {}
+        if vt.get("error"):
+            log("vtasks_not_replayed", level="error", device=d["device"]["id"], error=str(vt["error"])[:300])
+        for e in vt.get("bundles") or []:
             log("vtask_replayed", level="error" if e["outcome"] == "error" else "info", device=d["device"]["id"],
                 bundle=e["bundle"], outcome=e["outcome"], **({"error": str(e["error"])[:300]} if "error" in e else {}))
             b = by.setdefault((e["bundle"], e.get("sha256")), {"bundle": e["bundle"], "sha256": e.get("sha256"),

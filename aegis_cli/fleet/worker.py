@@ -7,7 +7,8 @@ device, the scan options, the previously failing cases to run first, and where t
 DeviceReport plus ``probes.fleet_fingerprint``) at the end. Log lines go to stderr.
 
 Test hooks (never active unless asked for in ``inject``): ``hang:seconds=N`` sleeps before
-scanning, ``crash:signal=S`` kills the worker (aegis_cli.faults.spec.WORKER_MODELS).
+scanning (``when=replay``: before replaying vTasks), ``crash:signal=S`` kills the worker
+(aegis_cli.faults.spec.WORKER_MODELS).
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ def run(spec: dict) -> dict:
                 faults.append(f)
                 slots.append(slot)
     for f in hooks:
+        if f.params.get("when") == "replay":
+            continue
         log("test_hook", device=device_id, hook=str(f))
         if f.model == "hang":
             time.sleep(float(f.params["seconds"]))
@@ -125,11 +128,17 @@ def run(spec: dict) -> dict:
                                                                    wl.name, opts.seed), "seed": opts.seed, "fingerprints": fps}
         except Exception as exc:  # the comparison is extra: a failure here is recorded, not fatal
             doc["probes"][PROBE_KEY] = {"error": f"{type(exc).__name__}: {exc}"}
+    doc["probes"]["sweep"] = {"priority": priority, "full_scan": "completed", "worker_seconds": round(time.time() - t0, 3)}
     if spec.get("vtasks"):  # captured vTasks (a training job's sensors, a scan's --save-vtasks) replayed here
         from aegis_cli.fleet.vtasks import replay_directory
 
+        # the scan is done: a bundle whose replay outlasts the device's timeout must not cost its verdict
+        files.atomic_write(spec["output"] + ".scanned.json", report_mod.render(doc, "json"))
+        for f in hooks:
+            if f.params.get("when") == "replay":
+                log("test_hook", device=device_id, hook=str(f))
+                time.sleep(float(f.params["seconds"]))
         doc["probes"]["vtasks"] = replay_directory(device, spec["vtasks"], log)
-    doc["probes"]["sweep"] = {"priority": priority, "full_scan": "completed", "worker_seconds": round(time.time() - t0, 3)}
     return doc
 
 

@@ -133,9 +133,16 @@ def _run_workers(cfg: SweepConfig, plans: list[DevicePlan], identities: dict[str
                 took = now - w.started
                 if rc is None:
                     _kill(w)
-                    partial = _read(w.out + ".partial.json")
                     why = "device timeout" if w.deadline < deadline else "sweep budget"
-                    doc = _error_doc(w.identity, f"worker timed out after {took:.0f} s ({why}); killed", took, partial)
+                    scanned = _read(w.out + ".scanned.json")
+                    if scanned is not None:  # killed while replaying vTasks: the finished scan's verdict stands
+                        scanned["device"] = {**w.identity, **scanned["device"]}
+                        scanned["probes"]["vtasks"] = {"error": f"replays not finished: worker timed out after {took:.0f} s ({why}); "
+                                                                "killed", "bundles": []}
+                        doc = scanned
+                    else:
+                        doc = _error_doc(w.identity, f"worker timed out after {took:.0f} s ({why}); killed", took,
+                                         _read(w.out + ".partial.json"))
                     log("device_timeout", level="error", device=w.plan.device_id, seconds=round(took, 1), verdict=doc["verdict"])
                 else:
                     doc = _read(w.out) if rc == 0 else None

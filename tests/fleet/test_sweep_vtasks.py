@@ -64,3 +64,30 @@ def test_replays_are_recorded_per_device_in_history(vtask_sweep):
         outcomes = {e["bundle"]: e["outcome"] for e in r.vtasks}
         assert outcomes == {"captured.safetensors": "not_reproduced", "corrupt.safetensors": "error", "link.safetensors": "error"}
         assert all(len(e["sha256"] or "") in (0, 64) for e in r.vtasks)
+
+
+def test_replays_that_outlast_the_timeout_keep_the_scan_verdict(vtask_sweep, tmp_path):
+    """A directory whose replays take longer than the device's timeout: the worker is killed while
+    replaying, the finished scan's verdict stands and the replays are one recorded error."""
+    src, _ = vtask_sweep
+    drop = tmp_path / "drop"
+    drop.mkdir()
+    (drop / "captured.safetensors").write_bytes((src / "vtasks" / "captured.safetensors").read_bytes())
+    cfg = write_config(tmp_path, vtasks="drop", fingerprint_cases=0, device_timeout_seconds=10, drill=True,
+                       inject="hang:seconds=300,when=replay")  # a replay that never ends
+    p = subprocess.run(aegis("sweep", "--config", str(cfg)), env=env(1), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    (d,) = json.loads((tmp_path / "report.json").read_text())["devices"]
+    assert d["verdict"] == "HEALTHY" and "replays not finished: worker timed out" in d["probes"]["vtasks"]["error"]
+    assert "event=vtasks_not_replayed level=error" in p.stderr or "level=error event=vtasks_not_replayed" in p.stderr
+    with History(tmp_path / "history.sqlite") as h:
+        (r,) = h.results()
+    assert r.verdict == "HEALTHY" and r.vtasks[0]["outcome"] == "error" and "timed out" in r.vtasks[0]["error"]
+
+
+def test_replay_hang_hook_is_checked():
+    from aegis_cli.faults.spec import InjectSpecError, parse_spec
+
+    assert parse_spec("hang:seconds=1,when=replay", worker=True)[0].params["when"] == "replay"
+    with pytest.raises(InjectSpecError, match="when must be scan or replay"):
+        parse_spec("hang:seconds=1,when=later", worker=True)
