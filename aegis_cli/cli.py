@@ -202,7 +202,8 @@ def sweep(config_path, log_format, fmt):
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table", show_default=True)
 @click.option("--retire", default=None, metavar="REASON",
               help="Mark the --device gone (replaced, RMA'd): it leaves the quarantine list until it reports results again.")
-def history(config_path, db, ident, since, fmt, retire):
+@click.option("--coverage", is_flag=True, help="Per device: seeds and scale bands visited, sweeps, launches checked, failing runs.")
+def history(config_path, db, ident, since, fmt, retire, coverage):
     """A device's record: verdicts over time, failure rate with counts and a 95% bound, quarantine state."""
     from aegis_cli.fleet.summary import history_csv, show_history
 
@@ -210,9 +211,9 @@ def history(config_path, db, ident, since, fmt, retire):
     if retired:
         err_console.print(f"retired {retired}: off the quarantine list from the next export, until it reports again", highlight=False)
     if fmt in ("json", "csv"):
-        click.echo(report_mod.render(doc, "json") if fmt == "json" else history_csv(doc), nl=False)
+        click.echo(report_mod.render(doc, "json") if fmt == "json" else history_csv(doc, coverage), nl=False)
         return
-    render.history_table(Console(), doc)
+    (render.coverage_table if coverage else render.history_table)(Console(), doc)
 
 
 @cli.command("report")

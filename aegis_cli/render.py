@@ -330,3 +330,29 @@ def history_table(console: Console, doc: dict) -> None:
             when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["ts"]))
             console.print(Text.assemble(f"  {when}  {r['host']} {r['device']}  ", _verdict(r["verdict"]),
                                         f"  {' '.join(r['checks'])} {r['error'] or ''}"), highlight=False)
+
+
+def coverage_table(console: Console, doc: dict) -> None:
+    """``aegis history --coverage``: per device, the seeds and scale bands its sweeps visited and
+    what they checked (fleet/coverage.py)."""
+    t = Table(title=_lit(f"aegis history --coverage — {doc['database']}"), title_justify="left")
+    for col in ("uuid", "last seen on", "sweeps", "seeds (last)", "pow2 bands", "gemm bands", "launches", "failed runs"):
+        t.add_column(col, overflow="fold")
+    for d in doc["devices"]:
+        c = d["coverage"]
+        bands = lambda k, c=c: f"{c[k]}/{c['bands']} ({100 * c[k] / c['bands']:.0f}%)" if c["bands"] else "off"
+        seeds = f"{c['seeds']} ({c['last_seed']})" if c["last_seed"] is not None else "-"
+        launches = "-" if c["launches"] is None else f"{c['launches']:,}"
+        t.add_row(*(_lit(str(v)) for v in (d["uuid"], f"{d.get('last_host', '')} {d.get('last_id', '')}", c["sweeps"], seeds,
+                                           bands("pow2_bands"), bands("gemm_bands"), launches,
+                                           "-" if c["failures"] is None else c["failures"])))
+    console.print(t)
+    console.print("bands: offsets of the scale-dithering grid visited of step² (every exponent pair of the exact range once "
+                  "all are); launches and failed runs count sweeps that recorded them", highlight=False)
+    for d in doc["devices"]:
+        for r in d.get("results", []):
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["ts"]))
+            dz = r.get("coverage") or {}
+            ran = [f"{k.replace('_', ' ')} {dz[k]}" for k in ("index", "pow2_offset", "gemm_shift") if dz.get(k) is not None]
+            console.print(Text.assemble(f"  {when}  seed {r.get('seed')}  {'  '.join(ran)}  launches {r.get('launches')}  ",
+                                        _verdict(r["verdict"])), highlight=False)

@@ -52,9 +52,10 @@ DEFAULT_TARGET = {"memflip": "mem", "swap": "mem"}  # every other model defaults
 COMMON_KEYS = {"target", "prob", "seed", "device", "op"}
 # Test hooks for fleet sweeps, applied by the per-device sweep worker (aegis_cli/fleet/worker.py)
 # before it scans, never by `aegis scan` (parse_spec rejects them unless worker=True):
-#   hang:seconds=N   the worker sleeps N seconds (a GPU that hangs its worker)
+#   hang:seconds=N   the worker sleeps N seconds (a GPU that hangs its worker); when=replay: after
+#                    its scan, before it replays the sweep's vTasks
 #   crash:signal=S   the worker kills itself with signal S, default 9 (a worker that dies)
-WORKER_MODELS = {"hang": {"seconds", "device"}, "crash": {"signal", "device"}}
+WORKER_MODELS = {"hang": {"seconds", "device", "when"}, "crash": {"signal", "device"}}
 # Training-state faults (docs/training-guards.md): ``stateflip`` flips bits of an optimizer
 # moment or a normalisation statistic right after a training step's update, as a fault in the
 # optimizer's or the layer's arithmetic would leave it. Only the training guard applies them
@@ -231,6 +232,8 @@ def _validate_worker(text: str, f: FaultSpec) -> None:
             raise InjectSpecError(f"--inject {text!r}: unknown key {key!r} for {f.model} (allowed: {', '.join(sorted(WORKER_MODELS[f.model]))})")
     if f.model == "hang":
         _check_float(text, "seconds", f.params.get("seconds", ""), 0.0, 86400.0)
+        if f.params.get("when", "scan") not in ("scan", "replay"):
+            raise InjectSpecError(f"--inject {text!r}: when must be scan or replay")
     if "signal" in f.params:
         _check_int(text, "signal", f.params["signal"], lo=1)
 

@@ -13,6 +13,7 @@ from aegis_cli.fleet.policy import PolicyConfig, check_positive
 from aegis_cli.ops import config as config_mod
 from aegis_cli.ops import files
 from aegis_cli.ops.errors import ConfigError
+from aegis_cli.probes.pow2 import MAX_STEP
 
 
 @dataclass(kw_only=True)
@@ -46,12 +47,17 @@ class DistributedConfig:
         check_positive("distributed.timeout_seconds", self.timeout_seconds)
 
 
+MAX_DITHER_SWEEPS = MAX_STEP * MAX_STEP  # the pow2 grid's coarsest step, squared
+
+
 @dataclass(kw_only=True)
 class SweepConfig:
     devices: str = "auto"
     workload: str | None = None
-    probes: list[str] = field(default_factory=lambda: ["gemm"])
-    seed: int = 0
+    probes: list[str] = field(default_factory=lambda: ["gemm", "pow2"])  # pow2: the whole exact range, dithered
+    seed: int | None = None  # None: a new seed every sweep (fleet/coverage.py); an integer pins it
+    dither_sweeps: int = 256  # scale dithering: every exponent pair of the exact range within this many sweeps (0: off)
+    vtasks: str | None = None  # a directory of captured vTask bundles, replayed on every device (fleet/vtasks.py)
     reruns: int = 3
     fail_fast: bool = False  # stop each device at its first confirmed FAULTY (aegis scan --fail-fast)
     budget_seconds: float = 3600.0
@@ -69,6 +75,8 @@ class SweepConfig:
     actions: ActionsConfig = field(default_factory=ActionsConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     source: str = ""
+    # set by the sweep for its workers, never by the YAML: this sweep's dithering as probe options
+    probe_options: dict[str, str] = field(default_factory=dict, init=False)
 
     def __post_init__(self) -> None:
         check_positive("budget_seconds", self.budget_seconds)
@@ -78,7 +86,10 @@ class SweepConfig:
 
         check_reruns(self.reruns, "reruns")
 
-        check_seed(self.seed)
+        if self.seed is not None:
+            check_seed(self.seed)
+        if not 0 <= self.dither_sweeps <= MAX_DITHER_SWEEPS:
+            raise ConfigError(f"dither_sweeps must lie in 0…{MAX_DITHER_SWEEPS} (0: off), got {self.dither_sweeps}")
         self._check_probes()
         if self.soak is not None:  # counted in each worker's time: a burn-in as long as the timeout would end ERROR
             from aegis_cli.soak.record import parse_duration
@@ -147,6 +158,9 @@ def load_config(path: str | os.PathLike) -> SweepConfig:
     for key in ("report", "quarantine_list", "prometheus_textfile"):
         setattr(cfg.exports, key, rel(getattr(cfg.exports, key)))
     cfg.distributed.fleet_report = rel(cfg.distributed.fleet_report)
+    cfg.vtasks = rel(cfg.vtasks)
+    if cfg.vtasks is not None and not os.path.isdir(cfg.vtasks):  # a typo would replay nothing, every night
+        raise ConfigError(f"{path}: vtasks: {cfg.vtasks} is not a directory (create it, or leave vtasks out)")
     if cfg.workload and (cfg.workload.endswith((".yaml", ".yml"))) and not os.path.isabs(cfg.workload):
         cfg.workload = str(base / cfg.workload)
     if cfg.workload:  # a typo here would otherwise be ERROR in the history of every device

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 
 from aegis_cli import report as report_mod
 from aegis_cli.backends.base import node_name
-from aegis_cli.fleet import compare
+from aegis_cli.fleet import compare, coverage, vtasks
 from aegis_cli.fleet.history import History
 from aegis_cli.fleet.lock import SweepLock
 from aegis_cli.fleet.plan import plan_devices
@@ -170,13 +170,18 @@ def run_distributed(cfg, log, env: Mapping[str, str], stop=None):
         device_id, identity, worker_env = _local_device(local_rank, local_world, env)
         with History(cfg.history.path, busy_timeout=cfg.history.busy_timeout_seconds) as hist:
             (plan,) = plan_devices(cfg, [identity], hist.results([identity["uuid"]]), started)
+            proposal = coverage.choose(cfg, hist, node_name(), started)
+        chosen = _all_gather_json(proposal, coll)[0]  # rank 0's seed everywhere: the fingerprints must compare
+        cfg = coverage.resolve(cfg, chosen)
         (mine,) = run_workers(cfg, [plan], {device_id: identity}, started + cfg.worker_budget(), log, env=worker_env, stop=stop)
+        marks = coverage.annotate(cfg, chosen, [mine])
         mine["rank"] = rank
         gathered = _all_gather_json(mine, coll)
         comparison = compare.compare(gathered)
         fleet_devices = compare.apply(gathered, comparison)
         log("comparison", rank=rank, outcome=comparison["outcome"], odd=",".join(o["device"] for o in comparison["odd"]))
-        extra = {"rank": rank, "world_size": world, "backend": backend, "comparison": comparison["outcome"]}
+        extra = {"rank": rank, "world_size": world, "backend": backend, "comparison": comparison["outcome"], "coverage": marks,
+                 **vtasks.summarise(cfg, [mine], log)}
         doc = sweep_doc(cfg, [fleet_devices[rank]], started, extra)
         fleet_code = compare.fleet_exit(fleet_devices, comparison["outcome"])
         host = node_name()

@@ -17,6 +17,8 @@ Schema (``PRAGMA user_version`` = len(MIGRATIONS)):
   results(id PK, sweep_id → sweeps, uuid → devices, ts, host, device_id, verdict, workload,
           error, seconds, evidence, checks JSON, cases JSON, noise_max)
   actions(id PK, ts, uuid, event, state, reason, argv JSON, executed, returncode, output)   [v2]
+  v3: sweeps += seed, seed_derived, dither (the sweep's scale-dithering index);
+      results += seed, coverage JSON (dithering run), launches, failures, vtasks JSON (replays)
 """
 
 from __future__ import annotations
@@ -61,6 +63,17 @@ MIGRATIONS: list[str] = [
     ALTER TABLE sweeps ADD COLUMN rank INTEGER;
     ALTER TABLE sweeps ADD COLUMN world_size INTEGER;
     ALTER TABLE results ADD COLUMN noise_max REAL;
+    """,
+    # v3: seeds and scale dithering (coverage), launch counts, vTask replays
+    """
+    ALTER TABLE sweeps ADD COLUMN seed INTEGER;
+    ALTER TABLE sweeps ADD COLUMN seed_derived INTEGER;
+    ALTER TABLE sweeps ADD COLUMN dither INTEGER;
+    ALTER TABLE results ADD COLUMN seed INTEGER;
+    ALTER TABLE results ADD COLUMN coverage TEXT;
+    ALTER TABLE results ADD COLUMN launches INTEGER;
+    ALTER TABLE results ADD COLUMN failures INTEGER;
+    ALTER TABLE results ADD COLUMN vtasks TEXT;
     """,
 ]
 SCHEMA_VERSION = len(MIGRATIONS)
@@ -113,11 +126,23 @@ class ResultRow:
     checks: list[str] = field(default_factory=list)  # check ids that flagged (e.g. gemm.row_checksum)
     cases: list[str] = field(default_factory=list)  # case ids that flagged, for prioritising
     sweep_id: int = 0
+    seed: int | None = None  # the sweep's seed (None: recorded before schema v3)
+    coverage: dict = field(default_factory=dict)  # the scale dithering it ran (fleet/coverage.py)
+    launches: int | None = None  # GEMM launches checked
+    failures: int | None = None  # failing runs among them
+    vtasks: list[dict] = field(default_factory=list)  # replayed bundles and their outcomes (fleet/vtasks.py)
 
     def to_dict(self) -> dict:
         return {"uuid": self.uuid, "ts": self.ts, "verdict": self.verdict, "host": self.host, "device": self.device_id,
                 "workload": self.workload, "error": self.error, "seconds": self.seconds, "evidence": self.evidence,
-                "checks": self.checks, "cases": self.cases, "sweep_id": self.sweep_id}
+                "checks": self.checks, "cases": self.cases, "sweep_id": self.sweep_id, "seed": self.seed,
+                "coverage": self.coverage, "launches": self.launches, "failures": self.failures, "vtasks": self.vtasks}
+
+
+def _replays(vt: dict) -> list[dict]:
+    """A device's vTask replays as the history keeps them: per bundle, or the one error that
+    stopped them all (a directory that could not be listed, a worker killed while replaying)."""
+    return vt.get("bundles") or ([{"bundle": None, "sha256": None, "outcome": "error", "error": vt["error"]}] if vt.get("error") else [])
 
 
 class History:
@@ -249,11 +274,13 @@ class History:
         now = time.time()
         try:
             with self._transaction():
+                marks = (doc.get("sweep") or {}).get("coverage") or {}
                 cur = self.conn.execute(
-                    "INSERT INTO sweeps(started, finished, host, kind, command, exit_code, duration, rank, world_size) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO sweeps(started, finished, host, kind, command, exit_code, duration, rank, world_size, seed, "
+                    "seed_derived, dither) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (now - float(doc.get("duration_seconds") or 0), now, doc.get("host"), doc.get("kind"),
-                     json.dumps(doc.get("command_line") or []), doc.get("exit_code"), doc.get("duration_seconds"), rank, world_size))
+                     json.dumps(doc.get("command_line") or []), doc.get("exit_code"), doc.get("duration_seconds"), rank, world_size,
+                     doc.get("seed"), int(bool(marks.get("seed_derived"))), marks.get("dither_index")))
                 sweep_id = cur.lastrowid
                 for d in doc["devices"]:
                     self._record_device(sweep_id, now, d)
@@ -271,13 +298,15 @@ class History:
         ev = d.get("evidence") or []
         flagged = [e for e in ev if e.get("severity") in ("SUSPECT", "FAULTY")]
         noise = (d.get("noise") or {}).get("clean_max")
+        cov = d.get("coverage") or {}
         self.conn.execute(
-            "INSERT INTO results(sweep_id, uuid, ts, host, device_id, verdict, workload, error, seconds, evidence, checks, cases, noise_max) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO results(sweep_id, uuid, ts, host, device_id, verdict, workload, error, seconds, evidence, checks, cases, noise_max, "
+            "seed, coverage, launches, failures, vtasks) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (sweep_id, dev["uuid"], now, dev.get("host"), dev.get("id"), d["verdict"], d.get("workload"), d.get("error"),
              (d.get("timings") or {}).get("seconds"), len(ev),
              json.dumps(sorted({e["check"] for e in flagged})), json.dumps(sorted({e["case_id"] for e in flagged})),
-             noise if isinstance(noise, (int, float)) else None))
+             noise if isinstance(noise, (int, float)) else None, cov.get("seed"), json.dumps(cov.get("dither") or {}),
+             cov.get("launches"), cov.get("failures"), json.dumps(_replays((d.get("probes") or {}).get("vtasks") or {}))))
 
     def record_action(self, uuid: str, event: str, state: str, reason: str, argv: list[str] | None,
                       executed: bool, returncode: int | None, output: str | None) -> None:
@@ -316,7 +345,8 @@ class History:
         return sorted(r[0] for r in rows)
 
     def results(self, uuids: list[str] | None = None, since: float | None = None) -> list[ResultRow]:
-        sql = "SELECT uuid, ts, verdict, host, device_id, workload, error, seconds, evidence, checks, cases, sweep_id FROM results"
+        sql = ("SELECT uuid, ts, verdict, host, device_id, workload, error, seconds, evidence, checks, cases, sweep_id, "
+               "seed, coverage, launches, failures, vtasks FROM results")
         cond, args, wanted = _uuid_filter(uuids)
         where = [cond] if cond else []
         if since is not None:
@@ -332,8 +362,17 @@ class History:
                 continue
             out.append(ResultRow(uuid=r[0], ts=r[1], verdict=r[2], host=r[3] or "", device_id=r[4] or "", workload=r[5] or "",
                                  error=r[6], seconds=r[7] or 0.0, evidence=r[8] or 0, checks=json.loads(r[9] or "[]"),
-                                 cases=json.loads(r[10] or "[]"), sweep_id=r[11]))
+                                 cases=json.loads(r[10] or "[]"), sweep_id=r[11], seed=r[12], coverage=json.loads(r[13] or "{}"),
+                                 launches=r[14], failures=r[15], vtasks=json.loads(r[16] or "[]")))
         return out
+
+    def sweeps(self, host: str | None = None) -> list[dict]:
+        """The recorded sweeps (of ``host``), oldest first: when, seed, whether it was derived, dithering index."""
+        cols = ("id", "started", "host", "kind", "seed", "seed_derived", "dither")
+        sql, args = f"SELECT {', '.join(cols)} FROM sweeps", []
+        if host is not None:
+            sql, args = sql + " WHERE host = ?", [host]
+        return [dict(zip(cols, r, strict=True)) for r in self._query(sql + " ORDER BY id", args)]
 
     def retire(self, uuid: str, reason: str) -> None:
         """Mark a device gone (replaced, RMA'd): it leaves the quarantine list until it reports

@@ -5,7 +5,7 @@ if the full scan cannot finish."""
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aegis_cli.fleet.config import SweepConfig
 from aegis_cli.fleet.history import ResultRow
@@ -20,6 +20,7 @@ class DevicePlan:
     probes: list[str]
     failures: int
     estimate: float | None
+    priority_seeds: dict[str, int] = field(default_factory=dict)  # case → the seed it failed with (inputs change every sweep)
 
 
 def plan_devices(cfg: SweepConfig, identities: list[dict], rows: list[ResultRow], now: float) -> list[DevicePlan]:
@@ -32,8 +33,10 @@ def plan_devices(cfg: SweepConfig, identities: list[dict], rows: list[ResultRow]
         mine = by.get(ident["uuid"], [])
         recent_bad = [r for r in mine if r.ts >= window and r.verdict in ("SUSPECT", "FAULTY")]
         cases: list[str] = []
+        seeds: dict[str, int] = {}
         for r in reversed(recent_bad):
             cases += [c for c in r.cases if c not in cases]
+            seeds.update({c: r.seed for c in r.cases if c not in seeds and r.seed is not None})
         done = [r.seconds for r in mine if r.verdict != "ERROR" and r.seconds][-5:]
         estimate = statistics.median(done) if done else None
         # a device whose last scans ran out of time is short of it, whatever its earlier scans took
@@ -41,8 +44,9 @@ def plan_devices(cfg: SweepConfig, identities: list[dict], rows: list[ResultRow]
         short = timed_out or (estimate is not None and estimate > allowed)
         failed_probes = {c.split(".")[0] for r in recent_bad for c in r.checks}
         probes = sorted(cfg.probes, key=lambda p: p not in failed_probes)
-        plans.append(DevicePlan(ident["id"], ident["uuid"], cases[:16] if cfg.prioritize and short else [], probes,
-                                len(recent_bad), estimate))
+        chosen = cases[:16] if cfg.prioritize and short else []
+        plans.append(DevicePlan(ident["id"], ident["uuid"], chosen, probes, len(recent_bad), estimate,
+                                {c: seeds[c] for c in chosen if c in seeds}))
     if cfg.prioritize:
         plans.sort(key=lambda p: -p.failures)
     return plans

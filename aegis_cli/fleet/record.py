@@ -35,7 +35,8 @@ def scan_options(cfg: SweepConfig):
     from aegis_cli.scan import ScanOptions
 
     return ScanOptions(devices=cfg.devices, workload=cfg.workload, seed=cfg.seed, reruns=cfg.reruns, inject=cfg.inject,
-                       probes=tuple(cfg.probes), fail_fast=cfg.fail_fast, command_line=["aegis", "sweep", "--config", cfg.source])
+                       probes=tuple(cfg.probes), probe_options=dict(cfg.probe_options), fail_fast=cfg.fail_fast,
+                       command_line=["aegis", "sweep", "--config", cfg.source])
 
 
 def sweep_doc(cfg: SweepConfig, devices: list[dict], started: float, extra: dict | None = None) -> dict:
@@ -47,7 +48,30 @@ def sweep_doc(cfg: SweepConfig, devices: list[dict], started: float, extra: dict
     doc["exit_code"] = int(overall_exit(Verdict(d["verdict"]) for d in devices))
     doc["sweep"] = {"config": cfg.source, "budget_seconds": cfg.budget_seconds, "device_timeout_seconds": cfg.device_timeout_seconds,
                     "soak": cfg.soak, **(extra or {})}
+    doc["sweep"]["rerun"] = _rerun_commands(doc)  # each flagged device's first case, exactly as it was judged
     return doc
+
+
+def _rerun_commands(doc: dict) -> list[str]:
+    """The scan commands that re-run each flagged device's first case (scan.rerun_commands),
+    without the sweep workers' test hooks, which a scan refuses; none when a hook comes before a
+    fault (faults are seeded by their place in the spec: the scan's would land elsewhere)."""
+    from aegis_cli.faults.spec import WORKER_MODELS, parse_spec
+    from aegis_cli.scan import rerun_commands  # imports torch: only once a sweep has run
+
+    injected = []
+    for spec in doc.get("injected") or []:
+        models = [f.model in WORKER_MODELS for f in parse_spec(spec, worker=True)]
+        if any(hook and not all(models[i:]) for i, hook in enumerate(models)):
+            return []
+        kept = [str(f) for f in parse_spec(spec, worker=True) if f.model not in WORKER_MODELS]
+        injected += [";".join(kept)] if kept else []
+    out = []
+    for d in doc["devices"]:  # one device at a time: a case run first from the history has the seed it failed with
+        if d.get("evidence"):
+            alone = [x if x is d else {**x, "evidence": []} for x in doc["devices"]]
+            out += rerun_commands({**doc, "injected": injected, "seed": d["evidence"][0].get("seed", doc["seed"]), "devices": alone})
+    return list(dict.fromkeys(out))
 
 
 def apply_policy(cfg: SweepConfig, hist: History, doc: dict, log: Log, *, deadline: float | None = None, stop: Stop | None = None,

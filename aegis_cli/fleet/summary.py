@@ -1,5 +1,6 @@
 """What ``aegis history`` shows: each device's policy state over its whole history, its failure
-rate with counts and a Wilson bound over a window and, for one device, every result and the
+rate with counts and a Wilson bound over a window, its coverage there (seeds, scale bands,
+launches and failing runs: fleet/coverage.py) and, for one device, every result and the
 actions taken; as a document (JSON) or CSV rows."""
 
 from __future__ import annotations
@@ -8,12 +9,15 @@ import csv
 import io
 import time
 
+from aegis_cli.fleet import coverage
 from aegis_cli.fleet.history import History
 from aegis_cli.fleet.policy import DeviceState, PolicyConfig, by_device, drop_retired, evaluate, parse_since, rate_text, wilson
 from aegis_cli.ops.errors import ConfigError, HistoryError
 
-RESULT_COLUMNS = ("ts", "uuid", "host", "device", "verdict", "workload", "evidence", "checks", "error")
+RESULT_COLUMNS = ("ts", "uuid", "host", "device", "verdict", "workload", "seed", "launches", "failures", "evidence", "checks", "error")
 DEVICE_COLUMNS = ("uuid", "serial", "name", "last_host", "last_id", "state", "sweeps", "failures", "summary", "last_verdict")
+COVERAGE_COLUMNS = ("uuid", "last_host", "last_id", "sweeps", "seeds", "last_seed", "bands", "pow2_bands", "gemm_bands",
+                    "launches", "failed_runs")
 
 
 def show_history(db: str | None, config_path: str | None = None, ident: str | None = None, since: str | None = None,
@@ -40,12 +44,16 @@ def show_history(db: str | None, config_path: str | None = None, ident: str | No
         return history_summary(hist, policy, ident, parse_since(since, time.time())), retired
 
 
-def history_csv(doc: dict) -> str:
-    """A history summary as CSV: one row per result for one device (``--device``), else one per device."""
-    one = any("results" in d for d in doc["devices"])
+def history_csv(doc: dict, coverage: bool = False) -> str:
+    """A history summary as CSV: one row per result for one device (``--device``), else one per
+    device; with ``coverage``, one per device with its coverage (seeds, bands, launches)."""
+    one = any("results" in d for d in doc["devices"]) and not coverage
     rows = [r for d in doc["devices"] for r in d.get("results", [])] if one else doc["devices"]
+    if coverage:
+        rows = [{**d, **d["coverage"], "failed_runs": d["coverage"]["failures"]} for d in doc["devices"]]
     buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=RESULT_COLUMNS if one else DEVICE_COLUMNS, extrasaction="ignore", lineterminator="\n")
+    cols = COVERAGE_COLUMNS if coverage else RESULT_COLUMNS if one else DEVICE_COLUMNS
+    w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore", lineterminator="\n")
     w.writeheader()
     for r in rows:
         w.writerow({k: (" ".join(map(str, v)) if isinstance(v, list) else v) for k, v in r.items()})
@@ -75,7 +83,8 @@ def history_summary(hist, cfg: PolicyConfig, ident: str | None = None, since: fl
         entry = {**devices.get(u, {"uuid": u}), "state": state, "reason": st.reason, "clean_streak": st.clean_streak,
                  "sweeps": len(rows), "failures": k, "counts": {v: sum(r.verdict == v for r in rows) for v in st.counts},
                  "failure_rate_95": [lo, hi], "summary": rate_text(k, len(rows)),
-                 "last_verdict": rows[-1].verdict if rows else None, "last_ts": rows[-1].ts if rows else None}
+                 "last_verdict": rows[-1].verdict if rows else None, "last_ts": rows[-1].ts if rows else None,
+                 "coverage": coverage.summary(rows)}
         if ident:
             entry["results"] = [r.to_dict() for r in rows]
             entry["actions"] = hist.actions(u)

@@ -15,7 +15,7 @@ import os
 import time
 
 from aegis_cli.backends.base import node_name
-from aegis_cli.fleet import distributed
+from aegis_cli.fleet import coverage, distributed, vtasks
 from aegis_cli.fleet.config import SweepConfig, check_outputs
 from aegis_cli.fleet.history import History
 from aegis_cli.fleet.lock import SweepLock
@@ -43,10 +43,15 @@ def run_sweep(cfg: SweepConfig, log: Log | None = None, *, environ: dict[str, st
 
             identities = {d.identity.id: d.identity.to_dict() for d in resolve_devices(cfg.devices)}
             uuids = [i["uuid"] for i in identities.values()]
+            chosen = coverage.choose(cfg, hist, node_name(), started)
+            cfg = coverage.resolve(cfg, chosen)
+            log("sweep_seed", seed=cfg.seed, derived=chosen["seed_derived"], dither_index=chosen["dither_index"],
+                **{k.replace(".", "_"): v for k, v in cfg.probe_options.items()})
             plans = plan_devices(cfg, list(identities.values()), hist.results(uuids), started)
             devices = run_workers(cfg, plans, identities, started + cfg.worker_budget(), log, stop=stop)
             extra = {"plan": [{"device": p.device_id, "priority_cases": p.priority_cases, "probes": p.probes,
-                               "past_failures": p.failures, "estimate_seconds": p.estimate} for p in plans]}
+                               "past_failures": p.failures, "estimate_seconds": p.estimate} for p in plans],
+                     "coverage": coverage.annotate(cfg, chosen, devices), **vtasks.summarise(cfg, devices, log)}
             doc = sweep_doc(cfg, devices, started, extra)
             states, acts = apply_policy(cfg, hist, doc, log, deadline=deadline, stop=stop)
     log("sweep_done", exit_code=doc["exit_code"], seconds=round(time.time() - started, 2),

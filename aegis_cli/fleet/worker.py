@@ -7,7 +7,8 @@ device, the scan options, the previously failing cases to run first, and where t
 DeviceReport plus ``probes.fleet_fingerprint``) at the end. Log lines go to stderr.
 
 Test hooks (never active unless asked for in ``inject``): ``hang:seconds=N`` sleeps before
-scanning, ``crash:signal=S`` kills the worker (aegis_cli.faults.spec.WORKER_MODELS).
+scanning (``when=replay``: before replaying vTasks), ``crash:signal=S`` kills the worker
+(aegis_cli.faults.spec.WORKER_MODELS).
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ def run(spec: dict) -> dict:
                 faults.append(f)
                 slots.append(slot)
     for f in hooks:
+        if f.params.get("when") == "replay":
+            continue
         log("test_hook", device=device_id, hook=str(f))
         if f.model == "hang":
             time.sleep(float(f.params["seconds"]))
@@ -87,17 +90,18 @@ def run(spec: dict) -> dict:
     (device,) = resolve_devices(device_id)
     inject = ";".join(str(f) for f in faults) or None
     opts = ScanOptions(devices=device_id, workload=spec.get("workload"), seed=spec.get("seed", 0), reruns=spec.get("reruns", 3),
-                       inject=inject, probes=tuple(spec.get("probes") or ("gemm",)), command_line=spec.get("command_line", []),
-                       fail_fast=spec.get("fail_fast", False))
+                       inject=inject, probes=tuple(spec.get("probes") or ("gemm",)), probe_options=dict(spec.get("probe_options") or {}),
+                       command_line=spec.get("command_line", []), fail_fast=spec.get("fail_fast", False))
     preflight(opts, [device])  # a workload that cannot fit: one line, exit 3, before any work
     plan = FaultPlan(faults, slots=slots) if faults else None
     quiet = lambda *a, **k: None
     priority = {"cases": list(spec.get("priority_cases") or []), "verdicts": {}}
     t0 = time.time()
     pre = []
+    seeds = spec.get("priority_seeds") or {}
     for cid in priority["cases"]:
         try:
-            dr = scan_device(device, replace(opts, case=cid), plan and plan.for_device(device_id), quiet)
+            dr = scan_device(device, _as_judged(opts, cid, seeds.get(cid, opts.seed), device), plan and plan.for_device(device_id), quiet)
         except ConfigError as exc:  # a case from history this configuration no longer has
             priority["verdicts"][cid] = f"not run: {exc}"
             log("priority_case_skipped", device=device_id, case=cid, reason=str(exc))
@@ -132,7 +136,34 @@ def run(spec: dict) -> dict:
         except Exception as exc:  # the comparison is extra: a failure here is recorded, not fatal
             doc["probes"][PROBE_KEY] = {"error": f"{type(exc).__name__}: {exc}"}
     doc["probes"]["sweep"] = {"priority": priority, "full_scan": "completed", "worker_seconds": round(time.time() - t0, 3)}
+    if spec.get("vtasks"):  # captured vTasks (a training job's sensors, a scan's --save-vtasks) replayed here
+        from aegis_cli.fleet.vtasks import replay_directory
+
+        # the scan is done: a bundle whose replay outlasts the device's timeout must not cost its verdict
+        files.atomic_write(spec["output"] + ".scanned.json", report_mod.render(doc, "json"))
+        for f in hooks:
+            if f.params.get("when") == "replay":
+                log("test_hook", device=device_id, hook=str(f))
+                time.sleep(float(f.params["seconds"]))
+        doc["probes"]["vtasks"] = replay_directory(device, spec["vtasks"], log)
     return doc
+
+
+def _as_judged(opts, cid: str, seed: int, device):
+    """The options that re-run ``cid`` as it failed before: with its sweep's seed (every sweep
+    draws new inputs) and, for a GEMM case at a dithered scale, the gemm shift that gives it."""
+    from aegis_cli.ops.case import CaseId
+    from aegis_cli.probes.gemm_scan import scales_for, workload_for
+
+    o = replace(opts, case=cid, seed=seed)
+    scale = CaseId.parse(cid).scale
+    if scale is None or scale == (0, 0):
+        return o
+    wl = workload_for(o.probe_config(), device)
+    base = next(([a, b] for a, b in wl.scan.scales if (a, b) != (0, 0)), None)
+    if base is None or list(scale) in scales_for(wl, o.probe_config()):
+        return o
+    return replace(o, probe_options={**o.probe_options, "gemm.shift": f"{scale[0] - base[0]},{scale[1] - base[1]}"})
 
 
 def _keep_priority_findings(dr, pre: list) -> None:

@@ -65,6 +65,8 @@ def run_workers(cfg: SweepConfig, plans: list[DevicePlan], identities: dict[str,
                 env: dict[str, str] | None = None, stop: Stop | None = None) -> list[dict]:
     """One worker process per device (at most ``max_parallel`` at once); device reports in
     ``plans`` order. Workers are killed on timeout, on the sweep's deadline and on exit."""
+    if cfg.seed is None:  # a bug, not bad input: the sweep chooses the seed first (fleet/coverage.py)
+        raise ValueError("run_workers needs the sweep's chosen seed: coverage.resolve(cfg, …) first")
     stop = stop or (lambda: None)
     # removed after (the reports are read by now; the workers' logs live on only in the sweep's
     # log), and by the next sweep when this one is killed
@@ -106,7 +108,8 @@ def _run_workers(cfg: SweepConfig, plans: list[DevicePlan], identities: dict[str
                     log("device_skipped", level="warning", device=w.plan.device_id, reason="budget")
                     continue
                 spec = {"device": w.plan.device_id, "workload": cfg.workload, "seed": cfg.seed, "reruns": cfg.reruns, "fail_fast": cfg.fail_fast,
-                        "probes": w.plan.probes, "inject": cfg.inject, "priority_cases": w.plan.priority_cases,
+                        "probes": w.plan.probes, "probe_options": cfg.probe_options, "vtasks": cfg.vtasks, "inject": cfg.inject,
+                        "priority_cases": w.plan.priority_cases, "priority_seeds": w.plan.priority_seeds,
                         "fingerprint_cases": cfg.fingerprint_cases, "output": w.out, "soak": cfg.soak,
                         "command_line": ["aegis", "sweep", "--config", cfg.source]}
                 spec_path = w.out + ".spec"
@@ -130,9 +133,16 @@ def _run_workers(cfg: SweepConfig, plans: list[DevicePlan], identities: dict[str
                 took = now - w.started
                 if rc is None:
                     _kill(w)
-                    partial = _read(w.out + ".partial.json")
                     why = "device timeout" if w.deadline < deadline else "sweep budget"
-                    doc = _error_doc(w.identity, f"worker timed out after {took:.0f} s ({why}); killed", took, partial)
+                    scanned = _read(w.out + ".scanned.json")
+                    if scanned is not None:  # killed while replaying vTasks: the finished scan's verdict stands
+                        scanned["device"] = {**w.identity, **scanned["device"]}
+                        scanned["probes"]["vtasks"] = {"error": f"replays not finished: worker timed out after {took:.0f} s ({why}); "
+                                                                "killed", "bundles": []}
+                        doc = scanned
+                    else:
+                        doc = _error_doc(w.identity, f"worker timed out after {took:.0f} s ({why}); killed", took,
+                                         _read(w.out + ".partial.json"))
                     log("device_timeout", level="error", device=w.plan.device_id, seconds=round(took, 1), verdict=doc["verdict"])
                 else:
                     doc = _read(w.out) if rc == 0 else None

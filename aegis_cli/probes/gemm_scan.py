@@ -5,16 +5,18 @@ on GPUs) gives GEMM shapes, input distributions and power-of-two scales; each (s
 distribution) is one GemmCase run at every scale (probes/gemm.py checks and confirms it).
 Before any probe runs, ``preflight`` refuses a workload, a ``--case`` or a largest case that
 could not run on a device; ``count_cases`` is the number of cases the scan's progress counts.
+The option ``gemm.shift=A,B`` moves every scale but the base by (A, B): a sweep's scale
+dithering (ops/dither.py) sets it, and a case id at a shifted scale re-runs with it.
 """
 
 from __future__ import annotations
 
 from aegis_cli.backends.base import Device, memory_shortfall
-from aegis_cli.ops import workloads
+from aegis_cli.ops import dither, workloads
 from aegis_cli.ops.case import CaseId
 from aegis_cli.ops.errors import ConfigError
 from aegis_cli.ops.verdict import Evidence
-from aegis_cli.probes import NODE_PROBES, PROBES, ProbeConfig, ProbeContext, load_all, register
+from aegis_cli.probes import NODE_PROBES, PROBES, ProbeConfig, ProbeContext, convert_option, load_all, register
 from aegis_cli.probes.gemm import GemmCase, GemmProbe, case_bytes
 
 DEFAULT_CPU_WORKLOAD = "cpu-quick"
@@ -33,6 +35,15 @@ def workload_for(config: ProbeConfig, device: Device) -> workloads.Workload:
     return wl
 
 
+OPTIONS = {"shift": (dither.parse_pair, (0, 0), "move every scale but (0, 0) by A,B: a sweep's scale dithering (docs/fleet.md)")}
+
+
+def scales_for(wl: workloads.Workload, config: ProbeConfig) -> list[list[int]]:
+    """The scale pairs the probe runs: the workload's, moved by ``gemm.shift``."""
+    raw = config.probe_options.get("gemm.shift")
+    return wl.scan.scales if raw is None else dither.shifted(wl.scan.scales, convert_option("gemm", "shift", raw))
+
+
 def plan_cases(wl: workloads.Workload, seed: int, case: str | None = None) -> list[GemmCase]:
     cases = [GemmCase(wl.name, shape, dist, seed) for shape in wl.gemms() for dist in wl.scan.distributions]
     if case is not None:
@@ -46,11 +57,11 @@ def plan_cases(wl: workloads.Workload, seed: int, case: str | None = None) -> li
     return cases
 
 
-def case_scales(wl: workloads.Workload, case: str | None) -> list[list[int]]:
-    """The scales a scan runs: the workload's, and a ``--case``'s own scale beyond them (a burn-in
-    launch of ``aegis scan --soak`` runs at any scale where scaling its inputs is exact; the probe
-    refuses one where it is not)."""
-    scales = [list(s) for s in wl.scan.scales]
+def case_scales(base: list[list[int]], case: str | None) -> list[list[int]]:
+    """The scales a scan runs: ``base`` (the workload's, moved by ``gemm.shift``), and a ``--case``'s
+    own scale beyond them (a burn-in launch of ``aegis scan --soak`` or a sweep's dithered case runs
+    at any scale where scaling its inputs is exact; the probe refuses one where it is not)."""
+    scales = [list(s) for s in base]
     scale = CaseId.parse(case).scale if case else None
     if scale is not None and list(scale) not in scales:
         scales.append(list(scale))
@@ -82,12 +93,13 @@ def count_cases(devices: list[Device], config: ProbeConfig) -> int:
     for d in devices:
         wl = workload_for(config, d)
         # a --case at a scale also runs the base scale it is checked against
-        n_scales = (1 if CaseId.parse(config.case).scale == (0, 0) else 2) if config.case else len(wl.scan.scales)
+        scales = scales_for(wl, config)
+        n_scales = (1 if CaseId.parse(config.case).scale == (0, 0) else 2) if config.case else len(scales)
         total += len(plan_cases(wl, config.seed, config.case)) * n_scales
     return total
 
 
-@register("gemm", preflight=preflight, count_cases=count_cases)
+@register("gemm", OPTIONS, preflight=preflight, count_cases=count_cases)
 def gemm_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     """Checked training GEMMs across distributions and power-of-two scales."""
     config = ctx.config
@@ -96,8 +108,8 @@ def gemm_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     probe = GemmProbe(device, config.thresholds, reruns=config.reruns, fault=ctx.fault, keep_flagged=config.keep_flagged,
                       on_case=lambda cid: ctx.progress("case", device=device.identity.id, case=cid), tally=ctx.tally)
     evidence: list[Evidence] = []
+    scales = case_scales(scales_for(wl, config), config.case)
     cases = plan_cases(wl, config.seed, config.case)
-    scales = case_scales(wl, config.case)
     for i, case in enumerate(cases):
         evidence += probe.run(case, scales, only=config.case)
         if ctx.tally.stopped:  # fail-fast: the cases not run are named, and counted as progress

@@ -12,7 +12,10 @@ vectors) and for torch.matmul (cuBLAS on GPUs):
                  deviates (the ranges of a, b and a+b over deviating pairs, and how many
                  of the tested pairs) with samples: element, expected/actual bits, XOR mask.
 
-The gemm probe checks a few scales of every training GEMM; this probe sweeps the range.
+The gemm probe checks a few scales of every training GEMM; this probe sweeps the range. The
+grid spans every exponent that keeps each operand normal and finite (outside it no pair is
+exact) and is anchored at ``offset`` (mod step): a sweep moves it every time (ops/dither.py),
+so that within step² sweeps every exponent pair of the exact range has been checked.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 
 from aegis_cli.backends.base import Device
 from aegis_cli.faults.spec import recent_injections
-from aegis_cli.ops import numerics
+from aegis_cli.ops import dither, numerics
 from aegis_cli.ops.case import CaseId, case_seed
 from aegis_cli.ops.errors import ConfigError
 from aegis_cli.ops.fingerprint import int_view
@@ -32,7 +35,7 @@ from aegis_cli.ops.verdict import Evidence, Verdict
 from aegis_cli.probes import ProbeContext, bounded, quick_or_full, register
 from aegis_cli.probes.computations import COMPUTATIONS, MAX_SAMPLES, localise
 
-EXP_RANGE = (-112, 112)  # inputs ~2^-14…2^2 reach the bf16 normal range −126 … 127 at the ends
+EXP_RANGE = (-112, 112)  # operands that are all zeros (any scale is exact): inputs ~2^-14…2^2 reach −126 … 127 at the ends
 CPU_SHAPE = (64, 96, 128)
 GPU_SHAPE = (1024, 1024, 1024)
 IMPLS = ("checked_gemm", "matmul")
@@ -45,6 +48,7 @@ OPTIONS = {
     "mode": (quick_or_full, "quick", "quick: exponent step 16 (GPU) / 56 (CPU); full: step 4"),
     # a coarser grid leaves no pair of scales inside the exact range: HEALTHY would mean nothing was checked
     "step": (bounded(int, 1, MAX_STEP, auto=0), 0, f"exponent grid step, 1…{MAX_STEP} (0: by mode)"),
+    "offset": (dither.parse_pair, (0, 0), "grid offset A,B (mod step): a sweep's scale dithering sets it (docs/fleet.md)"),
 }
 
 
@@ -67,7 +71,15 @@ def case_id(device: Device, impl: str) -> str:
     return str(CaseId("pow2", (impl, "x".join(map(str, shape_for(device))))))
 
 
-def sweep(device: Device, impl: str, step: int, ctx: ProbeContext) -> tuple[dict, Evidence | None]:
+def exponent_grids(mag: numerics.Magnitudes | None, step: int, off: tuple[int, int]) -> tuple[list[int], list[int]]:
+    """The exponents of A and of B the grid visits: ≡ ``off`` (mod step), within each operand's
+    exact range (dither.operand_range; EXP_RANGE for all-zero operands)."""
+    ra = EXP_RANGE if mag is None else dither.operand_range(mag.amin, mag.amax)
+    rb = EXP_RANGE if mag is None else dither.operand_range(mag.bmin, mag.bmax)
+    return dither.grid(*ra, step, off[0]), dither.grid(*rb, step, off[1])
+
+
+def sweep(device: Device, impl: str, step: int, ctx: ProbeContext, off: tuple[int, int] = (0, 0)) -> tuple[dict, Evidence | None]:
     t0 = time.perf_counter()
     m, n, k = shape_for(device)
     seed = ctx.config.seed
@@ -76,14 +88,14 @@ def sweep(device: Device, impl: str, step: int, ctx: ProbeContext) -> tuple[dict
     base_ops = GemmOperands(a, b, Layout.FWD)
     case = case_id(device, impl)
     base = _run(device, impl, base_ops, ctx, f"{case}/a+0b+0")
-    exps = list(range(EXP_RANGE[0], EXP_RANGE[1] + 1, step))
     mag = numerics.magnitudes(base_ops)
+    exps_a, exps_b = exponent_grids(mag, step, off)
     tested, skipped, deviating = 0, 0, []
     unshown = torch.zeros((), dtype=torch.int64, device=a.device)  # differing elements of pairs past SHOWN_PAIRS
     safe_sums: list[int] = []
-    for ea in exps:
+    for ea in exps_a:
         a_scaled = numerics.pow2_scale(a, ea)
-        for eb in exps:
+        for eb in exps_b:
             if (ea, eb) == (0, 0):
                 continue
             if not numerics.pow2_exact_safe(mag, ea, eb):
@@ -105,9 +117,9 @@ def sweep(device: Device, impl: str, step: int, ctx: ProbeContext) -> tuple[dict
         ctx.progress("step", device=device.identity.id, case=f"{case}/a{ea:+d}")
     device.synchronize()
     if not tested:
-        raise ConfigError(f"pow2: no pair of the exponent grid {exps[0]}…{exps[-1]} step {step} lies inside the exact range "
+        raise ConfigError(f"pow2: no pair of the exponent grid step {step} offset {off[0]},{off[1]} lies inside the exact range "
                           f"for {impl}: HEALTHY would mean nothing was checked")
-    stats = {"shape": {"m": m, "n": n, "k": k}, "step": step, "tested": tested, "skipped_unsafe": skipped,
+    stats = {"shape": {"m": m, "n": n, "k": k}, "step": step, "offset": list(off), "tested": tested, "skipped_unsafe": skipped,
              "exact_regime_tested": {"a_plus_b": [min(safe_sums), max(safe_sums)]} if safe_sums else None,
              "deviating_pairs": len({(d["a"], d["b"]) for d in deviating}), "seconds": round(time.perf_counter() - t0, 4)}
     if not deviating:
@@ -150,6 +162,7 @@ def pow2_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     """Sweep power-of-two input scales; outputs must scale exactly."""
     mode = ctx.option("pow2", "mode")
     step = ctx.option("pow2", "step") or (4 if mode == "full" else (56 if device.identity.backend == "cpu" else 16))
+    off = tuple(o % step for o in ctx.option("pow2", "offset"))
     evidence, stats = [], {}
     impls = IMPLS
     if ctx.case_part("pow2") is not None:
@@ -162,7 +175,7 @@ def pow2_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
         impls = (ids[ctx.config.case],)
     tally = ctx.tally.probe("pow2")
     for impl in impls:
-        st, ev = sweep(device, impl, step, ctx)
+        st, ev = sweep(device, impl, step, ctx, off)
         stats[impl] = st
         bad = st["deviating_pairs"]
         tally.launches += 1 + st["tested"] + bool(bad)  # the base, the pairs, the confirming re-run
@@ -170,5 +183,5 @@ def pow2_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
         if ev is not None:
             tally.flagged(ev.case_id, ev.check, st["tested"], bad, shown=True)
             evidence.append(ev)
-    ctx.stats["pow2"] = {"mode": mode, "step": step, "implementations": stats}
+    ctx.stats["pow2"] = {"mode": mode, "step": step, "offset": list(off), "implementations": stats}
     return evidence

@@ -41,6 +41,8 @@ def test_three_gloo_ranks_flag_exactly_the_faulty_rank(tmp_path):
     assert verdicts == {"cpu:0": "HEALTHY", "cpu:1": "HEALTHY", "cpu:2": "FAULTY"}
     odd = next(d for d in fleet["devices"] if d["device"]["id"] == "cpu:2")
     assert any(e["check"] == "fleet.cross_device_fingerprint" for e in odd["evidence"])
+    # one derived seed for every rank (rank 0's): fingerprints of other inputs would never compare
+    assert len({d["coverage"]["seed"] for d in fleet["devices"]}) == 1 and fleet["seed"] == fleet["devices"][0]["coverage"]["seed"]
     # every rank recorded its device; the node's exports list the faulty one
     from aegis_cli.fleet.history import History
 

@@ -131,7 +131,8 @@ def test_history_and_report_commands(node_sweep):
     assert p.returncode == 2
     fleet = json.loads(p.stdout)
     assert fleet["kind"] == "fleet" and len(fleet["devices"]) == 3
-    assert fleet["seed"] == 0 and fleet["command_line"][:2] == ["aegis", "report"]  # the sources' common seed
+    source_seed = json.loads((tmp / "report.json").read_text())["seed"]  # derived by the sweep: no seed in its config
+    assert fleet["seed"] == source_seed and fleet["command_line"][:2] == ["aegis", "report"]  # the sources' common seed
     # two fingerprinted devices that differ and no third: a software cause cannot be ruled out
     assert fleet["outcome"] == "INCONCLUSIVE"
 
@@ -247,7 +248,8 @@ def test_priority_cases_run_first_and_survive_a_timeout(tmp_path):
     from aegis_cli.fleet import plan as plan_mod
     from aegis_cli.fleet import workers as workers_mod
 
-    cfg = load_config(write_config(tmp_path, devices="cpu:1", device_timeout_seconds=30, inject="bitflip:bit=exp,device=cpu:1"))
+    cfg = load_config(write_config(tmp_path, devices="cpu:1", device_timeout_seconds=30, inject="bitflip:bit=exp,device=cpu:1",
+                                   seed=0))  # workers take a sweep's chosen seed (fleet/coverage.py)
     case = "fleet-tiny/mlp_down/fwd/normal/64x64x128/s+0+0"
     ident = {"id": "cpu:1", "uuid": "U1", "host": "h", "backend": "cpu", "index": 1, "name": "cpu"}
     plan = plan_mod.DevicePlan("cpu:1", "U1", [case], ["gemm"], 1, 99.0)
