@@ -77,7 +77,7 @@ def sensor_reference(ops: GemmOperands, tile: tuple[int, int], cols: bool) -> Re
     checksum ``tile``, with their scales: ``numerics.reference_checksums`` computed with less
     memory traffic, and without the column part when it is not compared (its fields are then empty)."""
     tm, tn = tile
-    m, n, k = ops.mnk
+    _, n, k = ops.mnk
     bt, bt_abs = _tile_sums(ops.b_kn, tn)  # (K, nt_n)
     a = ops.a_mk.to(torch.float64, copy=True)  # (M, K); a copy: abs_ below
     row = a @ bt
