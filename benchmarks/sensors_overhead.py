@@ -114,6 +114,22 @@ class Bench:
         return out
 
 
+def gemm_work(model: torch.nn.Module, tokens: int, tile: tuple[int, int] = (64, 128)) -> dict:
+    """FLOPs per step of the Linears' GEMMs (bf16) and of the fp64 references that check all of them
+    (rows and their scales for forward and dgrad, rows and columns for wgrad, at the CUDA checksum
+    tile): the arithmetic floor under the cost of checking every launch."""
+    tm, tn = tile
+    gemm = ref = 0
+    for m in model.modules():
+        if not isinstance(m, torch.nn.Linear):
+            continue
+        i, o = m.in_features, m.out_features
+        for mm, n, k, cols in ((tokens, o, i, False), (tokens, i, o, False), (o, i, tokens, True)):  # fwd, dgrad, wgrad
+            gemm += 2 * mm * n * k
+            ref += 2 * 2 * mm * k * -(-n // tn) + (2 * 2 * -(-mm // tm) * k * n if cols else 0)
+    return {"gemm_tflop": gemm / 1e12, "reference_fp64_tflop": ref / 1e12, "reference_share": ref / gemm if gemm else None}
+
+
 def summarise(times: list[float]) -> dict:
     return {"steps": len(times), "mean_s": statistics.fmean(times) if times else None,
             "median_s": statistics.median(times) if times else None, "min_s": min(times) if times else None}
@@ -161,7 +177,7 @@ def run(args) -> dict:
         print(f"GPT {args.preset}: {params / 1e9:.3f}B parameters, {cfg.layers} layers, dim {cfg.dim}, sequence {cfg.seq}, "
               f"batch {batch} ({batch * cfg.seq} tokens) in {args.dtype} on {args.device}", flush=True)
         return {"params": params, "batch": batch, "tokens": batch * cfg.seq, "seq": cfg.seq, "layers": cfg.layers,
-                "dim": cfg.dim, "vocab": cfg.vocab}
+                "dim": cfg.dim, "vocab": cfg.vocab, "work_per_step": gemm_work(bench.model, batch * cfg.seq)}
 
     def warmup() -> dict:
         out = {}
@@ -247,6 +263,9 @@ def table(result: dict) -> str:
     if "params" in setup:
         lines.append(f"GPT {setup['params'] / 1e9:.2f}B params, seq {setup['seq']}, batch {setup['batch']}, "
                      f"{result['args']['dtype']}, {result.get('gpu', result['args']['device'])}")
+        w = setup["work_per_step"]
+        lines.append(f"per step: Linear GEMMs {w['gemm_tflop']:.2f} TFLOP (bf16); fp64 references of every launch "
+                     f"{w['reference_fp64_tflop']:.3f} TFLOP ({100 * w['reference_share']:.2f}% of the GEMMs' FLOPs, in fp64)")
     inter = result.get("interleaved") or {}
     plain = (inter.get("plain") or {}).get("mean_s")
     lines.append("mode                      mean step   overhead vs plain   vs checked kernels")

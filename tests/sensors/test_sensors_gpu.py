@@ -138,11 +138,11 @@ def test_instrumented_gpt_matches_the_plain_one_within_bf16_tolerance():
     assert s["launches"] == s["checked"] == 3 * linears and s["raised"] == s["confirmed"] == 0, s
     assert h.device_for(x).identity.backend == "cuda"
     assert abs(loss1 - loss_bf) <= 1e-2 * abs(loss_bf)
-    assert abs(loss1 - loss32) <= 3 * abs(loss_bf - loss32) + 2e-3
-    assert rel(flat(g1), flat(g_bf)) < 3e-2
+    assert abs(loss1 - loss32) <= 3 * abs(loss_bf - loss32) + 5e-3
+    assert rel(flat(g1), flat(g_bf)) < 5e-2
     assert rel(flat(g1), flat(g32)) <= 3 * rel(flat(g_bf), flat(g32)) + 1e-3
     for name, g in g_bf.items():
-        assert g1[name].dtype == torch.bfloat16 and rel(g1[name], g) < 0.1, name
+        assert g1[name].dtype == torch.bfloat16 and rel(g1[name], g) < 0.15, name
 
 
 def train(steps: int, cfg: dict | None = None, *, checkpointing: bool = False, batch: int = 8, lr: float = 1e-3):
