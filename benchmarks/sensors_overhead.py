@@ -179,19 +179,34 @@ def run(args) -> dict:
         return {"params": params, "batch": batch, "tokens": batch * cfg.seq, "seq": cfg.seq, "layers": cfg.layers,
                 "dim": cfg.dim, "vocab": cfg.vocab, "work_per_step": gemm_work(bench.model, batch * cfg.seq)}
 
+    failed: dict[str, str] = {}  # a mode that failed once is not run again
+
+    def safe_window(name: str, steps: int) -> dict | None:
+        if name in failed:
+            return None
+        try:
+            return bench.window(name, modes[name], steps, counter)
+        except Exception as exc:  # one broken mode must not cost the others their figures
+            failed[name] = f"{type(exc).__name__}: {exc}"
+            print(f"{name} FAILED: {exc}\n{traceback.format_exc()[-3000:]}", flush=True)
+            return None
+
     def warmup() -> dict:
         out = {}
-        for name, cfg in modes.items():  # kernel builds, cuBLAS heuristics, the allocator's pools
-            w = bench.window(name, cfg, args.warmup, counter)
-            out[name] = summarise(w["times"])
-            print(f"warm-up {name:<8} {args.warmup} steps, last {w['times'][-1]:.4f} s", flush=True)
+        for name in modes:  # kernel builds, cuBLAS heuristics, the allocator's pools
+            w = safe_window(name, args.warmup)
+            out[name] = summarise(w["times"]) if w else {"error": failed.get(name)}
+            if w:
+                print(f"warm-up {name:<8} {args.warmup} steps, last {w['times'][-1]:.4f} s", flush=True)
         return out
 
     def interleaved() -> dict:
         windows: dict[str, list] = {name: [] for name in modes}
         for r in range(args.rounds):
-            for name, cfg in modes.items():
-                w = bench.window(name, cfg, args.steps, counter)
+            for name in modes:
+                w = safe_window(name, args.steps)
+                if w is None:
+                    continue
                 windows[name].append(w)
                 print(f"round {r} {name:<8} mean {statistics.fmean(w['times']):.4f} s over {len(w['times'])} steps"
                       + (f"; checked {w['stats']['checked']} of {w['stats']['launches']}" if "stats" in w else ""), flush=True)
@@ -199,6 +214,8 @@ def run(args) -> dict:
         for name, ws in windows.items():
             times = [t for w in ws for t in w["times"]]
             out[name] = {**summarise(times), "stops": sum(w["stops"] for w in ws), "times": [round(t, 6) for t in times]}
+            if name in failed:
+                out[name]["error"] = failed[name]
             if ws and "stats" in ws[0]:
                 out[name]["stats"] = [w["stats"] for w in ws]
         plain = out["plain"]["mean_s"]
