@@ -191,6 +191,18 @@ def test_200_clean_steps_confirm_nothing():
 
 
 @gpu
+def test_budgeted_sampling_on_cuda():
+    """The default config: a 1% budget measured on the GPU's step time (the step boundary
+    synchronises) lowers the probabilities; every operator was checked (the first step checks all)."""
+    _, _, h = train(30, {})
+    s = h.stats_dict()
+    probs = [o["prob"] for o in s["operators"].values()]
+    assert s["confirmed"] == 0 and 0 < s["checked"] < s["launches"] == 30 * 3 * (4 * CFG.layers + 1), s
+    assert all(o["checked"] >= 1 and o["cost_s"] > 0 for o in s["operators"].values()) and min(probs) < 1
+    assert s["sense_s"] > 0 and s["step_s"] > s["sense_s"]
+
+
+@gpu
 def test_accumulator_fault_is_caught_confirmed_saved_and_replayed_on_cuda(tmp_path, capsys):
     from aegis_cli.backends.cuda import CudaDevice
     from aegis_cli.vtask.bundle import read_bundle
