@@ -2,6 +2,8 @@
 
     PYTHONPATH=. python3 benchmarks/gpu_suite.py [--out DIR] [--only NAME ...] [--skip NAME ...]
 
+Sections: env selfcheck sass gemm pytest scan sustained sensors (all by default).
+
 Each section runs in its own subprocess under its own time limit (a hung kernel costs that
 section, not the session), writes ``DIR/<name>.log`` and returns a small summary dict;
 ``DIR/suite.json`` collects the summaries and a short table is printed last.
@@ -167,14 +169,31 @@ def section_scan(out: Path) -> dict:
     return {"runs": runs}
 
 
+def section_sensors(out: Path) -> dict:
+    """The in-training sensors' overhead on the example's ~1.2B GPT at sequence 4096 (plain vs
+    checked kernels vs every Linear checked vs sampled, then a clean run at the sampled setting):
+    benchmarks/sensors_overhead.py with its defaults, its JSON beside this section's log."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import sensors_overhead
+
+    res = sensors_overhead.main(["--out", str(out)])
+    inter = res.get("interleaved") or {}
+    modes = {name: {k: r.get(k) for k in ("mean_s", "overhead", "overhead_vs_kernels", "error")}
+             for name, r in inter.items() if isinstance(r, dict)}
+    clean = {k: v for k, v in (res.get("clean") or {}).items() if k not in ("confirmed_events", "latency", "traceback")}
+    errors = {k: v["error"] for k, v in res.items() if isinstance(v, dict) and "error" in v}
+    return {"setup": res.get("setup"), "modes": modes, "clean": clean, "errors": errors, "total_s": res.get("total_s")}
+
+
 SECTIONS = [
     Section("env", section_env, 40),
     Section("selfcheck", section_selfcheck, 100),
     Section("sass", section_sass, 60),
     Section("gemm", section_gemm, 150),
-    Section("pytest", section_pytest, 210),
+    Section("pytest", section_pytest, 270),
     Section("scan", section_scan, 240),
     Section("sustained", section_sustained, 150),
+    Section("sensors", section_sensors, 320),
 ]
 
 
@@ -201,6 +220,15 @@ def _table(results: dict) -> str:
         elif name == "scan":
             summ = "; ".join(f"exit {x['exit']} {x['verdicts']} scan {x.get('report_s')}s (process {x['wall_s']}s) margin {x['margins']}"
                              for x in s.get("runs", []))
+        elif name == "sensors":
+            summ = "; ".join(f"{k} {100 * v['overhead']:+.2f}%" for k, v in (s.get("modes") or {}).items()
+                             if v.get("overhead") is not None)
+            c = s.get("clean") or {}
+            if c.get("steps"):
+                summ += (f"; clean {c['steps']} steps: raised {c.get('raised')}, cleared {c.get('cleared')}, "
+                         f"confirmed {c.get('confirmed')}")
+            if s.get("errors"):
+                summ += f"; errors in {sorted(s['errors'])}"
         elif name == "selfcheck":
             summ = f"all_ok={s.get('all_ok')}"
         elif name == "sass":

@@ -139,6 +139,8 @@ class SensorHandle:
     def step(self) -> Action:
         """End a step: verify queued suspicions within the verifier's budget, adapt sampling and
         thresholds, and return the strongest action asked for (then reset to CONTINUE)."""
+        for dev in list(self._devices.values()):  # unsampled CUDA launches were only enqueued: their
+            dev.synchronize()  # failures surface here, and the step's time is the GPU's, not the enqueueing's
         step_s = time.perf_counter() - self._t0
         base = max(step_s - self._sense_step, 0.0)
         verify_s = self._verify(self.config.verify_budget * base, self.config.min_verify)

@@ -5,9 +5,17 @@ suspicion when one is over τ.
 
 Forward and dgrad compare row checksums, wgrad rows and columns (the AEGIS paper's vTask packing:
 a row check needs the flagged rows of A and all of B; wgrad's B, the activations, is the large
-operand, and its column checks localise a fault to the flagged columns of dW). The row reference
-is taken with one row tile spanning all of M (``reference_checksums(ops, (M, tn))``): its column
-part is then a single K×N product, a negligible cost beside the row part.
+operand, and its column checks localise a fault to the flagged columns of dW). ``sensor_reference``
+computes the same fp64 references as ``numerics.reference_checksums`` (the verifier uses that one),
+only those the check compares: the tile sums of the bf16 operands are accumulated in fp64 straight
+from bf16 (no fp64 copy of the operand they sum), and the fp64 copy of the other operand is made
+once and turned into its absolute values in place for the scale.
+
+On CUDA a launch that is not sampled is only enqueued (``CudaDevice.prepare`` and ``run``): no host
+synchronisation per GEMM. The launch itself is checked when it is enqueued; a fault while a kernel
+runs surfaces at the next synchronisation, at the latest the step boundary's (SensorHandle.step).
+A sampled launch synchronises before its clock starts, so the cost it charges is its own, and reads
+one number back. Self-tests (a fault plan) run through ``Device.checked_gemm`` as a scan does.
 """
 
 from __future__ import annotations
@@ -17,8 +25,10 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from aegis_cli.backends.base import Device
+from aegis_cli.backends.cuda import CudaDevice
 from aegis_cli.checks import gemm as checks
 from aegis_cli.faults.spec import FaultPlan
 from aegis_cli.ops import numerics
@@ -51,19 +61,45 @@ def op_id(layer: str, layout: Layout, m: int, n: int, k: int) -> str:
     return f"train/{layer}/{layout.value}/{m}x{n}x{k}"
 
 
-def row_reference(device: Device, ops: GemmOperands, tile: tuple[int, int]) -> ReferenceChecksums:
-    """fp64 references of the row checksums at the device's column tile; the column part spans
-    all of M (one cheap K×N product), and the floor is that of a row checksum."""
-    m, _, k = ops.mnk
-    ref = device.reference_checksums(ops, (m, tile[1]))
-    return dataclasses.replace(ref, floor=numerics.subnormal_slack(k, tile[1]))
+def _tile_sums(x: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(R, N) bf16 → the fp64 sums of x and of |x| over each tile of ``t`` columns (zero-padded),
+    accumulated in fp64 from the bf16 values (each is exact in fp64)."""
+    r, n = x.shape
+    nt = -(-n // t)
+    if nt * t != n:
+        x = F.pad(x, (0, nt * t - n))
+    x3 = x.reshape(r, nt, t)
+    return x3.sum(-1, dtype=torch.float64), x3.abs().sum(-1, dtype=torch.float64)
 
 
-def compare(device: Device, ops: GemmOperands, res: GemmResult, tau: float) -> tuple[list[checks.Signal], float, bool]:
+def sensor_reference(ops: GemmOperands, tile: tuple[int, int], cols: bool) -> ReferenceChecksums:
+    """fp64 references of the row checksums (and of the column checksums when ``cols``) at the
+    checksum ``tile``, with their scales: ``numerics.reference_checksums`` computed with less
+    memory traffic, and without the column part when it is not compared (its fields are then empty)."""
+    tm, tn = tile
+    _, n, k = ops.mnk
+    bt, bt_abs = _tile_sums(ops.b_kn, tn)  # (K, nt_n)
+    a = ops.a_mk.to(torch.float64, copy=True)  # (M, K); a copy: abs_ below
+    row = a @ bt
+    row_scale = a.abs_() @ bt_abs
+    del a
+    if not cols:
+        empty = row.new_zeros((0, n))
+        return ReferenceChecksums(row=row, col=empty, row_scale=row_scale, col_scale=empty,
+                                  floor=numerics.subnormal_slack(k, tn))
+    at, at_abs = _tile_sums(ops.a_mk.t(), tm)  # (K, nt_m)
+    b = ops.b_kn.to(torch.float64, copy=True)  # (K, N)
+    col = at.t() @ b
+    col_scale = at_abs.t() @ b.abs_()
+    return ReferenceChecksums(row=row, col=col, row_scale=row_scale, col_scale=col_scale,
+                              floor=numerics.subnormal_slack(k, max(tm, tn)))
+
+
+def compare(ops: GemmOperands, res: GemmResult, tau: float) -> tuple[list[checks.Signal], float, bool]:
     """The sensor's comparison: (signals over τ, the largest normalised difference, whether the
     inputs were finite). Non-finite inputs have no reference to compare with: nothing is flagged."""
     both = ops.layout is Layout.WGRAD
-    ref = device.reference_checksums(ops, res.tile) if both else row_reference(device, ops, res.tile)
+    ref = sensor_reference(ops, res.tile, cols=both)
     d_row = numerics.normalised_diff(res.row_sums, ref.row, ref.row_scale, ref.floor)
     parts = [("gemm.row_checksum", d_row, res.row_sums, ref.row)]
     if both:
@@ -92,10 +128,11 @@ def snapshot(ops: GemmOperands, res: GemmResult) -> tuple[GemmOperands, GemmResu
 def sense(h, device: Device, layer: str, ops: GemmOperands, res: GemmResult, site: str, key: str) -> None:
     """Check one sampled launch; push a suspicion when a checksum is over this operator's τ.
     ``h``: the SensorHandle (its controller, queue and counters)."""
+    device.synchronize()  # the launch, and the work queued before it, are not this check's cost
     t0 = time.perf_counter()
     floor = h.config.thresholds.tau_for(device, ops.mnk[2])
     tau = h.controller.tau(key, floor)
-    signals, worst, finite = compare(device, ops, res, tau)
+    signals, worst, finite = compare(ops, res, tau)
     h.stats.checked += 1
     h.step_max_ratio = max(h.step_max_ratio, worst / tau)
     if not finite:
@@ -114,6 +151,19 @@ def sense(h, device: Device, layer: str, ops: GemmOperands, res: GemmResult, sit
     h.add_sense_time(dt)
 
 
+def launch(device: Device, ops: GemmOperands, fault: FaultPlan | None, site: str) -> GemmResult:
+    """The device's checked GEMM. On CUDA without a fault plan: enqueued on torch's current stream
+    and returned at once (its outputs are ready in stream order, as any torch op's are)."""
+    if fault is None and isinstance(device, CudaDevice) and ops.b.device == ops.a.device:
+        with torch.cuda.device(device.torch_device):
+            run = device.prepare(ops.a, ops.b, ops.layout)
+            run.run()
+        c, row_sums, col_sums, tile_sm = run.outputs
+        return GemmResult(c=c, row_sums=row_sums, col_sums=col_sums, tile=device.tile, tile_sm=tile_sm,
+                          kernel=f"gemm_{run.kernel}")
+    return device.checked_gemm(ops, fault, op=site)
+
+
 def run_gemm(h, layer: str, layout: Layout, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """One instrumented GEMM: the device's checked GEMM of bf16 ``a`` and ``b`` (stored per
     ``layout``), sensed when sampled; returns C (bf16) on ``a``'s device."""
@@ -125,7 +175,7 @@ def run_gemm(h, layer: str, layout: Layout, a: torch.Tensor, b: torch.Tensor) ->
     m, n, k = ops.mnk
     site = op_id(layer, layout, m, n, k)
     with torch.autocast(home.type, enabled=False):  # the checked GEMM's own precision, never autocast's
-        res = device.checked_gemm(ops, h.fault_for(device), op=site)
+        res = launch(device, ops, h.fault_for(device), site)
         h.stats.launches += 1
         key = f"{layer}/{layout.value}"
         if h.sensing and h.controller.want(key):

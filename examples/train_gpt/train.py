@@ -49,7 +49,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
     torch.manual_seed(args.seed)
     cfg = PRESETS[args.preset]
-    model = GPT(cfg).to(args.device, getattr(torch, args.dtype))
+    with torch.device(args.device):  # initialised where it trains: the 1b preset's init on the host takes long
+        model = GPT(cfg)
+    model.to(getattr(torch, args.dtype))
     if args.checkpointing:
         model.gradient_checkpointing_enable()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)

@@ -1,0 +1,347 @@
+"""Overhead of the in-training sensors (docs/sensors.md) on a training step, in one run.
+
+    PYTHONPATH=. python3 benchmarks/sensors_overhead.py [--preset 1b] [--batch 2] [--steps 10] [--rounds 2]
+        [--clean-steps 1000] [--time-budget 240] [--device cuda|cpu] [--out DIR]
+
+The example's GPT (examples/train_gpt/gpt.py; ``1b``: ~1.2B parameters, sequence 4096) in bf16,
+AdamW, one training step = forward, backward, the sensors' step boundary, optimizer step. Modes,
+measured interleaved in ``--rounds`` rounds of ``--steps`` steps each (after ``--warmup`` steps of
+each mode, excluded), each step timed to a device synchronisation:
+
+  plain      the model as it is: torch's own GEMMs (cuBLAS), no sensors
+  kernels    instrumented, nothing sampled: aegis' checked GEMM kernels (fused sums), no reference
+  every      every Linear launch compared with fp64 references (forward and dgrad rows, wgrad rows
+             and columns)
+  sampled    each launch sampled with p = --sample-prob (0.01): every operator at least once per
+             100 steps (coverage_steps=100); in a window shorter than 100 steps no coverage check
+             is due yet, so the long clean run below gives its true average
+
+Then ``--clean-steps`` steps at the sampled setting with one instrument() (coverage checks
+included), counting suspicions raised, cleared, confirmed and dropped, stopping early when the
+whole run reaches ``--time-budget`` seconds (the count run is reported), and a last ``plain``
+window to bracket drift. Overheads are ratios of mean step times to the plain mean of the
+interleaved windows. Writes DIR/sensors_overhead.json (DIR: --out, else $OUT, else
+./sensors_overhead_out) and prints a short table last. Every part records its error and the run
+goes on. On a CPU (``--device cpu --preset tiny``) it runs in seconds; the figures then say
+nothing about a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "examples" / "train_gpt"))
+
+from gpt import GPT, PRESETS, markov_batches  # noqa: E402
+
+from aegis_cli.sensors import Action, SensorConfig, instrument, uninstrument  # noqa: E402
+
+NEVER = 10**9  # coverage_steps that never forces a check within a run
+
+
+def configs(args) -> dict[str, SensorConfig | None]:
+    return {
+        "plain": None,
+        "kernels": SensorConfig(sample_prob=0.0, overhead_budget=None, coverage_steps=NEVER, seed=args.seed),
+        "every": SensorConfig(sample_prob=1.0, overhead_budget=None, queue_size=64, seed=args.seed),
+        "sampled": SensorConfig(sample_prob=args.sample_prob, overhead_budget=None, coverage_steps=100, seed=args.seed),
+    }
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.dev = torch.device(args.device)
+        self.cfg = PRESETS[args.preset]
+        self.dtype = getattr(torch, args.dtype)
+        torch.manual_seed(args.seed)
+        with self.dev:  # initialised where it trains: a 1.2B model's init on the host takes long
+            self.model = GPT(self.cfg)
+        self.model.to(self.dtype)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr)
+        self.batches = self._data(args.batch)
+
+    def _data(self, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        gen = markov_batches(self.cfg, batch, self.args.seed)
+        return [tuple(t.to(self.dev) for t in next(gen)) for _ in range(4)]
+
+    def sync(self) -> None:
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize(self.dev)
+
+    def step(self, i: int, handle) -> tuple[float, Action]:
+        """One training step, timed from a synchronised start to a synchronised end."""
+        x, y = self.batches[i % len(self.batches)]
+        self.sync()
+        t0 = time.perf_counter()
+        self.opt.zero_grad(set_to_none=True)
+        _, loss = self.model(x, y)
+        loss.backward()
+        action = handle.step() if handle is not None else Action.CONTINUE
+        self.opt.step()
+        self.sync()
+        return time.perf_counter() - t0, action
+
+    def window(self, name: str, cfg: SensorConfig | None, steps: int, counter: itertools.count) -> dict:
+        handle = instrument(self.model, cfg) if cfg is not None else None
+        times, stops = [], 0
+        try:
+            for _ in range(steps):
+                dt, action = self.step(next(counter), handle)
+                times.append(dt)
+                stops += action is Action.STOP
+        finally:
+            if handle is not None:
+                uninstrument(self.model)
+        out = {"mode": name, "times": times, "stops": stops}
+        if handle is not None:
+            s = handle.stats_dict()
+            out["stats"] = {k: s[k] for k in ("launches", "checked", "raised", "cleared", "confirmed", "dropped", "sense_s",
+                                              "verify_s", "clean_max_ratio", "skipped_nonfinite")}
+        return out
+
+
+def gemm_work(model: torch.nn.Module, tokens: int, tile: tuple[int, int] = (64, 128)) -> dict:
+    """FLOPs per step of the Linears' GEMMs (bf16) and of the fp64 references that check all of them
+    (rows and their scales for forward and dgrad, rows and columns for wgrad, at the CUDA checksum
+    tile): the arithmetic floor under the cost of checking every launch."""
+    tm, tn = tile
+    gemm = ref = 0
+    for m in model.modules():
+        if not isinstance(m, torch.nn.Linear):
+            continue
+        i, o = m.in_features, m.out_features
+        for mm, n, k, cols in ((tokens, o, i, False), (tokens, i, o, False), (o, i, tokens, True)):  # fwd, dgrad, wgrad
+            gemm += 2 * mm * n * k
+            ref += 2 * 2 * mm * k * -(-n // tn) + (2 * 2 * -(-mm // tm) * k * n if cols else 0)
+    return {"gemm_tflop": gemm / 1e12, "reference_fp64_tflop": ref / 1e12, "reference_share": ref / gemm if gemm else None}
+
+
+def summarise(times: list[float]) -> dict:
+    return {"steps": len(times), "mean_s": statistics.fmean(times) if times else None,
+            "median_s": statistics.median(times) if times else None, "min_s": min(times) if times else None}
+
+
+def part(result: dict, name: str, fn) -> None:
+    """Run one part of the benchmark; an exception is recorded and the run goes on."""
+    t0 = time.perf_counter()
+    try:
+        result[name] = fn()
+    except Exception as exc:  # a benchmark reports what failed and carries on with the rest
+        result[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-4000:]}
+        print(f"[{name}] FAILED: {exc}", flush=True)
+    result.setdefault("seconds", {})[name] = round(time.perf_counter() - t0, 1)
+
+
+def run(args) -> dict:
+    start = time.perf_counter()
+    result: dict = {"args": vars(args), "host": platform.node(), "torch": torch.__version__,
+                    "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    if args.device.startswith("cuda"):
+        result["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
+    bench: Bench | None = None
+    counter = itertools.count()
+    modes = configs(args)
+
+    def setup() -> dict:
+        nonlocal bench
+        bench = Bench(args)
+        batch = args.batch
+        while True:  # the batch that fits: halve on out-of-memory at the first plain step
+            try:
+                bench.step(0, None)
+                break
+            except torch.OutOfMemoryError:
+                if batch == 1:
+                    raise
+                batch //= 2
+                bench.opt.zero_grad(set_to_none=True)
+                bench.batches = None
+                torch.cuda.empty_cache()
+                bench.batches = bench._data(batch)
+        cfg = bench.cfg
+        params = sum(p.numel() for p in bench.model.parameters())
+        print(f"GPT {args.preset}: {params / 1e9:.3f}B parameters, {cfg.layers} layers, dim {cfg.dim}, sequence {cfg.seq}, "
+              f"batch {batch} ({batch * cfg.seq} tokens) in {args.dtype} on {args.device}", flush=True)
+        return {"params": params, "batch": batch, "tokens": batch * cfg.seq, "seq": cfg.seq, "layers": cfg.layers,
+                "dim": cfg.dim, "vocab": cfg.vocab, "work_per_step": gemm_work(bench.model, batch * cfg.seq)}
+
+    failed: dict[str, str] = {}  # a mode that failed once is not run again
+
+    def safe_window(name: str, steps: int) -> dict | None:
+        if name in failed:
+            return None
+        try:
+            return bench.window(name, modes[name], steps, counter)
+        except Exception as exc:  # one broken mode must not cost the others their figures
+            failed[name] = f"{type(exc).__name__}: {exc}"
+            print(f"{name} FAILED: {exc}\n{traceback.format_exc()[-3000:]}", flush=True)
+            return None
+
+    def warmup() -> dict:
+        out = {}
+        for name in modes:  # kernel builds, cuBLAS heuristics, the allocator's pools
+            w = safe_window(name, args.warmup)
+            out[name] = summarise(w["times"]) if w else {"error": failed.get(name)}
+            if w:
+                print(f"warm-up {name:<8} {args.warmup} steps, last {w['times'][-1]:.4f} s", flush=True)
+        return out
+
+    def interleaved() -> dict:
+        windows: dict[str, list] = {name: [] for name in modes}
+        for r in range(args.rounds):
+            for name in modes:
+                w = safe_window(name, args.steps)
+                if w is None:
+                    continue
+                windows[name].append(w)
+                print(f"round {r} {name:<8} mean {statistics.fmean(w['times']):.4f} s over {len(w['times'])} steps"
+                      + (f"; checked {w['stats']['checked']} of {w['stats']['launches']}" if "stats" in w else ""), flush=True)
+        out = {}
+        for name, ws in windows.items():
+            times = [t for w in ws for t in w["times"]]
+            out[name] = {**summarise(times), "stops": sum(w["stops"] for w in ws), "times": [round(t, 6) for t in times]}
+            if name in failed:
+                out[name]["error"] = failed[name]
+            if ws and "stats" in ws[0]:
+                out[name]["stats"] = [w["stats"] for w in ws]
+        plain = out["plain"]["mean_s"]
+        for name in modes:
+            m = out[name]["mean_s"]
+            out[name]["overhead"] = (m / plain - 1) if plain and m else None
+        k = out["kernels"]["mean_s"]
+        for name in ("every", "sampled"):  # the sensing alone, beside the checked kernels
+            m = out[name]["mean_s"]
+            out[name]["overhead_vs_kernels"] = (m / k - 1) if k and m else None
+        return out
+
+    def clean() -> dict:
+        cfg = modes["sampled"]
+        handle = instrument(bench.model, cfg)
+        times, stopped_at, t_run = [], [], time.perf_counter()
+        try:
+            for i in range(args.clean_steps):
+                if time.perf_counter() - start > args.time_budget and i >= 1:
+                    print(f"clean run: time budget reached after {i} steps", flush=True)
+                    break
+                dt, action = bench.step(next(counter), handle)
+                times.append(dt)
+                if action is Action.STOP:
+                    stopped_at.append(handle.step_index - 1)
+                if (i + 1) % 100 == 0:
+                    s = handle.stats
+                    print(f"clean step {i + 1}: mean {statistics.fmean(times):.4f} s; checked {s.checked}, raised {s.raised}, "
+                          f"cleared {s.cleared}, confirmed {s.confirmed}", flush=True)
+        finally:
+            uninstrument(bench.model)
+        s = handle.stats_dict()
+        ops = s["operators"]
+        checked = [o["checked"] for o in ops.values()]
+        return {**summarise(times), "requested": args.clean_steps, "wall_s": time.perf_counter() - t_run,
+                "stop_steps": stopped_at[:20], "launches": s["launches"], "checked": s["checked"], "raised": s["raised"],
+                "cleared": s["cleared"], "confirmed": s["confirmed"], "dropped": s["dropped"], "unsaved": s["unsaved"],
+                "skipped_nonfinite": s["skipped_nonfinite"], "clean_max_ratio": s["clean_max_ratio"], "sense_s": s["sense_s"],
+                "verify_s": s["verify_s"], "latency": s["latency"], "operators": len(ops),
+                "operators_never_checked": sum(c == 0 for c in checked), "min_checks_per_operator": min(checked, default=0),
+                "confirmed_events": [e.to_dict() for e in handle.events if e.kind == "confirmed"][:5]}
+
+    def plain_after() -> dict:
+        return summarise(bench.window("plain", None, args.steps, counter)["times"])
+
+    part(result, "setup", setup)
+    if bench is not None and "error" not in result["setup"]:
+        part(result, "warmup", warmup)
+        part(result, "interleaved", interleaved)
+        if args.clean_steps > 0:
+            part(result, "clean", clean)
+            part(result, "plain_after", plain_after)
+    if args.device.startswith("cuda"):
+        result["max_memory_gib"] = torch.cuda.max_memory_allocated(torch.device(args.device)) / 2**30
+    result["total_s"] = round(time.perf_counter() - start, 1)
+    return result
+
+
+def table(result: dict) -> str:
+    lines = []
+    setup = result.get("setup") or {}
+    if "params" in setup:
+        lines.append(f"GPT {setup['params'] / 1e9:.2f}B params, seq {setup['seq']}, batch {setup['batch']}, "
+                     f"{result['args']['dtype']}, {result.get('gpu', result['args']['device'])}")
+        w = setup["work_per_step"]
+        lines.append(f"per step: Linear GEMMs {w['gemm_tflop']:.2f} TFLOP (bf16); fp64 references of every launch "
+                     f"{w['reference_fp64_tflop']:.3f} TFLOP ({100 * w['reference_share']:.2f}% of the GEMMs' FLOPs, in fp64)")
+    inter = result.get("interleaved") or {}
+    plain = (inter.get("plain") or {}).get("mean_s")
+    lines.append("mode                      mean step   overhead vs plain   vs checked kernels")
+    for name, label in (("plain", "plain (torch GEMMs)"), ("kernels", "checked kernels only"), ("every", "every Linear checked"),
+                        ("sampled", f"sampled p={result['args']['sample_prob']} (window)")):
+        r = inter.get(name) or {}
+        if r.get("mean_s") is None:
+            lines.append(f"{label:<25} {'-':>9}   {r.get('error', inter.get('error', 'not run'))[:60]}")
+            continue
+        ov = r.get("overhead")
+        vk = r.get("overhead_vs_kernels")
+        lines.append(f"{label:<25} {r['mean_s']:>8.4f}s   {100 * ov:>+16.2f}%   "
+                     + (f"{100 * vk:>+17.2f}%" if vk is not None else f"{'':>18}"))
+    c = result.get("clean") or {}
+    if "mean_s" in c and c["mean_s"] is not None:
+        ov = f"{100 * (c['mean_s'] / plain - 1):+.2f}%" if plain else "?"
+        lines.append(f"{'sampled, clean run':<25} {c['mean_s']:>8.4f}s   {ov:>17}   over {c['steps']} of {c['requested']} steps")
+        lines.append(f"clean run: {c['checked']} of {c['launches']} launches checked, operators never checked "
+                     f"{c['operators_never_checked']} of {c['operators']}; suspicions raised {c['raised']}, cleared {c['cleared']}, "
+                     f"confirmed {c['confirmed']}, dropped {c['dropped']}; largest clean difference {c['clean_max_ratio']:.3g}×τ")
+    elif "error" in c:
+        lines.append(f"clean run failed: {c['error'][:100]}")
+    pa = result.get("plain_after") or {}
+    if pa.get("mean_s") and plain:
+        lines.append(f"plain again after the clean run: {pa['mean_s']:.4f}s ({100 * (pa['mean_s'] / plain - 1):+.2f}% drift)")
+    for name in ("setup", "warmup", "interleaved", "clean", "plain_after"):
+        if isinstance(result.get(name), dict) and "error" in result[name]:
+            lines.append(f"{name} FAILED: {result[name]['error'][:150]}")
+    lines.append(f"total {result.get('total_s')} s")
+    return "\n".join(lines)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", choices=sorted(PRESETS), default="1b")
+    p.add_argument("--batch", type=int, default=2, help="sequences per step (halved on out-of-memory)")
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--warmup", type=int, default=3, help="steps of each mode before measuring (excluded)")
+    p.add_argument("--steps", type=int, default=10, help="measured steps per mode and round")
+    p.add_argument("--rounds", type=int, default=2, help="rounds of the interleaved modes")
+    p.add_argument("--sample-prob", type=float, default=0.01, help="the sampled mode's per-launch probability")
+    p.add_argument("--clean-steps", type=int, default=1000, help="steps of the clean run at the sampled setting (0: none)")
+    p.add_argument("--time-budget", type=float, default=240.0, help="seconds for the whole run: the clean run stops there")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "sensors_overhead_out"))
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse(argv)
+    result = run(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sensors_overhead.json").write_text(json.dumps(result, indent=1, default=str), encoding="utf-8")
+    print(table(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
