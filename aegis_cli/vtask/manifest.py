@@ -184,6 +184,8 @@ def check_vtask(ck: Check, i: int, v) -> tuple[dict, dict]:
         ck.num(th["confirm_margin"], f"{w}: threshold.confirm_margin", 1.0, 1e12)
     if "normalisation" in th:
         ck.str_(th["normalisation"], f"{w}: threshold.normalisation", None, NORMALISATIONS)
+    if th.get("normalisation", "abs-product") == "abs-product":  # a difference is never more than 1·s off
+        ck.num(th["tau"], f"{w}: threshold.tau (abs-product)", TAU_RANGE[0], 0.999999)
     names = ck.obj(v["tensors"], f"{w}: tensors", {"a", "b"}, set(GEMM_ROLES) - {"a", "b"})
     for role, name in names.items():
         ck.str_(name, f"{w}: tensors.{role}")

@@ -20,13 +20,16 @@ import torch
 from aegis_cli.ops.errors import BundleError
 from aegis_cli.ops.files import sanitize
 from aegis_cli.ops.gemm import GemmOperands, Layout
+from aegis_cli.ops.numerics import TAU_MAX
 
 FORMAT = "aegis-vtask-bundle"
 FORMAT_VERSION = 1
 READABLE_VERSIONS = (1,)
 KINDS = ("gemm",)  # later: "attention", "fingerprint" (each with its own object, see the spec)
 GEMM_ROLES = ("a", "b", "c", "row_sums", "col_sums")
-NORMALISATIONS = ("abs-product",)  # s = Σ_k |A_ik|·(|B|·1)_k over the checksum's tile
+# what τ is in units of: "abs-product", s = Σ_k |A_ik|·(|B|·1)_k over the checksum's tile; "device-noise",
+# the replaying device's noise scale σ (numerics.NoiseModel), in which its calibrated clean maximum is 1
+NORMALISATIONS = ("abs-product", "device-noise")
 SEVERITIES = ("HEALTHY", "SUSPECT", "FAULTY", "ERROR")
 DTYPES = {"BF16": (torch.bfloat16, 2), "F32": (torch.float32, 4)}
 TORCH_DTYPE_NAME = {t: name for name, (t, _) in DTYPES.items()}
@@ -35,7 +38,7 @@ MAX_DIM = 1 << 20
 MAX_STRING = 4096
 MAX_SAMPLES = 64
 MAX_DEPTH = 8
-TAU_RANGE = (1e-300, 0.999999)  # what threshold.tau may be in a bundle
+TAU_RANGE = (1e-300, TAU_MAX)  # what threshold.tau may be in a bundle (in units of Σ|A||B|: below 1)
 MAX_BYTES_LIMIT = 1 << 40  # the highest file-size limit one may set: far above any host's memory
 
 
