@@ -18,7 +18,7 @@ from aegis_cli.checks.gemm import GEMM_CHECKS
 from aegis_cli.ops import numerics
 from aegis_cli.ops.errors import BundleError
 from aegis_cli.ops.gemm import GemmOperands, Layout
-from aegis_cli.vtask.model import GEMM_ROLES, KINDS, MAX_DIM, MAX_SAMPLES, MAX_STRING, NORMALISATIONS, SEVERITIES, TAU_RANGE, GemmSpec, VTask
+from aegis_cli.vtask.model import FORMAT_VERSION, GEMM_ROLES, KINDS, MAX_DIM, MAX_SAMPLES, MAX_STRING, NORMALISATIONS, SEVERITIES, TAU_RANGE, GemmSpec, VTask
 
 # matched with fullmatch: "$" would also accept a trailing newline
 ID_RE = re.compile(r"[A-Za-z0-9._:/+=@-]{1,256}")
@@ -145,8 +145,9 @@ _OBSERVED = {"severity", "summary", "max_normalised_diff", "margin", "elements",
              "distinct_outputs", "samples", "fingerprints", "source", "truncated"}
 
 
-def check_vtask(ck: Check, i: int, v) -> tuple[dict, dict]:
-    """Validate one manifest vTask entry; returns (entry, role → tensor name)."""
+def check_vtask(ck: Check, i: int, v, version: int = FORMAT_VERSION) -> tuple[dict, dict]:
+    """Validate one manifest vTask entry of a bundle of format ``version``; returns (entry, role →
+    tensor name)."""
     w = f"vtasks[{i}]"
     v = ck.obj(v, w, {"id", "kind", "check", "op", "gemm", "tensors", "scale", "threshold"},
                {"case_id", "seed", "dist", "observed", "provenance", "extra"})
@@ -183,7 +184,8 @@ def check_vtask(ck: Check, i: int, v) -> tuple[dict, dict]:
     if "confirm_margin" in th:
         ck.num(th["confirm_margin"], f"{w}: threshold.confirm_margin", 1.0, 1e12)
     if "normalisation" in th:
-        ck.str_(th["normalisation"], f"{w}: threshold.normalisation", None, NORMALISATIONS)
+        # version 1 knew only "abs-product" (docs/bundle-format.md §7)
+        ck.str_(th["normalisation"], f"{w}: threshold.normalisation", None, NORMALISATIONS if version >= 2 else NORMALISATIONS[:1])
     if th.get("normalisation", "abs-product") == "abs-product":  # a difference is never more than 1·s off
         ck.num(th["tau"], f"{w}: threshold.tau (abs-product)", TAU_RANGE[0], 0.999999)
     names = ck.obj(v["tensors"], f"{w}: tensors", {"a", "b"}, set(GEMM_ROLES) - {"a", "b"})

@@ -23,8 +23,8 @@ from aegis_cli.ops.gemm import GemmOperands, Layout
 from aegis_cli.ops.numerics import TAU_MAX
 
 FORMAT = "aegis-vtask-bundle"
-FORMAT_VERSION = 1
-READABLE_VERSIONS = (1,)
+FORMAT_VERSION = 2  # 2: threshold.normalisation "device-noise" (docs/bundle-format.md §7)
+READABLE_VERSIONS = (1, 2)
 KINDS = ("gemm",)  # later: "attention", "fingerprint" (each with its own object, see the spec)
 GEMM_ROLES = ("a", "b", "c", "row_sums", "col_sums")
 # what τ is in units of: "abs-product", s = Σ_k |A_ik|·(|B|·1)_k over the checksum's tile; "device-noise",

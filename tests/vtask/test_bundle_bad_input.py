@@ -132,7 +132,7 @@ CASES = {
     "manifest lies about shapes": (_edit_manifest(lambda m: m["vtasks"][0]["gemm"].update(m=7)), "expected BF16 [7, 8]"),
     "manifest lies about dtypes": (_relabel_dtype, "is BF16 [6, 6], expected F32 [6, 3]"),
     "shape disagrees with bytes": (_shape_vs_bytes, "is 108 bytes but data_offsets span 96"),
-    "unknown schema version": (_metadata("format_version", "2"), "unknown format_version '2'"),
+    "unknown schema version": (_metadata("format_version", "3"), "unknown format_version '3'"),
     "declared size larger than the file": (_header_length(1 << 40), "header declares 1099511627776 bytes but the file has only"),
     "NaN in inputs": (_poison_input(0x7FC0), "input a contains NaN or Inf"),
     "Inf in inputs": (_poison_input(0x7F80), "input a contains NaN or Inf"),

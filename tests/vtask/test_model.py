@@ -25,7 +25,8 @@ from aegis_cli.vtask.bundle import BundleWriter, read_bundle
 from aegis_cli.vtask.model import GemmSpec, VTask
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
-GOLDEN_BUNDLE = GOLDEN / "bundle-v1.aegis"
+GOLDEN_BUNDLES = {1: GOLDEN / "bundle-v1.aegis", 2: GOLDEN / "bundle-v2.aegis"}
+GOLDEN_BUNDLE = GOLDEN_BUNDLES[vtask.FORMAT_VERSION]  # what today's writer must reproduce
 GOLDEN_CREATED = "2026-01-01T00:00:00+00:00"
 
 
@@ -180,8 +181,9 @@ def test_crash_during_rename_keeps_the_old_bundle(tmp_path, monkeypatch):
 
 
 # -- golden bundle: the format cannot drift silently ---------------------------------------------
-def golden_vtasks() -> list[VTask]:
-    """The content of tests/golden/bundle-v1.aegis (regenerate: python tests/vtask/test_model.py)."""
+def golden_vtasks(version: int = vtask.FORMAT_VERSION) -> list[VTask]:
+    """The content of tests/golden/bundle-v<version>.aegis (regenerate the newest: python
+    tests/vtask/test_model.py). Version 2 adds a τ in units of the device's noise."""
     full = make_vtask("golden/fwd/full/gemm.row_checksum", Layout.FWD, 6, 10, 8, tile=(4, 4), seed=11)
     full.observed = {"severity": "FAULTY", "max_normalised_diff": math.inf, "elements": 1, "samples": [{"row": 2, "col_tile": 1}],
                      "fingerprints": {"c": "0123456789abcdef"}}
@@ -190,6 +192,8 @@ def golden_vtasks() -> list[VTask]:
     rows = make_vtask("golden/wgrad/rows/gemm.row_checksum", Layout.WGRAD, 7, 5, 9, rows=[1, 5], tile=(4, 4), scale=(-8, 8), seed=12)
     cols = make_vtask("golden/dgrad/cols/gemm.col_checksum", Layout.DGRAD, 5, 9, 6, cols=[0, 3, 8], tile=(2, 4), seed=13,
                       check="gemm.col_checksum")
+    if version >= 2:
+        cols.tau, cols.normalisation = 3.5, "device-noise"
     return [full, rows, cols]
 
 
@@ -199,15 +203,25 @@ def write_golden(path: Path) -> None:
             w.add(vt)
 
 
-def test_golden_bundle_still_reads():
-    back = read_bundle(GOLDEN_BUNDLE)
-    assert back.format_version == 1 and back.created == GOLDEN_CREATED
-    expected = golden_vtasks()
+@pytest.mark.parametrize("version", sorted(GOLDEN_BUNDLES))
+def test_golden_bundle_still_reads(version):
+    back = read_bundle(GOLDEN_BUNDLES[version])
+    assert back.format_version == version and back.created == GOLDEN_CREATED
+    expected = golden_vtasks(version)
     assert len(back.vtasks) == len(expected)
     for v1, v2 in zip(expected, back.vtasks, strict=True):
         assert_same(v1, v2)
     readme = (GOLDEN / "README.md").read_text(encoding="utf-8")
-    assert re.search(r"format_version:\s*1\b", readme)
+    assert re.search(rf"format_version:\s*{version}\b", readme)
+
+
+def test_a_version_1_bundle_cannot_claim_a_tau_in_noise_units():
+    from aegis_cli.vtask.manifest import Check, check_vtask
+
+    entry = golden_vtasks(2)[2].manifest_entry({"a": "a", "b": "b"})
+    check_vtask(Check(""), 0, entry, 2)
+    with pytest.raises(BundleError, match="normalisation is 'device-noise', expected one of abs-product"):
+        check_vtask(Check(""), 0, entry, 1)
 
 
 def test_writer_output_matches_golden_layout(tmp_path):
