@@ -69,7 +69,7 @@ def _writable(_ctx, _param, path: str | None) -> str | None:
 @click.option("--golden", default=None, metavar="FILE", help="Compare fingerprints against a golden file (aegis golden record).")
 @click.option("--probe-option", "probe_options", multiple=True, metavar="PROBE.KEY=VALUE",
               help="Probe setting, repeatable, e.g. memory.mode=full (docs/probes.md).")
-@click.option("--threshold", default=None, type=float, help="Checksum threshold τ in units of the device's calibrated noise (default 3.5; docs/calibration.md).")
+@click.option("--threshold", default=None, type=float, help="Threshold τ in units of the device's calibrated noise (default 3.5, docs/calibration.md).")
 @click.option("--confirm-margin", default=None, type=float, help="How far over τ a reproducible flag must be to count as FAULTY, below it SUSPECT (default 1).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def scan(devices, workload, seed, case, reruns, inject, save_vtasks, probes, golden, probe_options, threshold, confirm_margin, fmt, output, quiet):

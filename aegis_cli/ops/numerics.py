@@ -108,8 +108,9 @@ class NoiseModel:
     Each rounding of an fp32 partial sum errs by up to an ulp of that sum, so the error follows
     the partial sums: for zero-mean inputs they walk like √k·ρ/√K, and for a row dominated by one
     product P they sit near |P| ≈ ρ, where Σ|A||B| would say nothing of the other K−1 products.
-    Rounding to nearest adds such errors as a random walk (power ½); a matrix unit that chops
-    errs the same way step after step (power 1). ``unit`` is the device's calibrated constant:
+    A sequential sum rounding to nearest adds such errors as a random walk (power ½; the CPU's
+    blocked fp32 GEMM measured no growth at all, power 0); a matrix unit that chops errs the same
+    way step after step (power 1). ``unit`` is the device's calibrated constant:
     the largest clean |Δ|/(K^power·ρ) measured (``source`` says where), so clean values are ≤ 1
     on the calibration set and τ = DEFAULT_TAU is a margin over them.
 

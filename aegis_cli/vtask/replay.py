@@ -257,7 +257,7 @@ class _VTaskReplay:
         if not cs or (rc is not None and rc.wrong) or self.calibrated()[0]:
             return None
         found = rc.describe() if rc is not None else f"no finite rounding bound at K = {self.vt.gemm.k}"
-        return (f"checksum differences (≤ {max(cs):.3g}·s) are within what fp32 rounding of these inputs "
+        return (f"checksum differences (≤ {max(cs):.3g}·{'σ' if self.by_noise else 's'}) are within what fp32 rounding of these inputs "
                 f"can reach ({found}){self.calibrated()[1]}: SUSPECT, not FAULTY")
 
     def _outcome(self, distinct: int, scales_run, skipped, capture: dict, seconds: float) -> dict:
