@@ -64,7 +64,8 @@ def test_scan_saves_the_flagged_case_as_vtasks(captured):
         assert v.observed["severity"] == "FAULTY" and v.observed["elements"] >= 1
         assert v.observed["source"] == "the flagged scan run, as observed"  # --save-vtasks keeps flagged runs
         assert set(v.tensors) == {"a", "b", "c", "row_sums", "col_sums"}
-    assert b.vtasks[0].tensors["a"] is b.vtasks[1].tensors["a"]  # stored once
+        assert v.normalisation == "device-noise" and v.tau == Thresholds().tau  # the scan's τ, in its units
+    assert b.format_version == 2 and b.vtasks[0].tensors["a"] is b.vtasks[1].tensors["a"]  # stored once
 
 
 def test_clean_device_does_not_reproduce(captured, tmp_path):
@@ -82,7 +83,7 @@ def test_same_injection_reproduces(captured, tmp_path):
     code, doc = replay_json(captured, tmp_path, "--inject", FAULT)
     assert code == 2 and doc["devices"][0]["verdict"] == "FAULTY" and doc["fault_injected"]
     for o in outcomes(doc):
-        assert o["outcome"] == "reproduced" and o["label"] == "reproduced here"
+        assert o["outcome"] == "reproduced" and o["label"] == "reproduced here" and o["tau"] == Thresholds().tau
         assert o["captured_check_fired"] and o["matches_capture"] is True
         assert o["capture_comparison"].startswith("output bit-identical to the capture")
         assert "likely this GPU" in o["meaning"]
