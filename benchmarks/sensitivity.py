@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import shlex
 import subprocess
@@ -46,6 +47,10 @@ def fmt(x: float, grid_max: float | None = None) -> str:
 
 
 def git_commit() -> str:
+    """The checkout's commit; AEGIS_COMMIT names it where the tree was copied without its git
+    metadata (a device machine's copy of a working tree)."""
+    if os.environ.get("AEGIS_COMMIT"):
+        return os.environ["AEGIS_COMMIT"]
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
