@@ -1,7 +1,12 @@
 """Calibration of the clean noise (docs/design.md §3).
 
 - ``clean_distribution``: run clean checked GEMMs and record the distribution of the
-  normalised checksum differences; the margin is threshold ÷ largest clean value.
+  normalised checksum differences (in units of each device's noise scale σ, whose calibrated
+  clean maximum is 1: Device.noise_model, docs/calibration.md); the margin is τ ÷ the largest
+  clean value.
+
+The constants of each device's noise model come from ``benchmarks/noise_profile.py`` (the
+largest clean |Δ|/(K^power·ρ), rounded up) and are checked by ``benchmarks/false_positives.py``.
 
 The sensitivity study (perturbations near the noise, thresholds set on held-out clean runs)
 is aegis_cli.sensitivity.
@@ -22,7 +27,7 @@ from aegis_cli.probes.gemm import GemmCase, GemmProbe
 class CleanStats:
     gemms: int = 0
     checksums: int = 0
-    values: list[float] = field(default_factory=list)  # per seed: largest normalised difference
+    values: list[float] = field(default_factory=list)  # per seed: largest normalised difference (·σ)
     ratios: list[float] = field(default_factory=list)  # per seed: largest (difference ÷ the case's τ)
     flagged: int = 0
 
@@ -32,7 +37,7 @@ class CleanStats:
 
     @property
     def margin(self) -> float:
-        """τ ÷ the largest clean value, taken case by case (τ may depend on K and device)."""
+        """τ ÷ the largest clean value, taken case by case (a scan's ``noise.margin``)."""
         worst = max(self.ratios, default=0.0)
         return 1.0 / worst if worst > 0 else math.inf
 

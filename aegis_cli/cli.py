@@ -69,7 +69,7 @@ def _writable(_ctx, _param, path: str | None) -> str | None:
 @click.option("--golden", default=None, metavar="FILE", help="Compare fingerprints against a golden file (aegis golden record).")
 @click.option("--probe-option", "probe_options", multiple=True, metavar="PROBE.KEY=VALUE",
               help="Probe setting, repeatable, e.g. memory.mode=full (docs/probes.md).")
-@click.option("--threshold", default=None, type=float, help="Floor of the normalised checksum threshold τ (default 1e-6; see docs/calibration.md).")
+@click.option("--threshold", default=None, type=float, help="Threshold τ in units of the device's calibrated noise (default 3.5, docs/calibration.md).")
 @click.option("--confirm-margin", default=None, type=float, help="How far over τ a reproducible flag must be to count as FAULTY, below it SUSPECT (default 1).")
 @click.option("--fail-fast", is_flag=True, help="Stop each device at its first confirmed FAULTY (the report names what was skipped).")
 @click.option("--evidence-in-full", default=DEFAULT_IN_FULL, show_default=True, type=int, metavar="N",

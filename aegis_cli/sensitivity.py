@@ -6,15 +6,16 @@ For one GEMM shape (M, N, K) and one input distribution:
    measured on them: the fp32-accumulator row and column checksums (the fused sums of the
    checked GEMM against their fp64 references) and the bf16-output row and column checksums
    (Σ of the rounded output over the same tiles against the same fp64 references), each
-   normalised by its s = Σ|A||B|. Each check's threshold is ``margin`` × its largest clean
+   normalised, the fp32 ones by the device's noise scale σ (Device.noise_model), the bf16 ones
+   by s = Σ|A||B|. Each check's threshold is ``margin`` × its largest clean
    value: zero false positives on the calibration set, the same margin for every check.
 2. **Trials**, on other seeds (disjoint from the calibration ones). Each trial perturbs each
    fp32 accumulator element with probability ``rate`` by ±r × the median absolute clean
    row-checksum difference of that input (the ``perturb`` fault of aegis_cli.faults, in the
    kernel on CUDA), and records which detectors flag any row or column tile:
 
-   - ``fp32_tau``: the fp32-accumulator checks at the production τ (Thresholds.tau_for: what
-     ``aegis scan`` uses today);
+   - ``fp32_tau``: the fp32-accumulator checks at the production τ (Thresholds.tau_for, on the
+     noise scale σ: what ``aegis scan`` uses);
    - ``fp32_heldout``: the fp32-accumulator checks at their held-out thresholds;
    - ``bf16_heldout``: the bf16-output checks at their held-out thresholds.
 
@@ -83,13 +84,13 @@ class SensitivityResult:
     setup: Setup
     rs: list[float]
     tau: float  # the production τ for this K on this device
-    clean_max: dict[str, float]  # per check, on the calibration inputs (normalised, ·s)
+    clean_max: dict[str, float]  # per check, on the calibration inputs (fp32: ·σ, bf16: ·s)
     thresholds: dict[str, float]  # per check: margin × clean_max
     heldout_max: dict[str, float]  # per check, on the trial inputs' clean runs
     false_positives: dict[str, int]  # per detector: trial inputs whose clean run it flags
     detection: dict[str, list[float]] = field(default_factory=dict)  # per detector, per r
     medians: list[float] = field(default_factory=list)  # per trial input: the unit of r
-    median_norm: float = 0.0  # the same median, normalised (·s), median over the trial inputs
+    median_norm: float = 0.0  # the same median, normalised (·σ), median over the trial inputs
 
     def r50(self, detector: str) -> float:
         return r_at(self.rs, self.detection[detector], 0.5)

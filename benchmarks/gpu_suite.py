@@ -183,6 +183,47 @@ def section_sensors(out: Path) -> dict:
     clean = {k: v for k, v in (res.get("clean") or {}).items() if k not in ("confirmed_events", "latency", "traceback")}
     errors = {k: v["error"] for k, v in res.items() if isinstance(v, dict) and "error" in v}
     return {"setup": res.get("setup"), "modes": modes, "clean": clean, "errors": errors, "total_s": res.get("total_s")}
+def section_thresholds(out: Path) -> dict:
+    """Issue 17's figures at the production thresholds (τ on each device's noise scale): a scan at
+    --threshold 1e-10 (SUSPECT, exit 1), the default scan's margin, ≥ 10⁴ clean GEMMs for false
+    positives, the sensitivity study (writes sensitivity-<gpu>.md/.json), the noise profile and the
+    bias experiment. Each step under its own limit; AEGIS_FP_SECONDS bounds the false-positive run."""
+    py, tmp, dev = sys.executable, Path(tempfile.mkdtemp()), os.environ.get("AEGIS_SUITE_DEVICE", "cuda:0")
+    out = Path(os.environ.get("OUT") or out)  # the files come back from the device tool's $OUT
+    steps = [
+        ("tiny_threshold", ["-m", "aegis_cli", "scan", "-q", "--device", dev, "--workload", "cpu-quick", "--probes", "gemm",
+                            "--threshold", "1e-10", "--format", "json", "--output", str(tmp / "tiny.json")], 40),
+        ("default_scan", ["-m", "aegis_cli", "scan", "-q", "--device", dev, "--format", "json", "--output", str(tmp / "scan.json")], 40),
+        ("false_positives", ["benchmarks/false_positives.py", "--device", dev, "--max-seconds",
+                             os.environ.get("AEGIS_FP_SECONDS", "180"), "--out", str(out / "false_positives.json")], 240),
+        ("sensitivity", ["benchmarks/sensitivity.py", "--device", dev, "--out-dir", str(out)], 100),
+        ("noise_profile", ["benchmarks/noise_profile.py", "--device", dev, "--workloads", "llama3-8b", "llama3-70b",
+                           "--seeds", "2", "--out", str(out / "noise_profile.json")], 40),
+        ("noise_bias", ["benchmarks/noise_bias.py", "--device", dev, "--out", str(out / "noise_bias.json")], 30),
+    ]
+    summary = {}
+    for name, argv, limit in steps:
+        t0 = time.perf_counter()
+        try:
+            p = subprocess.run([py, *argv], cwd=ROOT, capture_output=True, text=True, timeout=limit, check=False)
+            rc, text = p.returncode, p.stdout[-4000:] + p.stderr[-2000:]
+        except subprocess.TimeoutExpired as exc:
+            rc, text = "timeout", str(exc.stdout or "")[-4000:]
+        print(f"== {name}: rc {rc} in {time.perf_counter() - t0:.0f} s\n{text}", flush=True)
+        summary[name] = {"rc": rc, "seconds": round(time.perf_counter() - t0, 1)}
+    for name, file in (("tiny_threshold", "tiny.json"), ("default_scan", "scan.json")):
+        if (tmp / file).exists():
+            devs = json.loads((tmp / file).read_text())["devices"]
+            summary[name].update(verdicts=[d["verdict"] for d in devs], margins=[(d.get("noise") or {}).get("margin") for d in devs],
+                                 severities=sorted({e["severity"] for d in devs for e in d["evidence"]}),
+                                 numerics=all("numerics" in e["summary"] for d in devs for e in d["evidence"]),
+                                 scan_s=[d["timings"]["seconds"] for d in devs])
+    if (out / "false_positives.json").exists():
+        fp = json.loads((out / "false_positives.json").read_text())
+        worst = max((c["clean_max"] for c in fp["cases"]), default=0.0)
+        summary["false_positives"].update(gemms=fp["gemms"], flagged=fp["false_positives"], clean_max=worst,
+                                          margin=fp["tau"] / worst if worst else None)
+    return summary
 
 
 SECTIONS = [
@@ -194,6 +235,7 @@ SECTIONS = [
     Section("scan", section_scan, 240),
     Section("sustained", section_sustained, 150),
     Section("sensors", section_sensors, 320),
+    Section("thresholds", section_thresholds, 500),
 ]
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import shlex
 import subprocess
@@ -46,6 +47,10 @@ def fmt(x: float, grid_max: float | None = None) -> str:
 
 
 def git_commit() -> str:
+    """The checkout's commit; AEGIS_COMMIT names it where the tree was copied without its git
+    metadata (a device machine's copy of a working tree)."""
+    if os.environ.get("AEGIS_COMMIT"):
+        return os.environ["AEGIS_COMMIT"]
     try:
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
@@ -74,7 +79,7 @@ def summary_rows(results: list[SensitivityResult], grid_max: float) -> list[str]
         ratio = "—" if math.isinf(b) else (f"> {fmt(grid_max / b)}" if math.isinf(c) else fmt(c / b))
         pair = " | ".join(f"{fmt(res.r50(d), grid_max)} / {fmt(res.r99(d), grid_max)}" for d in DETECTORS)
         fp = " / ".join(str(res.false_positives[d]) for d in DETECTORS)
-        rows.append(f"| {res.setup.k} | {res.setup.dist} | {fmt(res.tau)}·s | {fmt(res.fp32_clean_max)}·s | {res.tau_over_clean:.0f}× "
+        rows.append(f"| {res.setup.k} | {res.setup.dist} | {fmt(res.tau)}·σ | {fmt(res.fp32_clean_max)}·σ | {res.tau_over_clean:.2g}× "
                     f"| {pair} | {ratio} | {fp} of {res.setup.trial_inputs} |")
     return rows
 
@@ -84,9 +89,9 @@ def calibration_rows(results: list[SensitivityResult]) -> list[str]:
             "|---:|---|---|---:|---:|---:|---:|"]
     for res in results:
         for c in ("fp32_row", "fp32_col", "bf16_row", "bf16_col"):
-            th = res.thresholds[c]
-            rows.append(f"| {res.setup.k} | {res.setup.dist} | {c.replace('_', ' ')} | {fmt(res.clean_max[c])}·s | {fmt(th)}·s "
-                        f"| {fmt(res.heldout_max[c])}·s | {fmt(res.heldout_max[c] / th) if th > 0 else '∞'} |")
+            th, unit = res.thresholds[c], "σ" if c.startswith("fp32") else "s"
+            rows.append(f"| {res.setup.k} | {res.setup.dist} | {c.replace('_', ' ')} | {fmt(res.clean_max[c])}·{unit} | {fmt(th)}·{unit} "
+                        f"| {fmt(res.heldout_max[c])}·{unit} | {fmt(res.heldout_max[c] / th) if th > 0 else '∞'} |")
     return rows
 
 
@@ -121,15 +126,16 @@ def gap_lines(results: list[SensitivityResult], margin: float, grid_max: float) 
              f"{span(ratios) if ratios else '—'}{' (where both reached 99 % on the grid)' if len(ratios) < len(results) else ''} |",
              ""]
     lines.append(f"- **At the production τ the fp32-accumulator checks need r = {span(a)} for 99 % detection, against "
-                 f"≈ {fmt(PAPER_R99)} in the paper.** τ sits {span(tau_over)}× above the largest clean difference: the "
-                 "threshold, not the checksums, sets r99 there.")
+                 f"≈ {fmt(PAPER_R99)} in the paper.** τ sits {span(tau_over)}× above the largest clean difference of the "
+                 "calibration inputs (in units of the noise scale σ).")
     lines.append(f"- The same perturbed launches against thresholds {margin:g}× the largest clean difference of the calibration "
                  f"inputs (b) give r99 = {span(b)}: what the checksums can do when the threshold follows the measured noise.")
     if spread:
-        lines.append(f"- Even (b) stays above the paper's r ≈ 1: one perturbed element is flagged only when it moves a "
-                     f"checksum past {margin:g}× the largest clean difference, and that maximum is {span(spread)}× the median "
-                     "clean difference (the unit of r). Reaching r ≈ 1 needs thresholds local to each tile's own noise, "
-                     "not one threshold per K (issue 17, scope 1).")
+        lines.append(f"- Both stay above the paper's r ≈ 1: one perturbed element is flagged only when it moves a checksum "
+                     f"past the threshold, which must lie above the largest clean difference, and that maximum is "
+                     f"{span(spread)}× the median clean difference (the unit of r) even in units of σ, where every "
+                     "checksum's noise has the same spread: the largest of 10⁴–10⁶ half-normal values lies 6–8× above "
+                     "their median. A threshold at r ≈ 1 would flag clean checksums.")
     return lines
 
 
@@ -158,7 +164,9 @@ def write_doc(path: Path, results: list[SensitivityResult], args, device, elapse
         f"{s0.cal_inputs} calibration inputs (seeds {cal[0]}…{cal[-1]}; 1 000 more for each further distribution) "
         f"give the largest clean value of each of four checks: the fp32-accumulator row and column checksums and the "
         f"bf16-output row and column checksums (Σ of the rounded output over the same tiles against the same fp64 "
-        f"reference), each normalised by s = Σ|A||B|. Each check's threshold is {s0.margin:g}× its own clean maximum: "
+        f"reference), the fp32 ones normalised by the device's noise scale σ (`Device.noise_model`: unit·K^power·ρ, "
+        f"ρ = sqrt(Σ_k A_ik²·Σ_j∈t B_kj²), docs/calibration.md), the bf16 ones by s = Σ|A||B| (their noise is the output "
+        f"rounding's). Each check's threshold is {s0.margin:g}× its own clean maximum: "
         "zero false positives on the calibration set and the same margin for all four, so (b) and (c) are compared at "
         f"the same false-positive rate. The trials use {s0.trial_inputs} other inputs (seeds {trial[0]}…{trial[-1]}, "
         "disjoint); their clean runs are the held-out false-positive check (last column of the summary).",
@@ -168,7 +176,7 @@ def write_doc(path: Path, results: list[SensitivityResult], args, device, elapse
         f"all detectors see the same launches. {s0.trials} trials per r on a half-decade grid {fmt(grid[0])} … "
         f"{fmt(grid[-1])}. A trial is detected when any row or column tile is over its threshold.",
         "- Detectors: **(a)** the fp32-accumulator row and column checks at the production τ, "
-        "`numerics.Thresholds().tau_for(device, K)`, what `aegis scan` uses today; **(b)** the same checks at their "
+        f"`numerics.Thresholds().tau_for(device, K)` = {fmt(results[0].tau)}·σ, what `aegis scan` uses; **(b)** the same checks at their "
         "held-out thresholds; **(c)** the bf16-output row and column checks at theirs.",
         "- r50 / r99: the smallest r on the grid from which detection stays ≥ 50 % / ≥ 99 % "
         f"(\"> {fmt(grid[-1])}\": not reached on the grid).", "",

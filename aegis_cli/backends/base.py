@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # torch is heavy; import lazily at run time
 
     from aegis_cli.faults.spec import FaultPlan
     from aegis_cli.ops.attention import AttentionBackward, AttentionForward
+    from aegis_cli.ops.numerics import NoiseModel
 
 
 def node_name() -> str:
@@ -117,6 +118,11 @@ class Device(abc.ABC):
         nearest after every add (its error does not grow with K relative to s); matrix units
         that truncate per MMA step override it (numerics.Thresholds.tau_for)."""
         return 0.0
+
+    def noise_model(self, k: int) -> NoiseModel:
+        """This device's clean checksum noise at depth K (numerics.NoiseModel): what
+        ``reference_checksums`` divides differences by. Each backend declares its calibrated one."""
+        raise NotImplementedError
 
     def synchronize(self) -> None:  # noqa: B027 - CPU needs nothing
         """Wait for queued work; raise DeviceError on an asynchronous failure."""

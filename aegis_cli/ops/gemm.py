@@ -81,7 +81,9 @@ class ReferenceChecksums:
 
     row[i, t] = Σ_k A[i, k] · (Σ_{j in tile t} B[k, j]);  row_scale the same with |A|, |B|
     col[t, j] = Σ_k (Σ_{i in tile t} A[i, k]) · B[k, j];  col_scale likewise
-    The scales are the magnitudes the sums are made of (docs/design.md §2.4).
+    The scales are the magnitudes the sums are made of (docs/design.md §2.4); row_noise and
+    col_noise the clean noise a device's accumulation leaves in each sum (numerics.NoiseModel,
+    docs/design.md §3), which the checks divide differences by (None: the scale).
     floor is the absolute difference the bottom of the fp32 range alone can make (subnormals
     flushed to zero on FTZ devices, or rounded); it does not scale with the inputs.
     """
@@ -91,6 +93,21 @@ class ReferenceChecksums:
     row_scale: torch.Tensor  # fp64, same shape as row
     col_scale: torch.Tensor  # fp64, same shape as col
     floor: float = 0.0
+    row_noise: torch.Tensor | None = None  # fp64, same shape as row
+    col_noise: torch.Tensor | None = None  # fp64, same shape as col
+
+    def scaled(self, e: int) -> ReferenceChecksums:
+        """The references of the operands scaled by 2^e in all: every field but the floor scales
+        exactly (fp64)."""
+        f = 2.0**e
+        by = lambda t: None if t is None else t * f
+        return ReferenceChecksums(self.row * f, self.col * f, self.row_scale * f, self.col_scale * f, self.floor,
+                                  by(self.row_noise), by(self.col_noise))
+
+    def noise(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the checks divide row and column differences by: the noise scale, else the magnitude."""
+        return (self.row_scale if self.row_noise is None else self.row_noise,
+                self.col_scale if self.col_noise is None else self.col_noise)
 
 
 @dataclass(frozen=True)

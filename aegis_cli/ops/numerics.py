@@ -23,6 +23,9 @@ U_FP32 = 2.0**-24
 U_ACC = 2.0**-23  # fp32 accumulation unit roundoff, allowing truncating matrix units (chopping)
 FP32_MIN_NORMAL = BF16_MIN_NORMAL  # the most one fp32 operation loses at the bottom of the range (FTZ flush)
 CHECKSUM_SPAN = 128  # the most outputs one fused checksum sums (the largest tile side of any backend)
+DEFAULT_TAU = 3.5  # flag a checksum 3.5× over the largest clean value its device was calibrated on (NoiseModel)
+TAU_MAX = 1e12  # the largest τ a vTask bundle may record
+S_FLOOR = 1e-6  # the former calibrated τ in units of Σ|A||B|: with the accumulation bound, NoiseModel.cap
 
 
 def fill_distribution(out: torch.Tensor, dist: str, gen: torch.Generator) -> torch.Tensor:
@@ -71,24 +74,62 @@ def sum_row_tiles(x: torch.Tensor, tm: int) -> torch.Tensor:
     return sum_col_tiles(x.t(), tm).t()
 
 
-def reference_checksums(ops: GemmOperands, tile: tuple[int, int]) -> ReferenceChecksums:
-    """fp64 row/column checksum references and their magnitudes, from the stored operands.
+def reference_checksums(ops: GemmOperands, tile: tuple[int, int], noise: NoiseModel | None = None) -> ReferenceChecksums:
+    """fp64 row/column checksum references, their magnitudes s and, given a device's ``noise``
+    model, the noise scale σ of each sum (NoiseModel.scale), from the stored operands.
 
     Cost O(K·(M+N)·tiles), far below the GEMM; runs on the operands' device in fp64,
     a path the bf16 matrix unit never touches.
     """
     tm, tn = tile
-    a = ops.a_mk.to(torch.float64)  # (M, K)
-    b = ops.b_kn.to(torch.float64)  # (K, N)
-    b_tiles = sum_col_tiles(b, tn)  # (K, nt_n)
-    a_tiles = sum_row_tiles(a, tm)  # (nt_m, K)
-    row = a @ b_tiles
-    col = a_tiles @ b
-    a_abs, b_abs = a.abs(), b.abs()
-    row_scale = a_abs @ sum_col_tiles(b_abs, tn)
-    col_scale = sum_row_tiles(a_abs, tm) @ b_abs
+    a = ops.a_mk.to(torch.float64, copy=True)  # (M, K)
+    b = ops.b_kn.to(torch.float64, copy=True)  # (K, N)
+    row = a @ sum_col_tiles(b, tn)
+    col = sum_row_tiles(a, tm) @ b
+    a, b = a.abs_(), b.abs_()  # in place: no third fp64 copy of the operands
+    row_scale = a @ sum_col_tiles(b, tn)
+    col_scale = sum_row_tiles(a, tm) @ b
+    row_noise = col_noise = None
+    if noise is not None:
+        a, b = a.square_(), b.square_()
+        k = ops.mnk[2]
+        row_noise = noise.scale((a @ sum_col_tiles(b, tn)).sqrt_(), row_scale, k)
+        col_noise = noise.scale((sum_row_tiles(a, tm) @ b).sqrt_(), col_scale, k)
     return ReferenceChecksums(row=row, col=col, row_scale=row_scale, col_scale=col_scale,
-                              floor=subnormal_slack(ops.mnk[2], max(tm, tn)))
+                              floor=subnormal_slack(ops.mnk[2], max(tm, tn)), row_noise=row_noise, col_noise=col_noise)
+
+
+@dataclass(frozen=True)
+class NoiseModel:
+    """How far a device's fp32 accumulation leaves a clean checksum from its fp64 reference
+    (docs/calibration.md): σ = unit · K^power · ρ, with ρ = sqrt(Σ_k A_ik² · Σ_{j∈t} B_kj²) for
+    the row sum of row i over column tile t (columns alike).
+
+    Each rounding of an fp32 partial sum errs by up to an ulp of that sum, so the error follows
+    the partial sums: for zero-mean inputs they walk like √k·ρ/√K, and for a row dominated by one
+    product P they sit near |P| ≈ ρ, where Σ|A||B| would say nothing of the other K−1 products.
+    A sequential sum rounding to nearest adds such errors as a random walk (power ½; the CPU's
+    blocked fp32 GEMM measured no growth at all, power 0); a matrix unit that chops errs the same
+    way step after step (power 1). ``unit`` is the device's calibrated constant:
+    the largest clean |Δ|/(K^power·ρ) measured (``source`` says where), so clean values are ≤ 1
+    on the calibration set and τ = DEFAULT_TAU is a margin over them.
+
+    ``cap``: in units of s = Σ|A||B|, the most a threshold at DEFAULT_TAU may allow (the former
+    accumulation bound): σ never exceeds cap·s/DEFAULT_TAU, so no threshold is looser than it was.
+    """
+
+    unit: float
+    power: float
+    cap: float
+    source: str = ""
+
+    def scale(self, rho: torch.Tensor, s: torch.Tensor, k: int) -> torch.Tensor:
+        """σ of sums with root-sum-squares ``rho`` and magnitudes ``s``, K deep (fp64)."""
+        return torch.minimum(rho * (self.unit * float(k) ** self.power), s * (self.cap / DEFAULT_TAU))
+
+    def describe(self, k: int) -> dict:
+        return {"unit": self.unit, "power": self.power, "cap": self.cap, "source": self.source,
+                "sigma_per_rho": self.unit * float(k) ** self.power}
 
 
 def subnormal_slack(k: int, outputs: int = 1) -> float:
@@ -110,9 +151,10 @@ def normalised_diff(observed: torch.Tensor, ref: torch.Tensor, scale: torch.Tens
 
 def checksum_diffs(res: GemmResult, ref: ReferenceChecksums) -> tuple[torch.Tensor, torch.Tensor]:
     """Normalised differences of the fused row sums (M, nt_n) and column sums (nt_m, N) from
-    their fp64 references."""
-    return (normalised_diff(res.row_sums, ref.row, ref.row_scale, ref.floor),
-            normalised_diff(res.col_sums, ref.col, ref.col_scale, ref.floor))
+    their fp64 references, in units of their noise scale σ (ReferenceChecksums.noise)."""
+    row_noise, col_noise = ref.noise()
+    return (normalised_diff(res.row_sums, ref.row, row_noise, ref.floor),
+            normalised_diff(res.col_sums, ref.col, col_noise, ref.floor))
 
 
 def median_row_diff(res: GemmResult, ref: ReferenceChecksums) -> float:
@@ -154,28 +196,29 @@ def bf16_mismatches(c: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Thresholds:
-    """Normalised-difference thresholds: a checksum is flagged when |Δ|/s > tau.
-
-    Calibrated (docs/calibration.md): clean fp32-accumulator noise sits near 1e-9…1e-8·s, but
-    a sum dominated by one product (heavy-tailed inputs) carries one fp32 rounding of order
-    u32·s = 6e-8·s, so tau = 1e-6 keeps a margin ≥ 10× on every input family.
+    """Thresholds on normalised differences: a checksum is flagged when |Δ|/σ > tau, σ the noise
+    scale of its device's NoiseModel (docs/calibration.md), in which the largest clean value of
+    the device's calibration run is 1: tau = 3.5 flags what lies 3.5× beyond it. An explicit
+    tau (``--threshold``) means what it says on every device: 1e-10 flags every checksum, and the
+    fp64 recomputation then says whether any bits are wrong (checks/judge.py).
     ``tau_bf16`` is the bf16-output comparison mode used for the sensitivity study only.
     """
 
-    tau: float = 1e-6
+    tau: float = DEFAULT_TAU
     tau_bf16: float = 3e-3
-    # a flag that reproduces bit for bit this far over tau is FAULTY, below it SUSPECT; tau already
-    # sits ≥ 10× above the largest clean value, so by default any reproducible flag is confirmed
+    # a flag that reproduces bit for bit this far over tau is FAULTY (once the fp64 recomputation
+    # puts bits beyond rounding), below it SUSPECT
     confirm_margin: float = 1.0
 
     def tau_for(self, device, k: int) -> float:
-        """τ for one K-deep GEMM on ``device``: the calibrated floor, raised to the device's
-        accumulation bound where its matrix unit truncates (tensor cores: docs/calibration.md)."""
-        return max(self.tau, device.accumulation_bound(k))
+        """τ for one K-deep GEMM on ``device``: K and the device enter through the noise scale σ
+        (Device.noise_model), so τ itself is the same for every case."""
+        return self.tau
 
     def __post_init__(self) -> None:
-        if not (0 < self.tau < 1 and 0 < self.tau_bf16 < 1):
-            raise ConfigError(f"thresholds must lie in (0, 1), got tau={self.tau}, tau_bf16={self.tau_bf16}")
+        if not (0 < self.tau <= TAU_MAX and 0 < self.tau_bf16 < 1):
+            raise ConfigError(f"thresholds must lie in (0, {TAU_MAX:g}] (τ, in units of the calibrated noise) and (0, 1) "
+                              f"(τ_bf16), got tau={self.tau}, tau_bf16={self.tau_bf16}")
         if not 1 <= self.confirm_margin <= 1e12:  # the range a vTask bundle records (bundle-format.md)
             raise ConfigError(f"confirm margin must lie in 1…1e12 (a factor over τ), got {self.confirm_margin}")
 

@@ -99,8 +99,8 @@ def _referee(name: str, key: str, results: dict[str, dict], ids: list[str], devi
              thresholds: numerics.Thresholds) -> dict[str, float] | None:
     """Each device's worst error at the differing elements over its rigorous bound (> 1: wrong),
     for GEMM outputs; None when no fp64 reference applies. Checksums are judged on the devices'
-    own checksum tile and against each device's τ for this K (raised to its accumulation bound
-    where the matrix unit truncates), as the GEMM probe judges them."""
+    own checksum tile, in units of each device's noise scale and against its τ, as the GEMM probe
+    judges them."""
     if name not in ("checked_gemm", "matmul") or key.startswith("input:"):
         return None
     a0, a1 = results[ids[0]][name][key], results[ids[1]][name][key]
@@ -124,14 +124,15 @@ def _referee(name: str, key: str, results: dict[str, dict], ids: list[str], devi
             out[d] = float(ratio.max())
         return out
     tile = devices[ids[0]].tile  # one model per comparison group: one tile
-    ref = numerics.reference_checksums(GemmOperands(a.to(torch.bfloat16), b.to(torch.bfloat16), Layout.FWD), tile)
-    want, scale = (ref.row, ref.row_scale) if key == "row_sums" else (ref.col, ref.col_scale)
-    if tuple(want.shape) != tuple(a0.shape):  # sums of another layout than this reference's
-        return None
+    ops = GemmOperands(a.to(torch.bfloat16), b.to(torch.bfloat16), Layout.FWD)
     idx = torch.tensor([r["index"] for r in recs])
-    for d in ids:
+    for d in ids:  # each device's differences in units of its own noise scale, as its GEMM probe sees them
+        ref = numerics.reference_checksums(ops, tile, devices[d].noise_model(k))
+        want, noise = (ref.row, ref.noise()[0]) if key == "row_sums" else (ref.col, ref.noise()[1])
+        if tuple(want.shape) != tuple(a0.shape):  # sums of another layout than this reference's
+            return None
         got = results[d][name][key].cpu().double().reshape(-1)[idx]
-        diff = numerics.normalised_diff(got, want.reshape(-1)[idx], scale.reshape(-1)[idx])
+        diff = numerics.normalised_diff(got, want.reshape(-1)[idx], noise.reshape(-1)[idx], ref.floor)
         out[d] = float(diff.max()) / thresholds.tau_for(devices[d], k)
     return out
 

@@ -152,8 +152,7 @@ def clean_median(device: Device, ops: GemmOperands, ref: ReferenceChecksums) -> 
 
 
 def scaled_reference(ref: ReferenceChecksums, e: int) -> ReferenceChecksums:
-    f = 2.0**e  # exact in fp64
-    return ReferenceChecksums(ref.row * f, ref.col * f, ref.row_scale * f, ref.col_scale * f, ref.floor)
+    return ref.scaled(e)  # exact in fp64, the noise scales included
 
 
 class GemmProbe:

@@ -142,7 +142,7 @@ def _parse(data: bytes, label: str, limits: Limits) -> Bundle:
         raise ck.fail(f"manifest.vtasks must be a list of at most {limits.max_vtasks} vTasks")
     entries, seen, used = [], set(), set()
     for i, v in enumerate(vts):
-        v, names = check_vtask(ck, i, v)
+        v, names = check_vtask(ck, i, v, int(meta["format_version"]))
         if v["id"] in seen:
             raise ck.fail(f"duplicate vTask id {v['id']!r}")
         seen.add(v["id"])

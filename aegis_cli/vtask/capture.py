@@ -71,7 +71,9 @@ def capture_gemm(run: ObservedGemm, evidence: list[Evidence], *, tau: float, con
     else the flagged rows (row checks) or columns (column checks) and their outputs. ``tau``
     and ``confirm_margin`` are the thresholds the checks used; ``provenance`` says where it
     ran (``device_id`` starts each vTask id). ``reference``: the fp64 checksums of the
-    operands, when the caller has them (else computed here, beside the operands)."""
+    operands, when the caller has them (else computed here, beside the operands); with a
+    device's noise scales (Device.reference_checksums) τ is in those units ("device-noise"),
+    without them in units of Σ|A||B| ("abs-product")."""
     ops, res = run.operands, run.result
     ref = reference if reference is not None else numerics.reference_checksums(ops, res.tile)
     frows, fcols = _flag_sets(res, ref, tau)
@@ -112,6 +114,7 @@ def capture_gemm(run: ObservedGemm, evidence: list[Evidence], *, tau: float, con
                     "fingerprints": fps, "source": run.source, "truncated": truncated}
         out.append(VTask(id=vtask_id(provenance, run.case_id, ev.check), check=ev.check, op=run.op, gemm=spec,
                          tensors=tensors, tau=tau, confirm_margin=confirm_margin, scale=tuple(run.scale), case_id=run.case_id,
+                         normalisation="abs-product" if ref.row_noise is None else "device-noise",
                          seed=run.seed, dist=run.dist, observed={k: v for k, v in observed.items() if v is not None},
                          provenance={**provenance, "kernel": res.kernel}))
     return out
@@ -146,6 +149,7 @@ def check_savable(device_id: str, spec: GemmSpec, op: str, case_ids: list[str], 
                               "bundle cannot hold (1–256 characters from A-Za-z0-9._:/+=@-); rename the workload or its ops")
         scale = CaseId.parse(cid).scale or (0, 0)
         problem = entry_problem(VTask(id=vid, check=LONGEST_CHECK, op=op, gemm=spec, tensors={}, tau=tau, scale=scale,
-                                      confirm_margin=confirm_margin, case_id=cid, seed=seed, dist=dist))
+                                      confirm_margin=confirm_margin, case_id=cid, seed=seed, dist=dist,
+                                      normalisation="device-noise"))  # a scan's τ is in its device's noise units
         if problem:
             raise ConfigError(f"--save-vtasks: this scan's cases could not be saved as vTasks ({problem})")

@@ -115,6 +115,7 @@ def save_scan_vtasks(report: Report, path: str | os.PathLike) -> int:
             # τ as the checksum checks used it; an exact check's evidence carries none
             tau = next((e.threshold for e in evs if e.threshold is not None), None)
             tau = tau if tau is not None else thresholds.tau_for(device, run.operands.mnk[2])
-            for vt in capture_gemm(run, evs, tau=tau, confirm_margin=thresholds.confirm_margin, provenance=prov):
+            ref = device.reference_checksums(run.operands, run.result.tile)  # τ is in units of this device's noise
+            for vt in capture_gemm(run, evs, tau=tau, confirm_margin=thresholds.confirm_margin, provenance=prov, reference=ref):
                 writer.add(vt)
     return writer.finalise()

@@ -20,11 +20,13 @@ from aegis_cli.ops.errors import BundleError
 from aegis_cli.ops.gemm import GemmOperands, Layout
 from aegis_cli.vtask.attention_entry import check_attention
 from aegis_cli.vtask.model import (
+    FORMAT_VERSION,
     GEMM_ROLES,
     KINDS,
     MAX_DIM,
     MAX_SAMPLES,
     MAX_STRING,
+    NORMALISATIONS,
     SEVERITIES,
     TAU_RANGE,
     AttentionSpec,
@@ -157,8 +159,9 @@ _OBSERVED = {"severity", "summary", "max_normalised_diff", "margin", "elements",
              "distinct_outputs", "samples", "fingerprints", "source", "truncated"}
 
 
-def check_vtask(ck: Check, i: int, v) -> tuple[dict, dict]:
-    """Validate one manifest vTask entry; returns (entry, role → tensor name)."""
+def check_vtask(ck: Check, i: int, v, version: int = FORMAT_VERSION) -> tuple[dict, dict]:
+    """Validate one manifest vTask entry of a bundle of format ``version``; returns (entry, role →
+    tensor name)."""
     w = f"vtasks[{i}]"
     kind = v.get("kind") if isinstance(v, dict) else None
     v = ck.obj(v, w, {"id", "kind", "check", "op", "attention" if kind == "attention" else "gemm", "tensors", "scale",
@@ -171,13 +174,15 @@ def check_vtask(ck: Check, i: int, v) -> tuple[dict, dict]:
     ck.opt(v.get("case_id"), ck.str_, f"{w}: case_id")
     ck.opt(v.get("seed"), ck.int_, f"{w}: seed", 0, 2**63 - 1)
     ck.opt(v.get("dist"), ck.str_, f"{w}: dist")
-    names = check_attention(ck, w, v) if kind == "attention" else _check_gemm(ck, w, v)
+    if kind == "attention" and version < 2:
+        raise ck.fail(f"{w}: kind 'attention' is new in format_version 2; this bundle says {version}")
+    names = check_attention(ck, w, v) if kind == "attention" else _check_gemm(ck, w, v, version)
     _check_common(ck, w, v)
     return v, names
 
 
-def _check_gemm(ck: Check, w: str, v: dict) -> dict:
-    """The gemm-specific fields of entry ``v``; returns role → tensor name."""
+def _check_gemm(ck: Check, w: str, v: dict, version: int) -> dict:
+    """The gemm-specific fields of entry ``v`` of a bundle of format ``version``; returns role → tensor name."""
     ck.str_(v["check"], f"{w}: check", choices=GEMM_CHECKS)
     g = ck.obj(v["gemm"], f"{w}: gemm", {"layout", "m", "n", "k", "tile"}, {"rows", "cols", "flagged_rows", "flagged_cols"})
     ck.str_(g["layout"], f"{w}: gemm.layout", choices=tuple(x.value for x in Layout))
@@ -203,7 +208,10 @@ def _check_gemm(ck: Check, w: str, v: dict) -> dict:
     if "confirm_margin" in th:
         ck.num(th["confirm_margin"], f"{w}: threshold.confirm_margin", 1.0, 1e12)
     if "normalisation" in th:
-        ck.str_(th["normalisation"], f"{w}: threshold.normalisation", None, ("abs-product",))
+        # version 1 knew only "abs-product" (docs/bundle-format.md §7)
+        ck.str_(th["normalisation"], f"{w}: threshold.normalisation", None, NORMALISATIONS if version >= 2 else NORMALISATIONS[:1])
+    if th.get("normalisation", "abs-product") == "abs-product":  # a difference is never more than 1·s off
+        ck.num(th["tau"], f"{w}: threshold.tau (abs-product)", TAU_RANGE[0], 0.999999)
     names = ck.obj(v["tensors"], f"{w}: tensors", {"a", "b"}, set(GEMM_ROLES) - {"a", "b"})
     for role, name in names.items():
         ck.str_(name, f"{w}: tensors.{role}")

@@ -20,17 +20,19 @@ import torch
 from aegis_cli.ops.errors import BundleError
 from aegis_cli.ops.files import sanitize
 from aegis_cli.ops.gemm import GemmOperands, Layout
+from aegis_cli.ops.numerics import TAU_MAX
 
 FORMAT = "aegis-vtask-bundle"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 2  # 2: kind "attention"; a GEMM τ in "device-noise" units (docs/bundle-format.md §7)
 READABLE_VERSIONS = (1, 2)
 KINDS = ("gemm", "attention")  # later: "fingerprint" (each with its own object, see the spec)
 GEMM_ROLES = ("a", "b", "c", "row_sums", "col_sums")
 ATTENTION_INPUTS = ("q", "k", "v", "do")
 ATTENTION_ROLES = (*ATTENTION_INPUTS, "o", "lse", "o_rowsum", "dq", "dk", "dv", "dq_rowsum", "dk_colsum", "dv_colsum")
-# gemm: s = Σ_k |A_ik|·(|B|·1)_k over the checksum's tile; attention: the spread the bf16 roundings
-# of P and dS give each invariant (docs/attention.md §3)
-NORMALISATIONS = ("abs-product", "rounding-spread")
+# what a GEMM τ is in units of: "abs-product", s = Σ_k |A_ik|·(|B|·1)_k over the checksum's tile; "device-noise",
+# the replaying device's noise scale σ (numerics.NoiseModel), in which its calibrated clean maximum is 1. An attention
+# τ is in "rounding-spread" units: the spread the bf16 roundings of P and dS give each invariant (docs/attention.md §3)
+NORMALISATIONS = ("abs-product", "device-noise")
 SEVERITIES = ("HEALTHY", "SUSPECT", "FAULTY", "ERROR")
 DTYPES = {"BF16": (torch.bfloat16, 2), "F32": (torch.float32, 4)}
 TORCH_DTYPE_NAME = {t: name for name, (t, _) in DTYPES.items()}
@@ -39,7 +41,7 @@ MAX_DIM = 1 << 20
 MAX_STRING = 4096
 MAX_SAMPLES = 64
 MAX_DEPTH = 8
-TAU_RANGE = (1e-300, 0.999999)  # what threshold.tau may be in a bundle
+TAU_RANGE = (1e-300, TAU_MAX)  # what threshold.tau may be in a bundle (in units of Σ|A||B|: below 1)
 MAX_BYTES_LIMIT = 1 << 40  # the highest file-size limit one may set: far above any host's memory
 
 

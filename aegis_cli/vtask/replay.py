@@ -4,8 +4,9 @@ Each vTask is replayed ``repeat`` times on each chosen device, at the captured i
 scale and at extra power-of-two scales (exact expectations, docs/design.md §5), and compared
 with
   (a) the fp64 reference, by the scan's own GEMM checks (checks/gemm.py) with the replaying
-      device's own tile and the vTask's τ (never below the calibrated floor or this device's
-      accumulation bound), plus every element against the fp64 product where affordable;
+      device's own tile and noise model and the vTask's τ in its normalisation (never below the
+      default τ, or for a τ in units of Σ|A||B| this device's ceiling at that K), plus every
+      element against the fp64 product where affordable;
   (b) what was observed at capture (checks/observed.py);
   (c) its own re-runs, bit for bit, and C(2^x·A, 2^y·B) = 2^(x+y)·C(A, B).
 A row-check vTask holding only the flagged rows replays the sub-GEMM A[rows,:]·B: its row
@@ -23,6 +24,7 @@ is SUSPECT in any case (checks/recompute.py; checks/judge.py decides). See docs/
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import re
 import sys
@@ -124,15 +126,19 @@ class _VTaskReplay:
         self.fired: dict[str, _Fired] = {}
         self._this_run: set[str] = set()
         self.notes: list[str] = []
-        # the capture's τ, never below what this device's own noise allows: the calibrated floor,
-        # raised to its accumulation bound at this K where its matrix unit truncates (a vTask captured
-        # on a CPU, replayed on a GPU, is judged by the GPU's noise). A bundle's τ is the producer's
-        # word: a tiny one would make clean rounding on a healthy device read as FAULTY.
-        self.tau = max(vt.tau, FLOOR.tau_for(device, vt.gemm.k))
+        # the capture's τ, never below what this device's own noise allows: the default τ in units of
+        # this device's calibrated noise ("device-noise" bundles: a vTask captured on a CPU, replayed on a
+        # GPU, is judged by the GPU's noise), or, for a τ in units of Σ|A||B| ("abs-product"), the
+        # device's cap at this K (NoiseModel.cap, the former calibrated τ). A bundle's τ is the
+        # producer's word: a tiny one would make every clean checksum a flag.
+        self.by_noise = vt.normalisation == "device-noise"
+        floor = FLOOR.tau if self.by_noise else device.noise_model(vt.gemm.k).cap
+        self.tau = max(vt.tau, floor)
         if self.tau > vt.tau:
-            why = (f"this device's accumulation bound at K = {vt.gemm.k}" if device.accumulation_bound(vt.gemm.k) > FLOOR.tau
-                   else "the calibrated floor (docs/calibration.md): below it clean rounding can cross τ")
-            self.notes.append(f"τ raised from the captured {vt.tau:.3g} to {self.tau:.3g}, {why}")
+            why = ("the default τ in units of this device's calibrated noise (docs/calibration.md)" if self.by_noise
+                   else f"this device's calibrated ceiling in units of Σ|A||B| at K = {vt.gemm.k} (docs/calibration.md)")
+            self.notes.append(f"τ raised from the captured {vt.tau:.3g} to {self.tau:.3g}, {why}: below it clean rounding "
+                              "can cross τ")
         self._calibrated: tuple[bool, str] | None = None
         self.recomputed: dict[str, recheck.Recompute] = {}  # check → its flagged checksums recomputed in fp64
         self._rechecked: set[tuple] = set()  # (scale, check) already recomputed
@@ -174,6 +180,8 @@ class _VTaskReplay:
         ops0 = vt.operands(tdev)
         tile = dev.tile
         ref0 = dev.reference_checksums(ops0, tile)
+        if not self.by_noise:  # τ in units of Σ|A||B|: the checks divide by it, not by the noise scale
+            ref0 = dataclasses.replace(ref0, row_noise=None, col_noise=None)
         m, n, k = ops0.mnk
         element_ref = None
         if checks.checks_elements(m, n, k, ELEMENT_BUDGET):
@@ -250,7 +258,7 @@ class _VTaskReplay:
         if not cs or (rc is not None and rc.wrong) or self.calibrated()[0]:
             return None
         found = rc.describe() if rc is not None else f"no finite rounding bound at K = {self.vt.gemm.k}"
-        return (f"checksum differences (≤ {max(cs):.3g}·s) are within what fp32 rounding of these inputs "
+        return (f"checksum differences (≤ {max(cs):.3g}·{'σ' if self.by_noise else 's'}) are within what fp32 rounding of these inputs "
                 f"can reach ({found}){self.calibrated()[1]}: SUSPECT, not FAULTY")
 
     def _outcome(self, distinct: int, scales_run, skipped, capture: dict, seconds: float) -> dict:
@@ -423,7 +431,8 @@ def run_replay(opts: ReplayOptions, progress: Progress | None = None) -> Report:
         plan.check_devices([d.identity.id for d in devices])
     check_memory(bundles, devices)
     total = sum(len(b.vtasks) for b in bundles)
-    threshold = "per vTask: the τ in force at capture, never below the calibrated floor or the device's accumulation bound"
+    threshold = ("per vTask: the τ in force at capture, in its normalisation (device-noise or abs-product), never below "
+                 "the default τ or the device's ceiling")
     report = Report(kind="replay", command_line=list(opts.command_line) or list(sys.argv), seed=0,
                     options={"devices": opts.devices, "bundles": list(opts.bundles), "vtasks": total, "repeat": opts.repeat,
                              "scales": [list(s) for s in opts.scales], "threshold": threshold},

@@ -5,10 +5,11 @@ benchmarks/sensitivity.py → docs/sensitivity.md).
 accumulator element moved with probability 2e-4 (≈ 13 per launch) by ±r × the median clean
 row-checksum difference.
 
-- At the production τ (1e-6·s on the CPU) the fp32-accumulator checks must catch ≥ 99 % of
-  launches from r = 1e4 on: an absolute bound. Measured r99: 3.16e3 (heavy) to 1e4 (normal),
-  and 3.16e3 catches 95 % of the normal ones. A τ 10× looser shifts the whole curve a decade up
-  (r99 ≥ 3.16e4; at r = 1e4 it catches 0 % normal, 15 % heavy) and fails this test.
+- At the production τ (3.5 on the CPU's noise scale σ, docs/calibration.md) the
+  fp32-accumulator checks must catch ≥ 99 % of launches from r = 100 on: an absolute bound.
+  Measured: 0 % at r = 10, 10 % (normal) and 25 % (heavy) at 31.6, 100 % from 100. A τ 10×
+  looser (35·σ) shifts the whole curve a decade up (r99 = 1e3; at r = 100 it catches nothing)
+  and fails this test; so did the former τ = 1e-6·s (r99 3.16e3…1e4).
 - At thresholds calibrated on other, held-out clean inputs (3× their clean maximum), no clean
   trial input is flagged, the fp32-accumulator checks reach 99 % by r = 100, and a bf16-output
   checksum at the same margin over its own clean maximum catches fewer than half of the launches
@@ -25,24 +26,24 @@ from aegis_cli.backends.cpu import CpuDevice
 from aegis_cli.sensitivity import DETECTORS, Setup, half_decades, sensitivity
 
 RS = half_decades(10, 10**4.5)
-R99_AT_TAU = 1e4  # absolute: r99 of the fp32-accumulator checks at the production τ
+R99_AT_TAU = 100  # absolute: r99 of the fp32-accumulator checks at the production τ
 R99_HELDOUT = 1e2
 
 
 @pytest.fixture(scope="module", params=["normal", "heavy"])
 def study(request):
     res = sensitivity(CpuDevice(), Setup(256, 256, 1024, request.param, trials=20), RS)
-    print(f"\n{request.param}: τ {res.tau:g}·s = {res.tau_over_clean:.0f}× the clean max; "
+    print(f"\n{request.param}: τ {res.tau:g}·σ = {res.tau_over_clean:.2g}× the clean max; "
           + "; ".join(f"{d} {res.detection[d]} r99 {res.r99(d):g}" for d in DETECTORS))
     return res
 
 
-def test_fp32_checks_at_the_production_tau_catch_r_1e4(study):
+def test_fp32_checks_at_the_production_tau_catch_r_100(study):
     assert study.detection["fp32_tau"][0] == 0.0  # r = 10: inside the threshold, never flagged
     r99 = study.r99("fp32_tau")
     curve = ", ".join(f"{r:.3g}: {100 * x:.0f} %" for r, x in zip(RS, study.detection["fp32_tau"], strict=True))
     reach = f"from r = {r99:.3g}" if math.isfinite(r99) else "at no r on the grid"
-    assert r99 <= R99_AT_TAU, (f"{study.setup.dist}: at τ = {study.tau:g}·s the fp32-accumulator checks reach 99 % "
+    assert r99 <= R99_AT_TAU, (f"{study.setup.dist}: at τ = {study.tau:g}·σ the fp32-accumulator checks reach 99 % "
                                f"{reach}, not by the bound r = {R99_AT_TAU:g} (detection per r: {curve})")
 
 

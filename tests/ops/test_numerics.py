@@ -129,6 +129,34 @@ def test_accumulation_ceiling_covers_round_to_nearest_worst_case():
         a = torch.full((128, k), 1.5 * 2.0**-25, dtype=torch.bfloat16)
         a[:, 0] = 1.0
         ops = GemmOperands(a, torch.ones((k, 128), dtype=torch.bfloat16), Layout.DGRAD)
-        d_row, d_col = numerics.checksum_diffs(dev.checked_gemm(ops), dev.reference_checksums(ops, dev.tile))
-        worst = max(float(d_row.max()), float(d_col.max()))
-        assert numerics.Thresholds().tau < worst <= numerics.accumulation_ceiling(k, max(dev.tile))
+        res, ref = dev.checked_gemm(ops), dev.reference_checksums(ops, dev.tile)
+        flagged = max(float(d.max()) for d in numerics.checksum_diffs(res, ref))  # in units of the noise scale
+        by_s = max(float(d.max()) for d in numerics.checksum_diffs(res, dataclasses.replace(ref, row_noise=None, col_noise=None)))
+        assert numerics.Thresholds().tau < flagged and by_s <= numerics.accumulation_ceiling(k, max(dev.tile))
+
+
+def test_noise_scale_is_the_models_and_never_looser_than_the_cap():
+    # σ = unit·K^power·ρ, ρ = sqrt(Σ_k a²·Σ_{j∈t} b²), capped at cap·s/τ: recomputed here directly
+    dev = CpuDevice()
+    m, n, k = 40, 300, 96
+    a = dev.generate((m, k), "normal", 3)
+    a[0] = 2.0**-20
+    a[0, 5] = 64.0  # row 0: one product dominates each output; with a large unit K·ρ outgrows the cap there
+    ops = GemmOperands(a, dev.generate((k, n), "normal", 4), Layout.DGRAD)
+    tn = dev.tile[1]
+    model = numerics.NoiseModel(unit=5e-8, power=1.0, cap=1e-6)
+    ref = numerics.reference_checksums(ops, dev.tile, model)
+    a64, b = ops.a_mk.double(), ops.b_kn.double()
+    rho = (a64.square() @ numerics.sum_col_tiles(b.square(), tn)).sqrt()
+    s = a64.abs() @ numerics.sum_col_tiles(b.abs(), tn)
+    want = torch.minimum(5e-8 * k * rho, s * 1e-6 / numerics.DEFAULT_TAU)
+    assert torch.allclose(ref.row_noise, want, rtol=1e-12) and torch.allclose(ref.row_scale, s, rtol=1e-12)
+    assert bool((ref.row_noise * numerics.DEFAULT_TAU <= s * 1e-6 * (1 + 1e-12)).all())  # never looser than 1e-6·s
+    capped = ref.row_noise < 5e-8 * k * rho
+    assert bool(capped[0].all()) and not bool(capped[1:].any())  # the cap binds on the dominated row only
+    # power-of-two scaling scales σ exactly, as it scales the differences
+    scaled = ref.scaled(-7)
+    assert torch.equal(scaled.row_noise, ref.row_noise * 2.0**-7) and torch.equal(scaled.col_noise, ref.col_noise * 2.0**-7)
+    # without a model the checks divide by s (a τ in units of Σ|A||B|, "abs-product")
+    plain = numerics.reference_checksums(ops, dev.tile)
+    assert plain.row_noise is None and plain.noise()[0] is plain.row_scale

@@ -1,5 +1,6 @@
 """No false positives: ≥ 500 clean checked GEMMs across every scale, distribution and layout
-of the cpu-quick and (shrunk) 1B presets flag nothing, with a clean margin ≥ 10."""
+of the cpu-quick and (shrunk) 1B presets flag nothing, with a clean margin ≥ 3 (τ = 3.5 on the
+noise scale, whose unit is the calibrated clean maximum: a real margin, not hundreds)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from aegis_cli.ops import workloads
 from aegis_cli.ops.numerics import Thresholds
 
 
-def test_no_false_positives_and_margin_at_least_10(record_property):
+def test_no_false_positives_and_a_real_margin(record_property):
     th = Thresholds()
     dev = CpuDevice()
     quick = clean_distribution(dev, workloads.load("cpu-quick"), seeds=[0, 1, 2], th=th)
@@ -23,8 +24,8 @@ def test_no_false_positives_and_margin_at_least_10(record_property):
     margin = min(quick.margin, big.margin)
     record_property("clean_gemms", gemms)
     record_property("clean_margin", margin)
-    print(f"\nclean GEMMs {gemms}, checksums {quick.checksums + big.checksums}, largest clean |Δ|/s {clean_max:.3g}, "
+    print(f"\nclean GEMMs {gemms}, checksums {quick.checksums + big.checksums}, largest clean |Δ|/σ {clean_max:.3g}, "
           f"threshold {th.tau:g}, margin {margin:.1f}×")
     assert gemms >= 500
     assert quick.flagged == 0 and big.flagged == 0
-    assert margin >= 10
+    assert 3 <= margin <= 30  # above 3×, and not the hundreds of a threshold that ignores the noise

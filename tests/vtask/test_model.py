@@ -181,8 +181,9 @@ def test_crash_during_rename_keeps_the_old_bundle(tmp_path, monkeypatch):
 
 
 # -- golden bundle: the format cannot drift silently ---------------------------------------------
-def golden_vtasks() -> list[VTask]:
-    """The content of tests/golden/bundle-v1.aegis (regenerate: python tests/vtask/test_model.py)."""
+def golden_vtasks(version: int = 1) -> list[VTask]:
+    """The content of tests/golden/bundle-v<version>.aegis (regenerate the newest: python
+    tests/vtask/test_model.py). Version 2 adds a τ in units of the device's noise."""
     full = make_vtask("golden/fwd/full/gemm.row_checksum", Layout.FWD, 6, 10, 8, tile=(4, 4), seed=11)
     full.observed = {"severity": "FAULTY", "max_normalised_diff": math.inf, "elements": 1, "samples": [{"row": 2, "col_tile": 1}],
                      "fingerprints": {"c": "0123456789abcdef"}}
@@ -191,12 +192,14 @@ def golden_vtasks() -> list[VTask]:
     rows = make_vtask("golden/wgrad/rows/gemm.row_checksum", Layout.WGRAD, 7, 5, 9, rows=[1, 5], tile=(4, 4), scale=(-8, 8), seed=12)
     cols = make_vtask("golden/dgrad/cols/gemm.col_checksum", Layout.DGRAD, 5, 9, 6, cols=[0, 3, 8], tile=(2, 4), seed=13,
                       check="gemm.col_checksum")
+    if version >= 2:
+        cols.tau, cols.normalisation = 3.5, "device-noise"
     return [full, rows, cols]
 
 
 def golden_vtasks_v2() -> list[VTask]:
-    """The content of tests/golden/bundle-v2.aegis: version 1's, and one attention vTask (inputs
-    only: B 1, 2 query heads sharing 1 KV head, S 8, D 4, causal, at V·2^8, dO·2^-8)."""
+    """The content of tests/golden/bundle-v2.aegis: version 2's GEMM vTasks, and one attention vTask
+    (inputs only: B 1, 2 query heads sharing 1 KV head, S 8, D 4, causal, at V·2^8, dO·2^-8)."""
     from aegis_cli.ops.numerics import generate_bf16
     from aegis_cli.vtask.model import AttentionSpec
 
@@ -207,7 +210,7 @@ def golden_vtasks_v2() -> list[VTask]:
                 confirm_margin=1.0, scale=(8, -8), case_id="attention/normal/b1h2k1s8d4c/s+8-8", seed=14, dist="normal",
                 observed={"severity": "FAULTY", "max_normalised_diff": 1e9, "samples": [{"kv_head": 0, "column": 2}]},
                 provenance={"host": "golden-host", "injected": True})
-    return [*golden_vtasks(), att]
+    return [*golden_vtasks(2), att]
 
 
 def write_golden(path: Path) -> None:
@@ -226,6 +229,15 @@ def test_golden_bundle_still_reads(path, version, content):
         assert_same(v1, v2)
     readme = (GOLDEN / "README.md").read_text(encoding="utf-8")
     assert re.search(rf"format_version:\s*{version}\b", readme)
+
+
+def test_a_version_1_bundle_cannot_claim_a_tau_in_noise_units():
+    from aegis_cli.vtask.manifest import Check, check_vtask
+
+    entry = golden_vtasks(2)[2].manifest_entry({"a": "a", "b": "b"})
+    check_vtask(Check(""), 0, entry, 2)
+    with pytest.raises(BundleError, match="normalisation is 'device-noise', expected one of abs-product"):
+        check_vtask(Check(""), 0, entry, 1)
 
 
 def test_writer_output_matches_golden_layout(tmp_path):

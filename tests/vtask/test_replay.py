@@ -14,6 +14,7 @@ from aegis_cli import cli
 from aegis_cli.backends import resolve_devices
 from aegis_cli.ops.errors import ConfigError
 from aegis_cli.ops.gemm import Layout
+from aegis_cli.ops.numerics import Thresholds
 from aegis_cli.scan import ScanOptions, run_scan
 from aegis_cli.vtask import capture, from_scan
 from aegis_cli.vtask.bundle import BundleWriter, read_bundle
@@ -63,7 +64,8 @@ def test_scan_saves_the_flagged_case_as_vtasks(captured):
         assert v.observed["severity"] == "FAULTY" and v.observed["elements"] >= 1
         assert v.observed["source"] == "the flagged scan run, as observed"  # --save-vtasks keeps flagged runs
         assert set(v.tensors) == {"a", "b", "c", "row_sums", "col_sums"}
-    assert b.vtasks[0].tensors["a"] is b.vtasks[1].tensors["a"]  # stored once
+        assert v.normalisation == "device-noise" and v.tau == Thresholds().tau  # the scan's τ, in its units
+    assert b.format_version == 2 and b.vtasks[0].tensors["a"] is b.vtasks[1].tensors["a"]  # stored once
 
 
 def test_clean_device_does_not_reproduce(captured, tmp_path):
@@ -81,7 +83,7 @@ def test_same_injection_reproduces(captured, tmp_path):
     code, doc = replay_json(captured, tmp_path, "--inject", FAULT)
     assert code == 2 and doc["devices"][0]["verdict"] == "FAULTY" and doc["fault_injected"]
     for o in outcomes(doc):
-        assert o["outcome"] == "reproduced" and o["label"] == "reproduced here"
+        assert o["outcome"] == "reproduced" and o["label"] == "reproduced here" and o["tau"] == Thresholds().tau
         assert o["captured_check_fired"] and o["matches_capture"] is True
         assert o["capture_comparison"].startswith("output bit-identical to the capture")
         assert "likely this GPU" in o["meaning"]
@@ -326,9 +328,9 @@ def test_scales_summing_to_128_stay_exact(tmp_path):
 
 
 def test_replay_judges_by_the_replaying_devices_noise(tmp_path, monkeypatch):
-    # a vTask captured with the CPU's τ, replayed on a device whose matrix unit truncates: its
-    # accumulation bound at this K, not the capture's τ, is the threshold (else clean noise reads
-    # as "reproduced")
+    # a vTask whose τ is in units of Σ|A||B| ("abs-product"), replayed on a device whose matrix unit
+    # truncates: its ceiling at this K (the accumulation bound), not the capture's τ, is the
+    # threshold (else clean noise reads as "reproduced")
     from aegis_cli.backends.cpu import CpuDevice
 
     vt = make_vtask("clean", m=8, n=8, k=64, tile=(4, 4), observed=False)
@@ -407,7 +409,19 @@ def test_a_bundles_own_tiny_tau_cannot_make_a_healthy_device_faulty(tmp_path):
     rep = run_replay(ReplayOptions(bundles=[str(_write(tmp_path / "t.aegis", vt))], devices="cpu", repeat=1))
     (o,) = rep.devices[0].probe_stats["replay"]["outcomes"]
     assert rep.exit_code == 0 and o["outcome"] == "not_reproduced" and o["tau"] == 1e-6
-    assert "τ raised from the captured 1e-12 to 1e-06, the calibrated floor" in " ".join(o["notes"])
+    assert "τ raised from the captured 1e-12 to 1e-06, this device's calibrated ceiling" in " ".join(o["notes"])
+
+
+def test_a_tau_in_noise_units_is_judged_on_the_replaying_devices_noise(tmp_path):
+    # a scan's vTask records τ in units of its device's calibrated noise ("device-noise"): replayed,
+    # the replaying device's own noise scale divides the differences, and a tiny τ is raised to the
+    # default (3.5× the calibrated clean maximum), so a clean replay stays clean
+    vt = make_vtask("noise-tau", m=64, n=64, k=512, tile=(4, 4), seed=random.randrange(2**31), tau=1e-12)
+    vt.normalisation = "device-noise"
+    rep = run_replay(ReplayOptions(bundles=[str(_write(tmp_path / "n.aegis", vt))], devices="cpu", repeat=1))
+    (o,) = rep.devices[0].probe_stats["replay"]["outcomes"]
+    assert rep.exit_code == 0 and o["outcome"] == "not_reproduced" and o["tau"] == Thresholds().tau
+    assert "τ raised from the captured 1e-12 to 3.5, the default τ in units of this device's calibrated noise" in " ".join(o["notes"])
 
 
 def test_a_dist_label_alone_does_not_confirm_a_flag_within_rounding(tmp_path):
