@@ -36,9 +36,11 @@ class Limits:
 
 
 def limits(ref: ReferenceChecksums, tau: float) -> Limits:
-    """The screening limits of ``ref`` at ``tau`` (once per input set and scale)."""
-    return Limits(ref.row, ref.row_scale.clamp(min=_TINY) * tau + ref.floor,
-                  ref.col, ref.col_scale.clamp(min=_TINY) * tau + ref.floor)
+    """The screening limits of ``ref`` at ``tau`` (once per input set and scale), in the units the
+    scan's checks use (ReferenceChecksums.noise: the device's noise scale σ where ``ref`` has it)."""
+    row_unit, col_unit = ref.noise()
+    return Limits(ref.row, row_unit.clamp(min=_TINY) * tau + ref.floor,
+                  ref.col, col_unit.clamp(min=_TINY) * tau + ref.floor)
 
 
 def flagged(rows: list[torch.Tensor], cols: list[torch.Tensor], lim: Limits) -> torch.Tensor:

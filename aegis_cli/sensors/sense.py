@@ -61,49 +61,58 @@ def op_id(layer: str, layout: Layout, m: int, n: int, k: int) -> str:
     return f"train/{layer}/{layout.value}/{m}x{n}x{k}"
 
 
-def _tile_sums(x: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(R, N) bf16 → the fp64 sums of x and of |x| over each tile of ``t`` columns (zero-padded),
-    accumulated in fp64 from the bf16 values (each is exact in fp64)."""
+def _tile_sums(x: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(R, N) bf16 → the fp64 sums of x, of |x| and of x² over each tile of ``t`` columns
+    (zero-padded), accumulated in fp64 from the bf16 values (each is exact in fp64)."""
     r, n = x.shape
     nt = -(-n // t)
     if nt * t != n:
         x = F.pad(x, (0, nt * t - n))
     x3 = x.reshape(r, nt, t)
-    return x3.sum(-1, dtype=torch.float64), x3.abs().sum(-1, dtype=torch.float64)
+    return (x3.sum(-1, dtype=torch.float64), x3.abs().sum(-1, dtype=torch.float64),
+            x3.double().square_().sum(-1))
 
 
-def sensor_reference(ops: GemmOperands, tile: tuple[int, int], cols: bool) -> ReferenceChecksums:
+def sensor_reference(ops: GemmOperands, tile: tuple[int, int], cols: bool,
+                     noise: numerics.NoiseModel | None = None) -> ReferenceChecksums:
     """fp64 references of the row checksums (and of the column checksums when ``cols``) at the
-    checksum ``tile``, with their scales: ``numerics.reference_checksums`` computed with less
-    memory traffic, and without the column part when it is not compared (its fields are then empty)."""
+    checksum ``tile``, with their scales s and, given the device's ``noise`` model, their noise
+    scales σ: ``numerics.reference_checksums`` computed with less memory traffic, and without the
+    column part when it is not compared (its fields are then empty)."""
     tm, tn = tile
     _, n, k = ops.mnk
-    bt, bt_abs = _tile_sums(ops.b_kn, tn)  # (K, nt_n)
-    a = ops.a_mk.to(torch.float64, copy=True)  # (M, K); a copy: abs_ below
+    bt, bt_abs, bt_sq = _tile_sums(ops.b_kn, tn)  # (K, nt_n)
+    a = ops.a_mk.to(torch.float64, copy=True)  # (M, K); a copy: abs_ and square_ below
     row = a @ bt
     row_scale = a.abs_() @ bt_abs
+    row_noise = None if noise is None else noise.scale((a.square_() @ bt_sq).sqrt_(), row_scale, k)
     del a
     if not cols:
         empty = row.new_zeros((0, n))
         return ReferenceChecksums(row=row, col=empty, row_scale=row_scale, col_scale=empty,
-                                  floor=numerics.subnormal_slack(k, tn))
-    at, at_abs = _tile_sums(ops.a_mk.t(), tm)  # (K, nt_m)
+                                  floor=numerics.subnormal_slack(k, tn), row_noise=row_noise,
+                                  col_noise=None if noise is None else empty)
+    at, at_abs, at_sq = _tile_sums(ops.a_mk.t(), tm)  # (K, nt_m)
     b = ops.b_kn.to(torch.float64, copy=True)  # (K, N)
     col = at.t() @ b
     col_scale = at_abs.t() @ b.abs_()
+    col_noise = None if noise is None else noise.scale((at_sq.t() @ b.square_()).sqrt_(), col_scale, k)
     return ReferenceChecksums(row=row, col=col, row_scale=row_scale, col_scale=col_scale,
-                              floor=numerics.subnormal_slack(k, max(tm, tn)))
+                              floor=numerics.subnormal_slack(k, max(tm, tn)), row_noise=row_noise, col_noise=col_noise)
 
 
-def compare(ops: GemmOperands, res: GemmResult, tau: float) -> tuple[list[checks.Signal], float, bool]:
+def compare(ops: GemmOperands, res: GemmResult, tau: float,
+            noise: numerics.NoiseModel | None = None) -> tuple[list[checks.Signal], float, bool]:
     """The sensor's comparison: (signals over τ, the largest normalised difference, whether the
-    inputs were finite). Non-finite inputs have no reference to compare with: nothing is flagged."""
+    inputs were finite). Differences are in units of the device's ``noise`` scale, as the scan's
+    (ReferenceChecksums.noise). Non-finite inputs have no reference to compare with: nothing is flagged."""
     both = ops.layout is Layout.WGRAD
-    ref = sensor_reference(ops, res.tile, cols=both)
-    d_row = numerics.normalised_diff(res.row_sums, ref.row, ref.row_scale, ref.floor)
+    ref = sensor_reference(ops, res.tile, cols=both, noise=noise)
+    row_unit, col_unit = ref.noise()
+    d_row = numerics.normalised_diff(res.row_sums, ref.row, row_unit, ref.floor)
     parts = [("gemm.row_checksum", d_row, res.row_sums, ref.row)]
     if both:
-        d_col = numerics.normalised_diff(res.col_sums, ref.col, ref.col_scale, ref.floor)
+        d_col = numerics.normalised_diff(res.col_sums, ref.col, col_unit, ref.floor)
         parts.append(("gemm.col_checksum", d_col, res.col_sums, ref.col))
     scales = (ref.row_scale, ref.col_scale) if both else (ref.row_scale,)
     # one read-back per launch: the largest difference, and whether every input was finite
@@ -132,7 +141,7 @@ def sense(h, device: Device, layer: str, ops: GemmOperands, res: GemmResult, sit
     t0 = time.perf_counter()
     floor = h.config.thresholds.tau_for(device, ops.mnk[2])
     tau = h.controller.tau(key, floor)
-    signals, worst, finite = compare(ops, res, tau)
+    signals, worst, finite = compare(ops, res, tau, device.noise_model(ops.mnk[2]))
     h.stats.checked += 1
     h.step_max_ratio = max(h.step_max_ratio, worst / tau)
     if not finite:

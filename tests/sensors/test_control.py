@@ -60,7 +60,7 @@ def test_a_cleared_spike_raises_tau_which_decays_back(caplog):
 def test_tight_threshold_flags_are_cleared_and_tau_adapts():
     model = mlp()
     seen = []
-    h = instrument(model, SensorConfig(overhead_budget=None, thresholds=Thresholds(tau=1e-9), queue_size=64, min_verify=64,
+    h = instrument(model, SensorConfig(overhead_budget=None, thresholds=Thresholds(tau=0.3), queue_size=64, min_verify=64,
                                        on_event=lambda e: seen.append(e) or Action.CONTINUE))
     x = inputs()
     for _ in range(3):

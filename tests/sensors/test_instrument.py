@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from aegis_cli.ops.errors import ConfigError, InjectSpecError
-from aegis_cli.ops.numerics import Thresholds
 from aegis_cli.sensors import Action, SensorConfig, instrument, uninstrument
 from tests.sensors.tiny import MICRO, batches, gpt, grads, inputs, mlp
 
@@ -139,7 +138,7 @@ def test_empty_inputs_and_eval_mode_run():
 def test_autocast_keeps_the_checked_gemm_precision():
     model = mlp()
     x = inputs()
-    h = instrument(model, SensorConfig(overhead_budget=None, thresholds=Thresholds(tau=1e-6)))
+    h = instrument(model, SensorConfig(overhead_budget=None))  # the production τ: 3.5× the clean noise
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = model(x)
     out.float().sum().backward()

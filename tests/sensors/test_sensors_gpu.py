@@ -72,12 +72,15 @@ def _same_reference(device: str, tile: tuple[int, int]) -> None:
     for layout in LAYOUTS:
         for i, (m, n, k) in enumerate(SHAPES):
             ops = _ops(device, layout, m, n, k, i)
-            full = numerics.reference_checksums(ops, tile)
+            noise = numerics.NoiseModel(unit=8e-9, power=1.0, cap=1e-4)
+            full = numerics.reference_checksums(ops, tile, noise)
             cols = layout is Layout.WGRAD
-            mine = sensor_reference(ops, tile, cols=cols)
-            pairs = [(mine.row, full.row, full.row_scale), (mine.row_scale, full.row_scale, full.row_scale)]
+            mine = sensor_reference(ops, tile, cols=cols, noise=noise)
+            pairs = [(mine.row, full.row, full.row_scale), (mine.row_scale, full.row_scale, full.row_scale),
+                     (mine.row_noise, full.row_noise, full.row_noise)]
             if cols:
-                pairs += [(mine.col, full.col, full.col_scale), (mine.col_scale, full.col_scale, full.col_scale)]
+                pairs += [(mine.col, full.col, full.col_scale), (mine.col_scale, full.col_scale, full.col_scale),
+                          (mine.col_noise, full.col_noise, full.col_noise)]
                 assert mine.floor == full.floor
             else:
                 assert mine.col.numel() == 0 and mine.floor == numerics.subnormal_slack(k, tile[1])

@@ -146,7 +146,7 @@ def test_screen_counts_what_the_checksum_check_flags():
     ops = case.operands(dev)
     ref = dev.reference_checksums(ops, dev.tile)
     res = dev.checked_gemm(ops)
-    tau = 1e-6
+    tau = numerics.Thresholds().tau  # in units of the device's noise scale, as the scan's checks
     lim = screen.limits(ref, tau)
     rows, cols = res.row_sums.clone(), res.col_sums.clone()
     rows[3, 0] += float(ref.row_scale[3, 0]) * 1e-3  # far over τ
