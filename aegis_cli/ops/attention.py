@@ -193,8 +193,8 @@ def _expand(t: torch.Tensor, group: int) -> torch.Tensor:
 def _mask(s: torch.Tensor, i0: int, j0: int) -> torch.Tensor:
     """Causal mask of one (query block from i0, key block from j0) tile: True where j > i."""
     bq, bk = s.shape[-2:]
-    i = torch.arange(i0, i0 + bq).unsqueeze(1)
-    j = torch.arange(j0, j0 + bk).unsqueeze(0)
+    i = torch.arange(i0, i0 + bq, device=s.device).unsqueeze(1)
+    j = torch.arange(j0, j0 + bk, device=s.device).unsqueeze(0)
     return j > i
 
 
@@ -208,14 +208,14 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
         q32 = _bf16(q32)  # a Q element is bf16 as loaded: the kernels round the corrupted value back
     k32, v32 = _expand(k.float(), shape.group), _expand(v.float(), shape.group)
     b, h, s, d = q32.shape
-    o = torch.empty((b, h, s, d))
-    lse = torch.empty((b, h, s))
+    o = torch.empty((b, h, s, d), device=q.device)
+    lse = torch.empty((b, h, s), device=q.device)
     for i0 in range(0, s, block):
         i1 = min(s, i0 + block)
         qi = q32[:, :, i0:i1]
-        m = torch.full((b, h, i1 - i0), -math.inf)
-        l_sum = torch.zeros((b, h, i1 - i0))
-        acc = torch.zeros((b, h, i1 - i0, d))
+        m = torch.full((b, h, i1 - i0), -math.inf, device=q.device)
+        l_sum = torch.zeros((b, h, i1 - i0), device=q.device)
+        acc = torch.zeros((b, h, i1 - i0, d), device=q.device)
         for j0 in range(0, i1 if causal else s, block):
             j1 = min(s, j0 + block)
             sc = (qi @ k32[:, :, j0:j1].transpose(-1, -2)) * scale
@@ -249,14 +249,14 @@ def flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
     k32, v32 = _expand(k.float(), g), _expand(v.float(), g)
     b, h, s, d = q32.shape
     delta = (do32 * o.float()).sum(-1)  # (B, Hq, S)
-    dq = torch.zeros((b, h, s, d))
-    dk = torch.empty((b, h, s, d))
-    dv = torch.empty((b, h, s, d))
+    dq = torch.zeros((b, h, s, d), device=q.device)
+    dk = torch.empty((b, h, s, d), device=q.device)
+    dv = torch.empty((b, h, s, d), device=q.device)
     for j0 in range(0, s, block):
         j1 = min(s, j0 + block)
         kj, vj = k32[:, :, j0:j1], v32[:, :, j0:j1]
-        dk_acc = torch.zeros((b, h, j1 - j0, d))
-        dv_acc = torch.zeros((b, h, j1 - j0, d))
+        dk_acc = torch.zeros((b, h, j1 - j0, d), device=q.device)
+        dv_acc = torch.zeros((b, h, j1 - j0, d), device=q.device)
         for i0 in range((j0 // block) * block if causal else 0, s, block):
             i1 = min(s, i0 + block)
             sc = (q32[:, :, i0:i1] @ kj.transpose(-1, -2)) * scale
@@ -320,11 +320,11 @@ def reference(ops: AttentionOperands, scale: float, *, rows: int = 256) -> Atten
     b, h, s, d = q.shape
     vabs, kabs = v.abs().sum(-1), k.abs().sum(-1)  # (B, Hq, S)
     v1, k1 = v.sum(-1).unsqueeze(-2), k.sum(-1).unsqueeze(-2)  # (B, Hq, 1, S): V·1 and K·1 per key
-    out = {n: torch.empty((b, h, s, *t), dtype=torch.float64) for n, t in (("o", (d,)), ("lse", ()), ("dq", (d,)),
+    out = {n: torch.empty((b, h, s, *t), dtype=torch.float64, device=q.device) for n, t in (("o", (d,)), ("lse", ()), ("dq", (d,)),
                                                                           ("os", ()), ("dqs", ()), ("osg", ()), ("dqsg", ()),
                                                                           ("prms", ()), ("dsrms", ()))}
-    dk = torch.zeros((b, h, s, d), dtype=torch.float64)
-    dv = torch.zeros((b, h, s, d), dtype=torch.float64)
+    dk = torch.zeros((b, h, s, d), dtype=torch.float64, device=q.device)
+    dv = torch.zeros((b, h, s, d), dtype=torch.float64, device=q.device)
     p_min = 1.0
     for i0 in range(0, s, rows):
         i1 = min(s, i0 + rows)

@@ -138,7 +138,7 @@ def test_accumulation_ceiling_covers_round_to_nearest_worst_case():
 def test_noise_scale_is_the_models_and_never_looser_than_the_cap():
     # σ = unit·K^power·ρ, ρ = sqrt(Σ_k a²·Σ_{j∈t} b²), capped at cap·s/τ: recomputed here directly
     dev = CpuDevice()
-    m, n, k = 40, 300, 96
+    m, n, k = 40, 300, 160  # K above CHECKSUM_SPAN: σ uses K itself (below it, 128)
     a = dev.generate((m, k), "normal", 3)
     a[0] = 2.0**-20
     a[0, 5] = 64.0  # row 0: one product dominates each output; with a large unit K·ρ outgrows the cap there
@@ -160,3 +160,11 @@ def test_noise_scale_is_the_models_and_never_looser_than_the_cap():
     # without a model the checks divide by s (a τ in units of Σ|A||B|, "abs-product")
     plain = numerics.reference_checksums(ops, dev.tile)
     assert plain.row_noise is None and plain.noise()[0] is plain.row_scale
+
+
+def test_noise_depth_is_at_least_the_checksum_span():
+    # a checksum also sums up to CHECKSUM_SPAN fp32 outputs: below that K does not shrink the noise
+    model = numerics.NoiseModel(unit=8e-9, power=1.0, cap=1e-4)
+    assert model.depth(8) == model.depth(numerics.CHECKSUM_SPAN) == float(numerics.CHECKSUM_SPAN)
+    assert model.depth(8192) == 8192.0
+    assert numerics.NoiseModel(unit=1e-6, power=0.0, cap=1e-4).depth(8) == 1.0
