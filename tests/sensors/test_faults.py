@@ -156,3 +156,31 @@ def test_both_checkpoint_modes_are_fingerprinted(reentrant):
         h.step()
         uninstrument(model)
         assert h.stats.fingerprinted == 1 and h.stats.confirmed == confirmed and x.grad is not None
+
+
+def test_a_region_under_autocast_is_verified_under_the_forwards_autocast():
+    """A recompute corrupted under bf16 autocast: the verifier's re-runs must compute what the forward
+    computed (autocast on), or they agree with neither run and the fault is cleared."""
+    from aegis_cli.sensors import checkpoint
+
+    model = mlp()
+    calls = []
+
+    def body(x):
+        y = model.body(x)
+        calls.append(0)
+        delta = torch.zeros_like(y)
+        if len(calls) == 2:  # the recompute, in backward: one element off
+            delta.view(-1)[3] = 1.0
+        return y + delta
+
+    h = instrument(model, SensorConfig(overhead_budget=None))
+    x = inputs().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model.head(checkpoint(body, x))
+    out.float().square().mean().backward()
+    h.step()
+    uninstrument(model)
+    ev = [e for e in h.events if e.kind in ("confirmed", "cleared")]
+    assert len(ev) == 1 and ev[0].kind == "confirmed" and ev[0].check == OUTPUT, [e.summary for e in ev]
+    assert "the recompute of" in ev[0].summary
