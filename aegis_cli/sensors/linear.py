@@ -15,6 +15,7 @@ function, so autograd derives its gradient as for any Linear.
 from __future__ import annotations
 
 import types
+import weakref
 
 import torch
 from torch import nn
@@ -91,11 +92,15 @@ def patch(h, module: nn.Linear, layer: str):
     had = "forward" in module.__dict__
     before = module.__dict__.get("forward")
     module.forward = types.MethodType(_checked_forward(_Site(h, layer), module.forward), module)
+    ref = weakref.ref(module)  # the handle keeps no module alive: its model may be dropped without uninstrument
 
     def restore() -> None:
+        m = ref()
+        if m is None:
+            return
         if had:
-            module.forward = before
+            m.forward = before
         else:
-            del module.forward
+            del m.forward
 
     return restore

@@ -148,10 +148,14 @@ def test_autocast_keeps_the_checked_gemm_precision():
     assert out.dtype == torch.bfloat16 and h.stats.raised == 0  # autocast did not leak into the fp32 accumulator
 
 
-def test_a_model_dropped_without_uninstrument_is_not_kept_alive():
-    model = mlp()
+@pytest.mark.parametrize("make", [mlp, lambda: gpt(checkpointing=True), lambda: torch.nn.Linear(32, 8)],
+                         ids=["mlp", "checkpointing-attribute-on-the-model", "a-bare-linear"])
+def test_a_model_dropped_without_uninstrument_is_not_kept_alive(make):
+    model = make()
     h = instrument(model, EVERY)
-    model(inputs()).sum().backward()
+    out = model(*next(batches())) if hasattr(model, "blocks") else (model(inputs()),)  # (logits, loss) or (y,)
+    out[-1].sum().backward()
+    del out
     alive = weakref.ref(model)
     del model
     gc.collect()
