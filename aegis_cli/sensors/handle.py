@@ -182,6 +182,11 @@ class SensorHandle:
             self.sensing = False
             try:
                 verify_one(self, s)
+            except Exception as exc:  # a failed verification is an event: it must not end the training step
+                self.stats.unverified += 1
+                self._mark_bad(s.step)
+                self.emit(SensorEvent("unverified", s.step, s.op, s.site, s.checks[0], "SUSPECT",
+                                      f"verification failed: {type(exc).__name__}: {exc}", rank=self.rank))
             finally:
                 self.sensing = True
             done += 1
@@ -190,7 +195,7 @@ class SensorHandle:
     @property
     def last_clean_step(self) -> int | None:
         """The latest completed step whose suspicions, and those of every step before it, were all
-        verified and cleared (none confirmed, dropped or waiting); None when there is none yet."""
+        verified and cleared (none confirmed, dropped, unverified or waiting); None when there is none yet."""
         last = self.step_index - 1
         for s in (self._first_bad, self.queue.oldest_step()):
             if s is not None:

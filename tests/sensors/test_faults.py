@@ -184,3 +184,26 @@ def test_a_region_under_autocast_is_verified_under_the_forwards_autocast():
     ev = [e for e in h.events if e.kind in ("confirmed", "cleared")]
     assert len(ev) == 1 and ev[0].kind == "confirmed" and ev[0].check == OUTPUT, [e.summary for e in ev]
     assert "the recompute of" in ev[0].summary
+
+
+def test_a_verification_that_fails_is_an_event_not_an_exception_in_the_loop():
+    from aegis_cli.sensors import checkpoint
+
+    model = mlp()
+    calls = []
+
+    def body(x):
+        calls.append(0)
+        if len(calls) > 2:  # the verifier's re-runs
+            raise RuntimeError("region state gone")
+        y = model.body(x)
+        return y + (1.0 if len(calls) == 2 else 0.0)  # the recompute differs: a suspicion
+
+    h = instrument(model, SensorConfig(overhead_budget=None))
+    model.head(checkpoint(body, inputs().requires_grad_())).square().mean().backward()
+    assert h.step() is Action.CONTINUE  # nothing confirmed: the loop goes on
+    uninstrument(model)
+    ev = [e for e in h.events if e.kind == "unverified"]
+    assert len(ev) == 1 and "RuntimeError: region state gone" in ev[0].summary and ev[0].step == 0
+    assert h.stats.unverified == 1 and h.stats.confirmed == h.stats.cleared == 0 and len(h.queue) == 0
+    assert h.last_clean_step is None  # step 0 is not known clean
