@@ -409,7 +409,9 @@ class TrainingGuard:
                   for g in self.optimizer.param_groups]
         optimizer = type(self.optimizer)(groups)
         optimizer.load_state_dict(self.optimizer.state_dict())  # moves the moments to the copy's device
-        other = TrainingGuard(model, optimizer, self.step_fn, generators=self.generators, inject=self.plan, device_id=device_id)
+        # one rank's copy, outside the process group: a collective there would wait for ranks that never join
+        other = TrainingGuard(model, optimizer, self.step_fn, generators=self.generators, inject=self.plan, device_id=device_id,
+                              sync=False)
         try:
             with torch.no_grad():
                 for k, t in other._trackers.items():
