@@ -13,7 +13,7 @@ from aegis_cli.sensors.queue import Suspicion
 from aegis_cli.sensors.save import safe_name, save_gemm
 from aegis_cli.sensors.verify import verify_gemm
 
-NOT_REPLAYABLE = "not saved: a vTask bundle (format 1) holds GEMMs only"
+NOT_REPLAYABLE = "not saved: a recomputed region has no vTask kind (bundles hold GEMMs and attention)"
 
 
 def verify_one(h, s: Suspicion) -> SensorEvent:
