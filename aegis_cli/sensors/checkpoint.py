@@ -32,6 +32,7 @@ from aegis_cli.faults.stored import stored_faults
 from aegis_cli.ops.fingerprint import hex64
 from aegis_cli.ops.verdict import Evidence, Verdict
 from aegis_cli.sensors.queue import Suspicion
+from aegis_cli.sensors.snapshot import rng_state, set_rng_state
 
 SAVED_INPUT = "checkpoint.saved_input"
 OUTPUT = "checkpoint.output_fingerprint"
@@ -61,7 +62,7 @@ class RegionContext:
     fn: Any
     args: tuple
     kwargs: dict
-    rng: tuple[torch.Tensor, dict[int, torch.Tensor]]  # CPU state, CUDA states by device index
+    rng: dict  # torch's CPU and CUDA generators' states at the forward (snapshot.rng_state)
     in_fwd: tuple[int, ...]
     in_rec: tuple[int, ...]
     out_fwd: tuple[int, ...]
@@ -71,11 +72,6 @@ class RegionContext:
 
     def tensors(self) -> list[torch.Tensor]:
         return tensors_in((self.args, self.kwargs)) + self.recomputed
-
-
-def rng_state(ts: list[torch.Tensor]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    cuda = sorted({t.device.index or 0 for t in ts if t.device.type == "cuda"})
-    return torch.get_rng_state(), {i: torch.cuda.get_rng_state(i) for i in cuda}
 
 
 def autocast_state() -> list[tuple[str, bool, torch.dtype]]:
@@ -149,7 +145,7 @@ class CheckpointSensor:
             forward = state["calls"] == 1
             t0 = time.perf_counter()
             if forward:
-                state["rng"], state["autocast"] = rng_state(tensors_in((a, k))), autocast_state()
+                state["rng"], state["autocast"] = rng_state([]), autocast_state()
             elif h.fault_plan is not None:  # the recompute, in backward: a self-test may flip a held input
                 a = _inject(h, site, a)
             p_in = prints((a, k))
@@ -183,13 +179,10 @@ class RegionOutcome:
 
 
 def _rerun(ctx: RegionContext) -> tuple[tuple[int, ...], list[torch.Tensor]]:
-    cpu, cuda = ctx.rng
-    with torch.random.fork_rng(devices=list(cuda)), torch.no_grad(), contextlib.ExitStack() as stack:
+    with torch.random.fork_rng(devices=range(len(ctx.rng.get("cuda", ())))), torch.no_grad(), contextlib.ExitStack() as stack:
         for kind, enabled, dtype in ctx.autocast:
             stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
-        torch.set_rng_state(cpu)
-        for i, s in cuda.items():
-            torch.cuda.set_rng_state(s, i)
+        set_rng_state(ctx.rng, [])
         out = ctx.fn(*ctx.args, **ctx.kwargs)
     return prints(out), [t.detach() for t in tensors_in(out)]
 

@@ -11,6 +11,7 @@ from aegis_cli.backends.cpu import CpuDevice
 from aegis_cli.ops.verdict import Verdict
 from aegis_cli.sensors import Action, SensorConfig, instrument, uninstrument
 from aegis_cli.sensors.checkpoint import OUTPUT, SAVED_INPUT, RegionContext, prints, verify_region
+from aegis_cli.sensors.snapshot import rng_state
 from aegis_cli.vtask.bundle import read_bundle
 from tests.helpers import run_cli
 from tests.sensors.tiny import inputs, mlp
@@ -79,7 +80,7 @@ def test_flip_in_a_checkpointed_activation_is_caught_and_confirmed(tmp_path):
 
 def _region(fn, x):
     out = fn(x)
-    return RegionContext(fn, (x,), {}, (torch.get_rng_state(), {}), prints(((x,), {})), prints(((x,), {})), prints(out), prints(out),
+    return RegionContext(fn, (x,), {}, rng_state([]), prints(((x,), {})), prints(((x,), {})), prints(out), prints(out),
                          [out])
 
 
@@ -136,11 +137,11 @@ def test_regions_with_dropout_are_compared_under_the_forwards_random_state():
     # the verifier re-runs a region with the forward's random state, so its dropout agrees too
     x = inputs()
     fn = lambda t: torch.nn.functional.dropout(t, 0.5, training=True)
-    rng = torch.get_rng_state()
+    rng = rng_state([])
     out = fn(x)
     bad = out.clone()
     bad.view(torch.int32).view(-1)[0] ^= 1
-    ctx = RegionContext(fn, (x,), {}, (rng, {}), prints(((x,), {})), prints(((x,), {})), prints(out), prints(bad), [bad])
+    ctx = RegionContext(fn, (x,), {}, rng, prints(((x,), {})), prints(((x,), {})), prints(out), prints(bad), [bad])
     assert verify_region(ctx, "d", "ckpt/d").severity is Verdict.FAULTY
 
 
