@@ -46,6 +46,7 @@ def test_accumulator_fault_is_caught_confirmed_saved_and_replayed(tmp_path, caps
     assert vt.op == "fc2" and vt.case_id == "train/fc2/fwd/64x32x64" and vt.gemm.subset == "full"
     assert vt.provenance["step"] == 0 and vt.provenance["rank"] == 3 and vt.provenance["job"] == "t"
     assert vt.provenance["injected"] is True and vt.provenance["gpu_uuid"] == CpuDevice(0).identity.uuid
+    assert vt.provenance["kernel_hashes"] and vt.provenance["versions"]["torch"] == torch.__version__  # as a scan's vTasks
     assert torch.equal(vt.tensors["b"], w)  # the real weight the layer used, not a draw
     assert vt.observed["severity"] == "FAULTY" and vt.observed["source"] == "training"
 
