@@ -103,7 +103,7 @@ class TrainingGuard:
                  snapshot_device: str | torch.device | None = None, retries: int = 1,
                  callback: Callable[[GuardEvent], None] | None = None, inject: str | FaultPlan | None = None,
                  device_id: str | None = None, group: Any = None, sync: bool | None = None):
-        if not isinstance(optimizer, torch.optim.Adam):
+        if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):  # AdamW subclasses Adam only in recent torch
             raise ConfigError(f"TrainingGuard bounds torch.optim.Adam and AdamW; got {type(optimizer).__name__}")
         for g in optimizer.param_groups:
             b1, b2 = (float(b) for b in g["betas"])
