@@ -209,11 +209,11 @@ class TrainingGuard:
         t0 = time.perf_counter()
         out: list[bounds.Violation] = []
         todo = []  # (index, state, step, betas, summary) per parameter with moments
-        for i, p in enumerate(self.params):
-            st = self.optimizer.state.get(p)
-            if not st or "exp_avg" not in st:
-                continue
-            grp, t = self._groups[i], int(st["step"])
+        live = [(i, st) for i, p in enumerate(self.params) if (st := self.optimizer.state.get(p)) and "exp_avg" in st]
+        # fused or capturable Adam keeps its step count on the device: one transfer per device, not one per tensor
+        steps = [int(r[0]) for r in _to_host([torch.as_tensor(st["step"], dtype=torch.float64).reshape(1) for _, st in live])]
+        for (i, st), t in zip(live, steps, strict=True):
+            grp = self._groups[i]
             b1, b2 = (float(b) for b in grp["betas"])
             vmax = st.get("max_exp_avg_sq") if grp.get("amsgrad") else None
             row = torch.cat([bounds.adam_summary(st["exp_avg"], st["exp_avg_sq"], t, b1, b2, vmax),
