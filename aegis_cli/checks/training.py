@@ -46,8 +46,6 @@ EVAL_SLACK = 1e-9  # relative: the fp64 evaluation of the bounds themselves
 SCREEN = 1e-6  # relative margin of the fp32 screen of the moment ratio (> 4 roundings of 2⁻²⁴)
 
 RIGOROUS = ("train.adam_exp_avg", "train.adam_exp_avg_sq", "train.adam_moment_ratio", "train.adam_amsgrad", "train.nonfinite")
-CHECKS = ("train.adam_exp_avg", "train.adam_exp_avg_sq", "train.adam_moment_ratio", "train.adam_amsgrad",
-          "train.nonfinite", "train.norm_running_var", "train.norm_running_mean")
 
 
 @dataclass(frozen=True)

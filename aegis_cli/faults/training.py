@@ -14,6 +14,7 @@ import torch
 
 from aegis_cli.faults.spec import FaultPlan, FaultSpec, LaunchContext
 from aegis_cli.faults.stored import _apply_memflip as flip_bits
+from aegis_cli.ops.errors import InjectSpecError
 
 
 def _fires(plan: FaultPlan, f: FaultSpec, slot: int, step: int, first: bool) -> bool:
@@ -27,6 +28,13 @@ def _fires(plan: FaultPlan, f: FaultSpec, slot: int, step: int, first: bool) -> 
     if due and f.prob < 1.0:
         due = np.random.default_rng([f.seed, slot, plan.launches, 0xC01]).random() < f.prob
     return due
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` as a contiguous view of its own memory (a channels_last moment is dense with its dims in
+    another order: ``index=`` then counts in memory order), or None where it has gaps."""
+    v = t.permute(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
+    return v if v.is_contiguous() else None
 
 
 def state_faults(plan: FaultPlan | None, step: int, first: bool, tensors: dict[str, dict[str, torch.Tensor]],
@@ -43,9 +51,9 @@ def state_faults(plan: FaultPlan | None, step: int, first: bool, tensors: dict[s
             continue
         rng = np.random.default_rng([f.seed, slot, 0x57A7E])  # fixed per fault: the same tensor and elements every time
         name = names[int(rng.integers(0, len(names)))]
-        t = tensors[name][f.target]
-        if not t.is_contiguous():
-            raise ValueError(f"stateflip on a non-contiguous tensor {name}:{f.target}")
+        t = _dense(tensors[name][f.target])
+        if t is None:
+            raise InjectSpecError(f"stateflip: {name}:{f.target} does not fill its memory densely; no element order to flip in")
         ctx = LaunchContext(device_id, f"train/step{step}/{name}:{f.target}", (1, 1))
         with torch.no_grad():
             flip_bits(plan, f, rng, ctx, t)

@@ -6,8 +6,8 @@ must agree; its inputs are fingerprinted too, so that a saved activation whose b
 held is told apart from a computation that went wrong.
 
 A mismatch is a suspicion. The verifier re-runs the region twice more on the saved inputs with the
-forward's random state (before the optimizer step, so the parameters are those the step used) and
-decides which run was wrong (``verify_region``). Fingerprints are aegis' 64-bit bitwise fingerprints
+forward's random state and autocast settings, as the recompute does (before the optimizer step, so
+the parameters are those the step used), and decides which run was wrong (``verify_region``). Fingerprints are aegis' 64-bit bitwise fingerprints
 taken where the tensors live (backends/fingerprints.py).
 
 ``CheckpointSensor`` wraps a checkpoint function (``torch.utils.checkpoint.checkpoint`` or the
@@ -18,6 +18,7 @@ chain would never be recomputed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from aegis_cli.faults.stored import stored_faults
 from aegis_cli.ops.fingerprint import hex64
 from aegis_cli.ops.verdict import Evidence, Verdict
 from aegis_cli.sensors.queue import Suspicion
+from aegis_cli.sensors.snapshot import rng_state, set_rng_state
 
 SAVED_INPUT = "checkpoint.saved_input"
 OUTPUT = "checkpoint.output_fingerprint"
@@ -54,25 +56,32 @@ def prints(obj: Any) -> tuple[int, ...]:
 @dataclass
 class RegionContext:
     """What the verifier needs to re-run a region: the function, its saved inputs (as the
-    recompute read them), the forward's random state, and the fingerprints of both runs."""
+    recompute read them), the forward's random state and autocast settings, and the fingerprints
+    of both runs."""
 
     fn: Any
     args: tuple
     kwargs: dict
-    rng: tuple[torch.Tensor, dict[int, torch.Tensor]]  # CPU state, CUDA states by device index
+    rng: dict  # torch's CPU and CUDA generators' states at the forward (snapshot.rng_state)
     in_fwd: tuple[int, ...]
     in_rec: tuple[int, ...]
     out_fwd: tuple[int, ...]
     out_rec: tuple[int, ...]
     recomputed: list[torch.Tensor] = field(default_factory=list)  # the recompute's outputs, for miscompare records
+    autocast: list[tuple[str, bool, torch.dtype]] = field(default_factory=list)  # the forward's, as autocast_state()
 
     def tensors(self) -> list[torch.Tensor]:
         return tensors_in((self.args, self.kwargs)) + self.recomputed
 
 
-def rng_state(ts: list[torch.Tensor]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    cuda = sorted({t.device.index or 0 for t in ts if t.device.type == "cuda"})
-    return torch.get_rng_state(), {i: torch.cuda.get_rng_state(i) for i in cuda}
+def autocast_state() -> list[tuple[str, bool, torch.dtype]]:
+    """(device type, enabled, dtype) of autocast now, for the CPU and CUDA: a re-run under other
+    settings computes other bits ([] on a torch without the per-device queries)."""
+    kinds = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+    try:
+        return [(k, torch.is_autocast_enabled(k), torch.get_autocast_dtype(k)) for k in kinds]
+    except (TypeError, AttributeError, RuntimeError):
+        return []
 
 
 class _Substitute(torch.autograd.Function):
@@ -136,7 +145,7 @@ class CheckpointSensor:
             forward = state["calls"] == 1
             t0 = time.perf_counter()
             if forward:
-                state["rng"] = rng_state(tensors_in((a, k)))
+                state["rng"], state["autocast"] = rng_state([]), autocast_state()
             elif h.fault_plan is not None:  # the recompute, in backward: a self-test may flip a held input
                 a = _inject(h, site, a)
             p_in = prints((a, k))
@@ -153,7 +162,7 @@ class CheckpointSensor:
             h.controller.spent(site, state["seconds"] + spent)
             if state["calls"] == 2 and (p_in, p_out) != (state["inp"], state["out"]):
                 ctx = RegionContext(fn, tuple(a), dict(k), state["rng"], state["inp"], p_in, state["out"], p_out,
-                                    [t.detach() for t in tensors_in(out)])
+                                    [t.detach() for t in tensors_in(out)], state["autocast"])
                 check = SAVED_INPUT if p_in != state["inp"] else OUTPUT
                 h.raise_suspicion(Suspicion("checkpoint", name, site, step, [check], 1.0, ctx))
             return out
@@ -170,11 +179,10 @@ class RegionOutcome:
 
 
 def _rerun(ctx: RegionContext) -> tuple[tuple[int, ...], list[torch.Tensor]]:
-    cpu, cuda = ctx.rng
-    with torch.random.fork_rng(devices=list(cuda)), torch.no_grad():
-        torch.set_rng_state(cpu)
-        for i, s in cuda.items():
-            torch.cuda.set_rng_state(s, i)
+    with torch.random.fork_rng(devices=range(len(ctx.rng.get("cuda", ())))), torch.no_grad(), contextlib.ExitStack() as stack:
+        for kind, enabled, dtype in ctx.autocast:
+            stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
+        set_rng_state(ctx.rng, [])
         out = ctx.fn(*ctx.args, **ctx.kwargs)
     return prints(out), [t.detach() for t in tensors_in(out)]
 

@@ -11,9 +11,9 @@ from aegis_cli.ops.verdict import Evidence
 
 log = logging.getLogger("aegis.sensors")
 
-# event kinds: a verified suspicion (confirmed or cleared), one the queue had no room for, one
-# confirmed but too large to save, and a threshold raised after a cleared spike
-KINDS = ("confirmed", "cleared", "dropped", "unsaved", "threshold")
+# event kinds: a verified suspicion (confirmed or cleared), one the queue had no room for, one whose
+# verification failed, one confirmed but not saved, and a threshold raised after a cleared spike
+KINDS = ("confirmed", "cleared", "dropped", "unverified", "unsaved", "threshold")
 
 
 class Action(enum.IntEnum):
@@ -57,8 +57,8 @@ def log_event(event: SensorEvent) -> None:
                   f" (saved {event.bundle})" if event.bundle else "")
     elif event.kind == "unsaved":
         log.warning("aegis sensors: %s at %s not saved: %s", event.check, where, event.summary)
-    elif event.kind == "dropped":
-        log.warning("aegis sensors: suspicion dropped at %s (%s)", where, event.summary)
+    elif event.kind in ("dropped", "unverified"):
+        log.warning("aegis sensors: suspicion %s at %s (%s)", event.kind, where, event.summary)
     else:
         log.info("aegis sensors: %s %s at %s: %s", event.kind, event.check, where, event.summary)
 
@@ -95,6 +95,7 @@ class SensorStats:
     fingerprinted: int = 0  # of those, fingerprinted at forward and at recompute
     raised: int = 0  # suspicions raised by the sensors
     dropped: int = 0  # suspicions the queue had no room for
+    unverified: int = 0  # suspicions whose verification raised an error (an event says which)
     confirmed: int = 0
     cleared: int = 0
     saved: int = 0  # vTask bundles written

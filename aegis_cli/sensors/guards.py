@@ -103,7 +103,7 @@ class TrainingGuard:
                  snapshot_device: str | torch.device | None = None, retries: int = 1,
                  callback: Callable[[GuardEvent], None] | None = None, inject: str | FaultPlan | None = None,
                  device_id: str | None = None, group: Any = None, sync: bool | None = None):
-        if not isinstance(optimizer, torch.optim.Adam):
+        if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):  # AdamW subclasses Adam only in recent torch
             raise ConfigError(f"TrainingGuard bounds torch.optim.Adam and AdamW; got {type(optimizer).__name__}")
         for g in optimizer.param_groups:
             b1, b2 = (float(b) for b in g["betas"])
@@ -209,11 +209,11 @@ class TrainingGuard:
         t0 = time.perf_counter()
         out: list[bounds.Violation] = []
         todo = []  # (index, state, step, betas, summary) per parameter with moments
-        for i, p in enumerate(self.params):
-            st = self.optimizer.state.get(p)
-            if not st or "exp_avg" not in st:
-                continue
-            grp, t = self._groups[i], int(st["step"])
+        live = [(i, st) for i, p in enumerate(self.params) if (st := self.optimizer.state.get(p)) and "exp_avg" in st]
+        # fused or capturable Adam keeps its step count on the device: one transfer per device, not one per tensor
+        steps = [int(r[0]) for r in _to_host([torch.as_tensor(st["step"], dtype=torch.float64).reshape(1) for _, st in live])]
+        for (i, st), t in zip(live, steps, strict=True):
+            grp = self._groups[i]
             b1, b2 = (float(b) for b in grp["betas"])
             vmax = st.get("max_exp_avg_sq") if grp.get("amsgrad") else None
             row = torch.cat([bounds.adam_summary(st["exp_avg"], st["exp_avg_sq"], t, b1, b2, vmax),
@@ -409,7 +409,9 @@ class TrainingGuard:
                   for g in self.optimizer.param_groups]
         optimizer = type(self.optimizer)(groups)
         optimizer.load_state_dict(self.optimizer.state_dict())  # moves the moments to the copy's device
-        other = TrainingGuard(model, optimizer, self.step_fn, generators=self.generators, inject=self.plan, device_id=device_id)
+        # one rank's copy, outside the process group: a collective there would wait for ranks that never join
+        other = TrainingGuard(model, optimizer, self.step_fn, generators=self.generators, inject=self.plan, device_id=device_id,
+                              sync=False)
         try:
             with torch.no_grad():
                 for k, t in other._trackers.items():

@@ -3,6 +3,7 @@ sensors, the step boundary where the verifier runs, events, and statistics (docs
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 from collections import deque
@@ -35,6 +36,13 @@ def _rank(config: SensorConfig) -> int:
         return config.rank
     dist = torch.distributed
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _put_back(ref: weakref.ref, inner) -> None:
+    """Restore a module's checkpoint function; the handle holds the module weakly (as _HANDLES holds the model)."""
+    m = ref()
+    if m is not None:
+        m._gradient_checkpointing_func = inner
 
 
 class SensorHandle:
@@ -182,7 +190,7 @@ class SensorHandle:
     @property
     def last_clean_step(self) -> int | None:
         """The latest completed step whose suspicions, and those of every step before it, were all
-        verified and cleared (none confirmed, dropped or waiting); None when there is none yet."""
+        verified and cleared (none confirmed, dropped, unverified or waiting); None when there is none yet."""
         last = self.step_index - 1
         for s in (self._first_bad, self.queue.oldest_step()):
             if s is not None:
@@ -207,7 +215,7 @@ class SensorHandle:
             inner = m.__dict__.get("_gradient_checkpointing_func")
             if inner is not None:  # the Hugging Face convention: a layer checkpoints through this attribute
                 m._gradient_checkpointing_func = CheckpointSensor(self, inner, name or "model")
-                self._restore.append(lambda m=m, inner=inner: setattr(m, "_gradient_checkpointing_func", inner))
+                self._restore.append(functools.partial(_put_back, weakref.ref(m), inner))
         if optimizer is not None:
             self._hook = optimizer.register_step_pre_hook(lambda *_: self._optimizer_step())
 

@@ -7,14 +7,15 @@ stores them in (ops/gemm.py ``Layout``):
   wgrad    dW = dYᵀ·X   A = dY stored (tokens × out), B = X (tokens × in)
 
 bf16 operands, fp32 accumulation, bf16 results cast to the model's dtype: the arithmetic of a
-bf16 training step. The module's ``forward`` is replaced on the instance (the class and its code
-are untouched); ``restore`` puts back exactly what was there. The bias is added outside the
-function, so autograd derives its gradient as for any Linear.
+bf16 training step. A checked ``forward`` is set on the instance (the class and its code are
+untouched); ``restore`` deletes it again. The bias is added outside the function, so autograd
+derives its gradient as for any Linear.
 """
 
 from __future__ import annotations
 
 import types
+import weakref
 
 import torch
 from torch import nn
@@ -81,21 +82,21 @@ def _checked_forward(site: _Site, original):
 
 
 def patchable(module: nn.Linear) -> bool:
-    """Whether ``module`` computes what nn.Linear computes: a subclass with a forward of its own (a
-    quantised or adapter layer) means something else by its weight, and is left alone."""
-    return type(module).forward is nn.Linear.forward and module.weight.is_floating_point()
+    """Whether ``module`` computes what nn.Linear computes. A subclass with a forward of its own (a
+    quantised or adapter layer) means something else by its weight, and a forward replaced on the
+    instance (accelerate's offload hooks, an adapter) does more than the GEMM: both are left alone."""
+    return (type(module).forward is nn.Linear.forward and "forward" not in module.__dict__
+            and module.weight.is_floating_point())
 
 
 def patch(h, module: nn.Linear, layer: str):
-    """Route ``module`` through checked GEMMs; returns the function that restores it exactly."""
-    had = "forward" in module.__dict__
-    before = module.__dict__.get("forward")
+    """Route ``module`` (``patchable``) through checked GEMMs; returns the function that restores it."""
     module.forward = types.MethodType(_checked_forward(_Site(h, layer), module.forward), module)
+    ref = weakref.ref(module)  # the handle keeps no module alive: its model may be dropped without uninstrument
 
     def restore() -> None:
-        if had:
-            module.forward = before
-        else:
-            del module.forward
+        m = ref()
+        if m is not None:
+            del m.forward
 
     return restore

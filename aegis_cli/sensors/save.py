@@ -10,12 +10,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from aegis_cli.ops.errors import AegisError
-from aegis_cli.ops.provenance import versions
 from aegis_cli.ops.verdict import Evidence, Verdict
 from aegis_cli.sensors.sense import GemmContext
 from aegis_cli.vtask.bundle import BundleWriter
 from aegis_cli.vtask.capture import ObservedGemm, capture_gemm
-from aegis_cli.vtask.model import MAX_STRING
+from aegis_cli.vtask.provenance import device_provenance
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._:+=@-]")
 
@@ -25,19 +24,9 @@ def safe_name(text: str) -> str:
     return _UNSAFE.sub("_", text)[:120] or "_"
 
 
-def provenance(ctx_device, *, step: int, rank: int, job: str, injected: bool) -> dict:
-    ident = ctx_device.identity
-    prov = {"host": ident.host, "device_id": ident.id, "gpu_name": ident.name, "gpu_uuid": ident.uuid, "rank": rank,
-            "step": step, "captured": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-            "versions": {k: str(v) for k, v in versions().items()},
-            "command_line": [a[:MAX_STRING] for a in sys.argv[:256]], "injected": injected}
-    if ident.serial:
-        prov["gpu_serial"] = ident.serial
-    if ident.pci_bus_id:
-        prov["pci_bus_id"] = ident.pci_bus_id
-    if job:
-        prov["job"] = job
-    return prov
+def provenance(device, *, step: int, rank: int, job: str, injected: bool) -> dict:
+    return device_provenance(device.identity, rank=rank, step=step, job=job, injected=injected,
+                             captured=datetime.now(timezone.utc).isoformat(timespec="seconds"), command_line=sys.argv)
 
 
 def save_gemm(ctx: GemmContext, site: str, evidence: list[Evidence], reference, *, directory: str, name: str, step: int,

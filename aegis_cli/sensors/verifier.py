@@ -13,15 +13,24 @@ from aegis_cli.sensors.queue import Suspicion
 from aegis_cli.sensors.save import safe_name, save_gemm
 from aegis_cli.sensors.verify import verify_gemm
 
-NOT_REPLAYABLE = "not saved: a vTask bundle (format 1) holds GEMMs only"
+NOT_REPLAYABLE = "not saved: a recomputed region has no vTask kind (bundles hold GEMMs and attention)"
 
 
 def verify_one(h, s: Suspicion) -> SensorEvent:
     """Verify ``s`` for handle ``h``, emit its event(s) and return the main one."""
     cfg = h.config
     bundle, unsaved = None, ""
+    try:
+        out = (verify_gemm(s.context, s.site, cfg.reruns, cfg.thresholds.confirm_margin) if s.kind == "gemm"
+               else verify_region(s.context, s.op, s.site, cfg.reruns))
+    except Exception as exc:  # a failed verification is an event: it must not end the training step
+        h.stats.unverified += 1
+        h._mark_bad(s.step)
+        event = SensorEvent("unverified", s.step, s.op, s.site, s.checks[0], "SUSPECT",
+                            f"verification failed: {type(exc).__name__}: {exc}", rank=h.rank)
+        h.emit(event)
+        return event
     if s.kind == "gemm":
-        out = verify_gemm(s.context, s.site, cfg.reruns, cfg.thresholds.confirm_margin)
         severity, evidence, summary = out.severity, out.evidence, out.summary
         confirmed = severity is Verdict.FAULTY
         if confirmed and cfg.bundle_dir is not None:
@@ -38,7 +47,6 @@ def verify_one(h, s: Suspicion) -> SensorEvent:
                 h.emit(SensorEvent("threshold", s.step, s.op, s.site, s.checks[0], severity.value,
                                    f"τ of {key} raised to {tau:.3g} after a cleared spike of {s.max_value:.3g}", rank=h.rank))
     else:
-        out = verify_region(s.context, s.op, s.site, cfg.reruns)
         severity, evidence, summary = out.severity, [out.evidence], out.evidence.summary
         confirmed = severity is Verdict.FAULTY
         unsaved = NOT_REPLAYABLE if confirmed else ""

@@ -6,7 +6,7 @@ checks/judge.py. FAULTY confirms the suspicion; SUSPECT or HEALTHY clears it."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from aegis_cli.checks import gemm as checks
 from aegis_cli.checks import judge
@@ -28,7 +28,6 @@ class GemmOutcome:
     reference: ReferenceChecksums
     doubted: bool = False  # cleared because rounding of these inputs can reach the flag
     summary: str = ""
-    notes: list[str] = field(default_factory=list)
 
 
 def _samples(sig: checks.Signal) -> list[dict]:

@@ -14,21 +14,19 @@ import os
 
 from aegis_cli.backends import resolve_devices
 from aegis_cli.backends.base import Device, DeviceIdentity
-from aegis_cli.backends.loader import kernel_hashes
 from aegis_cli.checks.attention import ATTENTION_CHECKS
 from aegis_cli.checks.gemm import GEMM_CHECKS
 from aegis_cli.faults.spec import FaultPlan
 from aegis_cli.ops.case import CaseId
 from aegis_cli.ops.gemm import GemmOperands, GemmResult, Layout
 from aegis_cli.ops.numerics import Thresholds
-from aegis_cli.ops.provenance import versions
 from aegis_cli.ops.verdict import Evidence
 from aegis_cli.probes.gemm import clean_median, draw_operands, scaled
 from aegis_cli.report import Report
 from aegis_cli.vtask import attention
 from aegis_cli.vtask.bundle import BundleWriter
 from aegis_cli.vtask.capture import ObservedGemm, capture_gemm
-from aegis_cli.vtask.model import MAX_STRING
+from aegis_cli.vtask.provenance import device_provenance
 
 KEPT = "the flagged scan run, as observed"
 RERUN = "re-run at save time on the capturing device"
@@ -61,17 +59,11 @@ def observed_run(device: Device, evidence: list[Evidence], base: GemmOperands, k
 
 def scan_provenance(report: Report, ident: DeviceIdentity, workload: str, injected: bool) -> dict:
     """Where and how a scan ran on one device, for its vTasks (None values left out)."""
-    vers = versions()
     rank = os.environ.get("RANK")
-    prov = {"host": ident.host, "device_id": ident.id, "gpu_name": ident.name, "gpu_uuid": ident.uuid,
-            "gpu_serial": ident.serial, "pci_bus_id": ident.pci_bus_id, "rank": int(rank) if rank and rank.isdigit() else None,
-            "job": f"aegis scan (workload {workload}, seed {report.seed})", "captured": report.started,
-            "command_line": [str(x)[:MAX_STRING] for x in report.command_line][:256],
-            "versions": {k: v for k, v in {**vers, "driver": ident.driver, "cuda": vers.get("torch_cuda")}.items() if v},
-            "kernel_hashes": kernel_hashes(),
-            # this device's flagged cases had faults put in on purpose (not: some device had)
-            "injected": injected}
-    return {k: v for k, v in prov.items() if v is not None}
+    # injected: this device's flagged cases had faults put in on purpose (not: some device had)
+    return device_provenance(ident, rank=int(rank) if rank and rank.isdigit() else None,
+                             job=f"aegis scan (workload {workload}, seed {report.seed})", captured=report.started,
+                             command_line=report.command_line, injected=injected)
 
 
 def _flagged(dr, report: Report, plan: FaultPlan | None, checks) -> tuple | None:

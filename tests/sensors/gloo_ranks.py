@@ -91,6 +91,9 @@ def _rank(rank: int, port: int, out: str) -> None:
         doc = {"outlier": _outlier(rank), "ddp": _ddp(rank)}
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(doc, f)
+        # no rank tears down while another still talks to it: rank 0 hosts the store, and a rank
+        # that exited first made another abort now and then ("terminate called without an active exception")
+        torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
 

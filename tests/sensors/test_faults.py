@@ -11,6 +11,7 @@ from aegis_cli.backends.cpu import CpuDevice
 from aegis_cli.ops.verdict import Verdict
 from aegis_cli.sensors import Action, SensorConfig, instrument, uninstrument
 from aegis_cli.sensors.checkpoint import OUTPUT, SAVED_INPUT, RegionContext, prints, verify_region
+from aegis_cli.sensors.snapshot import rng_state
 from aegis_cli.vtask.bundle import read_bundle
 from tests.helpers import run_cli
 from tests.sensors.tiny import inputs, mlp
@@ -45,6 +46,7 @@ def test_accumulator_fault_is_caught_confirmed_saved_and_replayed(tmp_path, caps
     assert vt.op == "fc2" and vt.case_id == "train/fc2/fwd/64x32x64" and vt.gemm.subset == "full"
     assert vt.provenance["step"] == 0 and vt.provenance["rank"] == 3 and vt.provenance["job"] == "t"
     assert vt.provenance["injected"] is True and vt.provenance["gpu_uuid"] == CpuDevice(0).identity.uuid
+    assert vt.provenance["kernel_hashes"] and vt.provenance["versions"]["torch"] == torch.__version__  # as a scan's vTasks
     assert torch.equal(vt.tensors["b"], w)  # the real weight the layer used, not a draw
     assert vt.observed["severity"] == "FAULTY" and vt.observed["source"] == "training"
 
@@ -79,7 +81,7 @@ def test_flip_in_a_checkpointed_activation_is_caught_and_confirmed(tmp_path):
 
 def _region(fn, x):
     out = fn(x)
-    return RegionContext(fn, (x,), {}, (torch.get_rng_state(), {}), prints(((x,), {})), prints(((x,), {})), prints(out), prints(out),
+    return RegionContext(fn, (x,), {}, rng_state([]), prints(((x,), {})), prints(((x,), {})), prints(out), prints(out),
                          [out])
 
 
@@ -136,11 +138,11 @@ def test_regions_with_dropout_are_compared_under_the_forwards_random_state():
     # the verifier re-runs a region with the forward's random state, so its dropout agrees too
     x = inputs()
     fn = lambda t: torch.nn.functional.dropout(t, 0.5, training=True)
-    rng = torch.get_rng_state()
+    rng = rng_state([])
     out = fn(x)
     bad = out.clone()
     bad.view(torch.int32).view(-1)[0] ^= 1
-    ctx = RegionContext(fn, (x,), {}, (rng, {}), prints(((x,), {})), prints(((x,), {})), prints(out), prints(bad), [bad])
+    ctx = RegionContext(fn, (x,), {}, rng, prints(((x,), {})), prints(((x,), {})), prints(out), prints(bad), [bad])
     assert verify_region(ctx, "d", "ckpt/d").severity is Verdict.FAULTY
 
 
@@ -156,3 +158,54 @@ def test_both_checkpoint_modes_are_fingerprinted(reentrant):
         h.step()
         uninstrument(model)
         assert h.stats.fingerprinted == 1 and h.stats.confirmed == confirmed and x.grad is not None
+
+
+def test_a_region_under_autocast_is_verified_under_the_forwards_autocast():
+    """A recompute corrupted under bf16 autocast: the verifier's re-runs must compute what the forward
+    computed (autocast on), or they agree with neither run and the fault is cleared."""
+    from aegis_cli.sensors import checkpoint
+
+    model = mlp()
+    calls = []
+
+    def body(x):
+        y = model.body(x)
+        calls.append(0)
+        delta = torch.zeros_like(y)
+        if len(calls) == 2:  # the recompute, in backward: one element off
+            delta.view(-1)[3] = 1.0
+        return y + delta
+
+    h = instrument(model, SensorConfig(overhead_budget=None))
+    x = inputs().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model.head(checkpoint(body, x))
+    out.float().square().mean().backward()
+    h.step()
+    uninstrument(model)
+    ev = [e for e in h.events if e.kind in ("confirmed", "cleared")]
+    assert len(ev) == 1 and ev[0].kind == "confirmed" and ev[0].check == OUTPUT, [e.summary for e in ev]
+    assert "the recompute of" in ev[0].summary
+
+
+def test_a_verification_that_fails_is_an_event_not_an_exception_in_the_loop():
+    from aegis_cli.sensors import checkpoint
+
+    model = mlp()
+    calls = []
+
+    def body(x):
+        calls.append(0)
+        if len(calls) > 2:  # the verifier's re-runs
+            raise RuntimeError("region state gone")
+        y = model.body(x)
+        return y + (1.0 if len(calls) == 2 else 0.0)  # the recompute differs: a suspicion
+
+    h = instrument(model, SensorConfig(overhead_budget=None))
+    model.head(checkpoint(body, inputs().requires_grad_())).square().mean().backward()
+    assert h.step() is Action.CONTINUE  # nothing confirmed: the loop goes on
+    uninstrument(model)
+    ev = [e for e in h.events if e.kind == "unverified"]
+    assert len(ev) == 1 and "RuntimeError: region state gone" in ev[0].summary and ev[0].step == 0
+    assert h.stats.unverified == 1 and h.stats.confirmed == h.stats.cleared == 0 and len(h.queue) == 0
+    assert h.last_clean_step is None  # step 0 is not known clean

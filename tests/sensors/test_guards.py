@@ -150,3 +150,18 @@ def test_scan_refuses_training_state_faults(capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(["scan", "--device", "cpu", "--inject", "stateflip:target=exp_avg_sq,step=3", "-q"])
     assert exc.value.code == 3 and "only the training guard applies it" in capsys.readouterr().err
+
+
+def test_a_state_fault_lands_in_channels_last_moments():
+    """Adam keeps a channels_last weight's moments channels_last (dense, not contiguous)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 1))
+    model = model.to(memory_format=torch.channels_last)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(8, 3, 8, 8, generator=g), torch.randn(8, 1, generator=g)) for _ in range(4)]
+    guard = TrainingGuard(model, opt, step_fn, inject="stateflip:target=exp_avg_sq,step=3,bit=30,op=0.weight")
+    for b in data:
+        guard.step(b)
+    assert not opt.state[model[0].weight]["exp_avg_sq"].is_contiguous()
+    assert [(e.step, e.outcome, e.violations[0].check) for e in guard.events] == [(3, "recovered", "train.adam_exp_avg_sq")]

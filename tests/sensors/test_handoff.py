@@ -89,3 +89,21 @@ def test_guard_event_everywhere_is_software_and_recovered_is_transient():
         guard.step(b)
     c = classify_guard(guard, guard.events[0], "cpu", "cpu:1")
     assert (c.cause, c.there) == (Cause.TRANSIENT, None)  # clean on re-execution: nothing to compare
+
+
+def test_rerun_on_another_device_makes_no_collective(monkeypatch):
+    """The copy runs outside the process group: a collective there would wait for ranks that never join it."""
+    import torch.distributed as dist
+
+    model, opt = make()  # with a BatchNorm, whose hulls a synchronised guard all-reduces at every check
+    guard = TrainingGuard(model, opt, step_fn, sync=False)
+    for b in batches(3):
+        guard.step(b)
+
+    def collective(*args, **kwargs):
+        raise AssertionError("a collective in rerun_on")
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "all_reduce", collective)
+    assert guard.rerun_on("cpu", "cpu:1", 3) == []

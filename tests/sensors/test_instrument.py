@@ -82,16 +82,31 @@ def test_bf16_parameters_train_too():
 def test_uninstrument_restores_the_model_exactly():
     model = mlp()
     plain = copy.deepcopy(model)
-    own = model.fc2.forward = lambda x: torch.nn.functional.linear(x, model.fc2.weight, model.fc2.bias)  # an instance forward of its own
     instrument(model, EVERY)
-    assert "forward" in model.fc1.__dict__ and model.fc2.forward is not own
+    assert "forward" in model.fc1.__dict__
     x = inputs()
     model(x).sum().backward()
     uninstrument(model)
-    assert "forward" not in model.fc1.__dict__ and "forward" not in model.head.__dict__ and model.fc2.forward is own
+    assert not any("forward" in m.__dict__ for m in model.modules())
     model.zero_grad(set_to_none=True)
     assert torch.equal(model(x), plain(x))
     assert uninstrument(model) is None  # not instrumented any more: nothing to do
+
+
+def test_a_linear_whose_forward_was_replaced_on_the_instance_is_left_alone():
+    """A wrapper installed on the instance (accelerate's offload hooks, a scaling adapter) is part of
+    what the layer computes: routing the layer's own GEMM would bypass it."""
+    model = mlp()
+    inner = model.fc2.forward
+    own = model.fc2.forward = lambda x: 2 * inner(x)
+    x = inputs()
+    with torch.no_grad():
+        want = model(x)
+        h = instrument(model, EVERY)
+        got = model(x)
+    uninstrument(model)
+    assert model.fc2.forward is own and h.stats_dict()["unchecked_modules"] == ["fc2"]
+    assert rel(got, want) < 1e-2  # the wrapper's doubling kept (bf16 GEMMs in fc1 and head)
 
 
 def test_hugging_face_style_checkpoint_attribute_is_wrapped_and_restored():
@@ -147,10 +162,14 @@ def test_autocast_keeps_the_checked_gemm_precision():
     assert out.dtype == torch.bfloat16 and h.stats.raised == 0  # autocast did not leak into the fp32 accumulator
 
 
-def test_a_model_dropped_without_uninstrument_is_not_kept_alive():
-    model = mlp()
+@pytest.mark.parametrize("make", [mlp, lambda: gpt(checkpointing=True), lambda: torch.nn.Linear(32, 8)],
+                         ids=["mlp", "checkpointing-attribute-on-the-model", "a-bare-linear"])
+def test_a_model_dropped_without_uninstrument_is_not_kept_alive(make):
+    model = make()
     h = instrument(model, EVERY)
-    model(inputs()).sum().backward()
+    out = model(*next(batches())) if hasattr(model, "blocks") else (model(inputs()),)  # (logits, loss) or (y,)
+    out[-1].sum().backward()
+    del out
     alive = weakref.ref(model)
     del model
     gc.collect()
