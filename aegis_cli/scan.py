@@ -32,8 +32,9 @@ from aegis_cli.probes import (
     case_probe,
     load_all,
     parse_probe_options,
+    workload_for,
 )
-from aegis_cli.probes.gemm_scan import plan_cases, workload_for
+from aegis_cli.probes.gemm_scan import plan_cases
 from aegis_cli.report import DeviceReport, Report, new_report
 from aegis_cli.vtask.capture import check_savable as savable
 from aegis_cli.vtask.model import GemmSpec

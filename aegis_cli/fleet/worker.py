@@ -63,8 +63,7 @@ def fleet_fingerprints(device, wl, seed: int, fault: FaultPlan | None, limit: in
 
 def run(spec: dict) -> dict:
     from aegis_cli.backends import resolve_devices
-    from aegis_cli.probes import load_all
-    from aegis_cli.probes.gemm_scan import workload_for
+    from aegis_cli.probes import load_all, workload_for
     from aegis_cli.scan import ScanOptions, preflight, scan_device
 
     device_id = spec["device"]
@@ -153,7 +152,8 @@ def _as_judged(opts, cid: str, seed: int, device):
     """The options that re-run ``cid`` as it failed before: with its sweep's seed (every sweep
     draws new inputs) and, for a GEMM case at a dithered scale, the gemm shift that gives it."""
     from aegis_cli.ops.case import CaseId
-    from aegis_cli.probes.gemm_scan import scales_for, workload_for
+    from aegis_cli.probes import workload_for
+    from aegis_cli.probes.gemm_scan import scales_for
 
     o = replace(opts, case=cid, seed=seed)
     scale = CaseId.parse(cid).scale

@@ -29,8 +29,7 @@ from aegis_cli.ops.case import CaseId, case_seed, op_site, scale_token
 from aegis_cli.ops.errors import ConfigError
 from aegis_cli.ops.verdict import Evidence, Verdict
 from aegis_cli.ops.workloads import Workload
-from aegis_cli.probes import ProbeConfig, ProbeContext, bounded, register
-from aegis_cli.probes.gemm_scan import workload_for
+from aegis_cli.probes import ProbeConfig, ProbeContext, bounded, register, workload_for
 
 SCALES = ((0, 0), (8, -8), (-8, 8))  # (V, dO) exponents: a + b = 0 keeps dS's bits (docs/attention.md §6)
 CPU_MAX_SEQ = 256

@@ -32,9 +32,8 @@ from aegis_cli.ops.case import check_seed
 from aegis_cli.ops.errors import AegisError, ConfigError, DeviceError, GoldenError
 from aegis_cli.ops.gemm import GemmOperands, GemmResult, ReferenceChecksums
 from aegis_cli.ops.verdict import Evidence, Verdict, worst
-from aegis_cli.probes import DEFAULT_RERUNS, ProbeConfig
+from aegis_cli.probes import DEFAULT_RERUNS, ProbeConfig, workload_for
 from aegis_cli.probes.gemm import GemmProbe, ProbeStats, case_bytes, clean_median, scaled, scaled_reference
-from aegis_cli.probes.gemm_scan import workload_for
 from aegis_cli.report import DeviceReport, Report, new_report
 from aegis_cli.soak.record import SoakRecord
 from aegis_cli.soak.schedule import REPEATS, SCALES, SET_FLOPS, SetPlan, pow2, set_case, set_plan
