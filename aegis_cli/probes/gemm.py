@@ -374,6 +374,19 @@ class GemmProbe:
         return out
 
     # -- confirmation ------------------------------------------------------------------
+    def confirm_run(self, case: GemmCase, ea: int, eb: int, res: GemmResult, ops: GemmOperands, ref: ReferenceChecksums,
+                    expected: torch.Tensor | None, tau: float, rerun: Callable[[], GemmResult]) -> list[Evidence]:
+        """Check a run made outside the probe (a burn-in launch its screen flagged) as the probe
+        checks its own at scale (ea, eb): the GEMM checks against ``ref`` and, where given, the
+        exact bits ``expected``; if any fires, re-runs through ``rerun`` and the judgement, as in
+        ``run``. The run itself is not counted (its caller did); the re-runs are."""
+        def once():
+            r = rerun()
+            return r, self._signals(r, ref, expected, tau)
+
+        signals = self._signals(res, ref, expected, tau)
+        return self._confirm(case, ea, eb, res, signals, once, tau, ops) if signals else []
+
     def _confirm(self, case: GemmCase, ea: int, eb: int, res: GemmResult, signals: list[checks.Signal], once, tau: float,
                  ops: GemmOperands) -> list[Evidence]:
         """Re-run a flagged case (as often as ``_reruns_now`` says) and count it; judge each

@@ -298,13 +298,8 @@ class _Soak:
         else:
             expected = None if s.base_blamed else numerics.pow2_scale(s.base.c, ea + eb)
         cid = s.plan.case.case_id(ea, eb)
-
-        def once():
-            res = self.device.checked_gemm(ops, self.fault, op=cid, clean_median=s.median)
-            return res, probe._signals(res, ref, expected, s.tau)  # probe._confirm counts each re-run
-
-        signals = probe._signals(x.res, ref, expected, s.tau)
-        found = probe._confirm(s.plan.case, ea, eb, x.res, signals, once, s.tau, ops) if signals else []
+        rerun = lambda: self.device.checked_gemm(ops, self.fault, op=cid, clean_median=s.median)
+        found = probe.confirm_run(s.plan.case, ea, eb, x.res, ops, ref, expected, s.tau, rerun)
         self.stats.gemms += probe.stats.gemms
         self.stats.flops += probe.stats.flops
         if found:
