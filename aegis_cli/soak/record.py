@@ -33,9 +33,17 @@ def parse_duration(text: str, what: str = "--soak") -> float:
 
 
 def replay_command(seed: int, device: str, case: str, opts) -> str:
-    """The scan that re-runs one launch of the burn-in as a case (``opts``: SoakOptions)."""
+    """The scan that re-runs one launch of the burn-in as a case (``opts``: SoakOptions): on
+    ``device``, or on the burn-in's devices when a fault of ``--inject`` names another (the scan
+    refuses a fault for a device it does not scan, and a fault is seeded by its place in the
+    spec), with the environment that makes simulated CPU devices exist."""
+    from aegis_cli.backends.cpu import simulated_env  # imports torch: not when a sweep config reads a duration
+    from aegis_cli.faults.spec import parse_spec
+
     q = shlex.quote
-    parts = ["aegis scan", f"--seed {seed}", f"--device {q(device)}"]
+    named = [f.params["device"] for f in parse_spec(opts.inject) if "device" in f.params] if opts.inject else []
+    where = opts.devices if any(d != device for d in named) else device
+    parts = [f"{simulated_env([device, *named])}aegis scan", f"--seed {seed}", f"--device {q(where)}"]
     if opts.workload:
         parts.append(f"--workload {q(str(opts.workload))}")
     defaults = type(opts.thresholds)()

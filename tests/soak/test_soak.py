@@ -101,6 +101,31 @@ def test_a_failing_launch_replays_with_its_command(capsys):
     assert code == 2 and doc["devices"][0]["evidence"][0]["case_id"] == first["case_id"]
 
 
+def _run_command(capsys, monkeypatch, command: str):
+    """A listed command as a shell would run it: its leading VAR=VALUE words set the environment."""
+    argv = shlex.split(command)
+    monkeypatch.delenv("AEGIS_CPU_DEVICES", raising=False)
+    while "=" in argv[0]:
+        key, value = argv.pop(0).split("=", 1)
+        monkeypatch.setenv(key, value)
+    assert argv[:2] == ["aegis", "scan"]
+    return run_cli(capsys, *argv[1:], "-q", "--format", "json")
+
+
+def test_a_failing_launch_on_a_simulated_device_replays(capsys, monkeypatch):
+    """On cpu:1 of two simulated devices, with a fault aimed at cpu:1 among faults for others,
+    the listed command scans devices that exist and accepts the whole --inject spec."""
+    monkeypatch.setenv("AEGIS_CPU_DEVICES", "2")
+    inject = "bitflip:target=acc,bit=exp,op=qkv/fwd,device=cpu:1;bitflip:target=acc,bit=exp,op=none,device=cpu:0"
+    rep = run_soak(SoakOptions(seconds=1, devices="cpu:0,cpu:1", inject=inject))
+    first = rep.to_dict()["devices"][1]["soak"]["failures"]["first"][0]
+    code, out, err = _run_command(capsys, monkeypatch, first["command"])
+    assert out, err
+    doc = json.loads(out)
+    found = {d["device"]["id"]: d["evidence"] for d in doc["devices"]}
+    assert code == 2 and found["cpu:1"][0]["case_id"] == first["case_id"]
+
+
 def test_a_soak_case_draws_the_scans_inputs():
     """Input set i's operands are the scan's own draw of its case id at its seed: --case replays them."""
     (dev,) = resolve_devices("cpu:0")
