@@ -275,7 +275,8 @@ def attention_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
             failed[ev.case_id] = max(failed.get(ev.case_id, 0), ev.reproduced + 1)
         tally.failed += sum(failed.values())
         evidence += found
-        if any(ev.severity is Verdict.FAULTY for ev in found) and ctx.tally.stop(found[0].case_id):
+        faulty = next((ev for ev in found if ev.severity is Verdict.FAULTY), None)
+        if faulty is not None and ctx.tally.stop(faulty.case_id):  # the case that confirmed FAULTY, as the scan names it
             tally.skipped += [c.case_id(ev, edo) for c in cases[i + 1:] for ev, edo in SCALES]
             for cid in tally.skipped:
                 ctx.progress("case", device=device.identity.id, case=cid)
