@@ -91,7 +91,9 @@ class _Set:
     median: float | None  # a perturb fault's unit (FaultPlan.needs_clean_median), else None
     base: GemmResult | None = None  # its first launch: the bits every scale must give, scaled
     matched: bool = False  # a launch after the base gave the expected bits: the base is right
-    base_blamed: bool = False  # no launch after the base gave its bits: the base run is the odd one
+    # the base run failed (its checks flagged it, or no launch after it gave its bits), counted
+    # once: later launches that differ from it are not failures, and it is no expectation
+    base_failed: bool = False
 
 
 @dataclass
@@ -269,11 +271,13 @@ class _Soak:
         for x, f, m in zip(w.launches, flagged, mismatch, strict=True):
             if f:
                 self._fail(x, f, bool(m))
-            elif m and not x.s.base_blamed:
-                if x.s.matched:
+                if x.index == x.s.plan.first:
+                    x.s.base_failed = True
+            elif m:
+                if x.s.matched:  # the base's bits are right: this launch is off
                     self._fail(x, 0, True)
-                else:  # nothing after the base gave its bits: the base run is the odd one
-                    x.s.base_blamed = True
+                elif not x.s.base_failed:  # nothing after the base gave its bits: the base run is the odd one
+                    x.s.base_failed = True
                     base = dataclasses.replace(x, index=x.s.plan.first, scale=(0, 0), res=x.s.base)
                     self._fail(base, 0, True, blamed=x)
 
@@ -296,7 +300,7 @@ class _Soak:
         if blamed is not None:  # the base against the bits later runs gave, scaled back (exact)
             expected = numerics.pow2_scale(blamed.res.c, -sum(blamed.scale))
         else:
-            expected = None if s.base_blamed else numerics.pow2_scale(s.base.c, ea + eb)
+            expected = None if s.base_failed else numerics.pow2_scale(s.base.c, ea + eb)
         cid = s.plan.case.case_id(ea, eb)
         rerun = lambda: self.device.checked_gemm(ops, self.fault, op=cid, clean_median=s.median)
         found = probe.confirm_run(s.plan.case, ea, eb, x.res, ops, ref, expected, s.tau, rerun)

@@ -88,6 +88,15 @@ def test_injected_intermittent_fault_caught_k_of_n():
     assert confirmed[0]["distinct_outputs"] == 2  # the re-runs gave the clean bits, the flagged run did not
 
 
+def test_a_failing_base_launch_is_counted_once():
+    """The base launch of a set fails and the next gives the clean bits: the base is one failure,
+    not a second one when the next launch's bits differ from it."""
+    rep = run_soak(SoakOptions(seconds=1, devices="cpu:0", inject="bitflip:target=acc,bit=exp,prob=0.5,seed=3"))
+    f = rep.to_dict()["devices"][0]["soak"]["failures"]
+    listed = [x["launch"] for x in f["first"]]
+    assert 0 in listed and len(listed) == len(set(listed))
+
+
 def test_a_failing_launch_replays_with_its_command(capsys):
     """A permanent fault on one op: the burn-in lists the launch; its command (seed, case) is a scan
     that finds the same fault in the same case."""
