@@ -116,7 +116,9 @@ def run(spec: dict) -> dict:
         files.atomic_write(spec["output"] + ".partial.json", report_mod.render(partial, "json"))
     dr = scan_device(device, opts, plan and plan.for_device(device_id), quiet)
     _keep_priority_findings(dr, pre)
-    if spec.get("soak"):  # sweep.yaml soak: a checked burn-in after the probes (docs/soak.md)
+    if spec.get("soak") and dr.tally is not None and dr.tally.stopped:  # fail-fast: the device is FAULTY already
+        dr.tally.skipped_probes.append("soak")
+    elif spec.get("soak"):  # sweep.yaml soak: a checked burn-in after the probes (docs/soak.md)
         from aegis_cli.soak.record import parse_duration
         from aegis_cli.soak.run import SoakOptions, soak_after
 

@@ -26,6 +26,17 @@ def test_sweep_soaks_each_device_after_its_probes(tmp_path):
     assert by["cpu:1"]["verdict"] == "FAULTY" and bad["launches"] == bad["of"] > 0  # a permanent fault fails every launch
 
 
+def test_fail_fast_skips_the_burn_in_of_a_stopped_device(tmp_path):
+    cfg = write_config(tmp_path, soak="1s", fail_fast=True, inject="bitflip:target=acc,bit=exp,device=cpu:1")
+    p = subprocess.run(aegis("sweep", "--config", str(cfg), "--format", "json"), env=env(2), capture_output=True, text=True,
+                       timeout=120, cwd=tmp_path)
+    by = {d["device"]["id"]: d for d in json.loads(p.stdout)["devices"]}
+    assert p.returncode == 2, p.stderr
+    assert by["cpu:0"]["soak"]["launches"] > 0
+    assert by["cpu:1"]["verdict"] == "FAULTY" and not by["cpu:1"].get("soak")
+    assert "soak" in by["cpu:1"]["confirmation"]["fail_fast"]["skipped_probes"]
+
+
 @pytest.mark.parametrize(("soak", "needle"), [("soon", "soak: 'soon': give a duration"), ("30s", "leaves no time for the probes")])
 def test_sweep_refuses_a_bad_soak(tmp_path, soak, needle):
     with pytest.raises(ConfigError, match=needle):
