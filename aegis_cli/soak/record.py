@@ -144,27 +144,27 @@ class SoakRecord:
     def tick(self, telemetry, progress, device: str) -> None:
         """After each read: close an interval when one is due, and tell the progress bar."""
         now = time.monotonic()
-        t_last, n_last, f_last = self._last
-        if now - t_last >= self.interval:
-            r = self._sample(telemetry) or {}
-            self._add_interval({"t": round(now - self._t0, 2), "launches": self.launches - n_last,
-                                "tflops": round((self.flops - f_last) / (now - t_last) / 1e12, 3),
-                                **{k: r.get(k) for k in _READINGS}, "throttle": r.get("throttle")})
-            self._last = (now, self.launches, self.flops)
+        if now - self._last[0] >= self.interval:
+            self._close_interval(telemetry, now)
         if now - self._shown >= PROGRESS_EVERY:
             self._shown = now
             progress("soak", device=device, elapsed=now - self._t0, seconds=self.seconds, launches=self.launches,
                      failures=self.failures, tflops=self.flops / max(now - self._t0, 1e-9) / 1e12)
 
-    def finish(self, telemetry) -> None:
-        self.elapsed = time.monotonic() - self._t0
+    def _close_interval(self, telemetry, now: float) -> None:
+        """One interval row since the last: launches, TFLOP/s, and a telemetry sample."""
         t_last, n_last, f_last = self._last
+        r = self._sample(telemetry) or {}
+        self._add_interval({"t": round(now - self._t0, 2), "launches": self.launches - n_last,
+                            "tflops": round((self.flops - f_last) / max(now - t_last, 1e-9) / 1e12, 3),
+                            **{k: r.get(k) for k in _READINGS}, "throttle": r.get("throttle")})
+        self._last = (now, self.launches, self.flops)
+
+    def finish(self, telemetry) -> None:
         now = time.monotonic()
-        if self.launches > n_last:  # the last, partial interval
-            r = self._sample(telemetry) or {}
-            self._add_interval({"t": round(now - self._t0, 2), "launches": self.launches - n_last,
-                                "tflops": round((self.flops - f_last) / max(now - t_last, 1e-9) / 1e12, 3),
-                                **{k: r.get(k) for k in _READINGS}, "throttle": r.get("throttle")})
+        self.elapsed = now - self._t0
+        if self.launches > self._last[1]:  # the last, partial interval
+            self._close_interval(telemetry, now)
         else:
             self._sample(telemetry)
 
