@@ -97,6 +97,24 @@ def test_a_failing_base_launch_is_counted_once():
     assert 0 in listed and len(listed) == len(set(listed))
 
 
+def test_launch_counts_carry_the_burn_in():
+    """The Prometheus export and the sweep history count a burn-in's launches and failures ("k of
+    n launches"), beside any probe's."""
+    from aegis_cli.fleet.coverage import counts
+    from aegis_cli.report import to_prometheus
+
+    doc = run_soak(SoakOptions(seconds=1, devices="cpu:0", inject="bitflip:target=acc,bit=exp,prob=0.5,seed=3")).to_dict()
+    d = doc["devices"][0]
+    n, k = d["soak"]["launches"], d["soak"]["failures"]["launches"]
+    assert 0 < k < n
+    prom = to_prometheus(doc)
+    assert 'aegis_device_launches_checked{device="cpu:0",' in prom and f"}} {n}\n" in prom.split("launches_checked{")[1]
+    assert f"}} {k}\n" in prom.split("failed_launches{")[1]
+    assert counts(d) == (n, k)
+    probes = {"launches": 10, "failed_launches": 1}
+    assert counts({**d, "confirmation": probes}) == (n + 10, k + 1)  # a sweep's probes, then its burn-in
+
+
 def test_a_failing_launch_replays_with_its_command(capsys):
     """A permanent fault on one op: the burn-in lists the launch; its command (seed, case) is a scan
     that finds the same fault in the same case."""
