@@ -44,6 +44,16 @@ def test_additive_fault_breaks_exact_scaling():
     assert d.verdict is Verdict.FAULTY and any(e.check == "attention.pow2_exact" for e in d.evidence)
 
 
+def test_fail_fast_stops_at_the_case_that_confirmed_faulty():
+    """A SUSPECT at the base scale, FAULTY at a later one: fail-fast names the FAULTY case."""
+    rep = run_scan(ScanOptions(devices="cpu:0", probes=("attention",), workload=TINY, reruns=2, fail_fast=True,
+                               inject="perturb:target=attn.dv,r=0.8,index=70"))
+    d = rep.devices[0]
+    assert d.evidence[0].severity is Verdict.SUSPECT
+    faulty = next(e for e in d.evidence if e.severity is Verdict.FAULTY)
+    assert d.tally.stopped_at == faulty.case_id != d.evidence[0].case_id
+
+
 def test_flag_within_rounding_bound_stays_suspect():
     # over τ in units of the rounding spread, but within what bf16 rounding of P could do (at the
     # base scale alone: at the others, an added constant breaks the exact scaling, which is FAULTY)
