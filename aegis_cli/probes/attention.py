@@ -128,9 +128,12 @@ class Stats:
 
 class AttentionProbe:
     def __init__(self, device: Device, th: sums.AttentionThresholds, *, reruns: int, confirm_margin: float,
-                 fault: FaultPlan | None, on_case=None):
+                 fault: FaultPlan | None, on_case=None, stop=None):
         self.device, self.th, self.reruns, self.confirm_margin, self.fault = device, th, reruns, confirm_margin, fault
         self.on_case = on_case or (lambda _cid: None)
+        # stop(cid): whether the device stops at the FAULTY confirmed in case ``cid`` (fail-fast, Tally.stop)
+        self.stop = stop or (lambda _cid: False)
+        self.skipped: list[str] = []  # case ids fail-fast left unrun (each counted as progress)
         self.stats = Stats()
 
     def _once(self, ops: AttentionOperands, ref, expected, cid: str):
@@ -144,7 +147,7 @@ class AttentionProbe:
         base_ref = reference(base_ops, case.shape.scale)
         self.stats.cases += 1
         evidence, base = [], None
-        for ev, edo in SCALES:
+        for i, (ev, edo) in enumerate(SCALES):
             cid = case.case_id(ev, edo)
             if only is not None and cid != only and (ev, edo) != (0, 0):
                 continue
@@ -162,11 +165,22 @@ class AttentionProbe:
             self._note(checked)
             if base is None:
                 base = checks.outputs_of(fwd, bwd)
-            if checked.signals and (only is None or cid == only):
-                evidence += self._confirm(case, ev, edo, ops, ref, expected, fwd, bwd, checked)
+            found = self._confirm(case, ev, edo, ops, ref, expected, fwd, bwd, checked) \
+                if checked.signals and (only is None or cid == only) else []
+            evidence += found
             self.on_case(cid)
+            if any(e.severity is Verdict.FAULTY for e in found) and self.stop(cid):
+                rest = [case.case_id(*sc) for sc in SCALES[i + 1:]]
+                self.skip([r for r in rest if only is None or r == only])
+                break
         self.stats.seconds += time.perf_counter() - t0
         return evidence
+
+    def skip(self, case_ids: list[str]) -> None:
+        """Cases fail-fast leaves unrun: named in the report, counted in the progress total."""
+        self.skipped += case_ids
+        for cid in case_ids:
+            self.on_case(cid)
 
     def _note(self, checked: checks.Checked) -> None:
         for name, v in checked.clean_max.items():
@@ -263,7 +277,7 @@ def attention_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     max_seq = ctx.option("attention", "max_seq")
     probe = AttentionProbe(device, sums.AttentionThresholds(), reruns=config.reruns,
                            confirm_margin=config.thresholds.confirm_margin, fault=ctx.fault,
-                           on_case=lambda cid: ctx.progress("case", device=device.identity.id, case=cid))
+                           on_case=lambda cid: ctx.progress("case", device=device.identity.id, case=cid), stop=ctx.tally.stop)
     evidence: list[Evidence] = []
     cases = plan_cases(wl, device, config, max_seq)
     tally = ctx.tally.probe("attention")
@@ -275,12 +289,10 @@ def attention_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
             failed[ev.case_id] = max(failed.get(ev.case_id, 0), ev.reproduced + 1)
         tally.failed += sum(failed.values())
         evidence += found
-        faulty = next((ev for ev in found if ev.severity is Verdict.FAULTY), None)
-        if faulty is not None and ctx.tally.stop(faulty.case_id):  # the case that confirmed FAULTY, as the scan names it
-            tally.skipped += [c.case_id(ev, edo) for c in cases[i + 1:] for ev, edo in SCALES]
-            for cid in tally.skipped:
-                ctx.progress("case", device=device.identity.id, case=cid)
+        if ctx.tally.stopped:  # fail-fast stopped in this case: the later cases are skipped
+            probe.skip([c.case_id(ev, edo) for c in cases[i + 1:] for ev, edo in SCALES])
             break
+    tally.skipped += probe.skipped
     tally.launches += probe.stats.runs
     st = probe.stats
     st.shape = {"token": cases[0].shape.token(), "workload": wl.name} if cases else {}
