@@ -88,22 +88,28 @@ def test_injected_intermittent_fault_caught_k_of_n():
     assert confirmed[0]["distinct_outputs"] == 2  # the re-runs gave the clean bits, the flagged run did not
 
 
-def test_a_failing_base_launch_is_counted_once():
+@pytest.fixture(scope="module")
+def half_faulty():
+    """A 1 s burn-in with a fault on about half the launches; seed 3 fires on the first (a base
+    launch) and not the second."""
+    return run_soak(SoakOptions(seconds=1, devices="cpu:0", inject="bitflip:target=acc,bit=exp,prob=0.5,seed=3")).to_dict()
+
+
+def test_a_failing_base_launch_is_counted_once(half_faulty):
     """The base launch of a set fails and the next gives the clean bits: the base is one failure,
     not a second one when the next launch's bits differ from it."""
-    rep = run_soak(SoakOptions(seconds=1, devices="cpu:0", inject="bitflip:target=acc,bit=exp,prob=0.5,seed=3"))
-    f = rep.to_dict()["devices"][0]["soak"]["failures"]
+    f = half_faulty["devices"][0]["soak"]["failures"]
     listed = [x["launch"] for x in f["first"]]
     assert 0 in listed and len(listed) == len(set(listed))
 
 
-def test_launch_counts_carry_the_burn_in():
+def test_launch_counts_carry_the_burn_in(half_faulty):
     """The Prometheus export and the sweep history count a burn-in's launches and failures ("k of
     n launches"), beside any probe's."""
     from aegis_cli.fleet.coverage import counts
     from aegis_cli.report import to_prometheus
 
-    doc = run_soak(SoakOptions(seconds=1, devices="cpu:0", inject="bitflip:target=acc,bit=exp,prob=0.5,seed=3")).to_dict()
+    doc = half_faulty
     d = doc["devices"][0]
     n, k = d["soak"]["launches"], d["soak"]["failures"]["launches"]
     assert 0 < k < n
