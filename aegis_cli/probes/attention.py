@@ -284,8 +284,8 @@ def attention_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     for i, case in enumerate(cases):
         found = probe.run(case, only=config.case)
         failed: dict[str, int] = {}  # per case id: runs that failed, counted once over its checks
-        for ev in found:
-            tally.flagged(ev.case_id, ev.check, ev.reruns + 1, ev.reproduced + 1, shown=True)
+        for ev in found:  # each case given in full counts once, whatever number of its checks fired
+            tally.flagged(ev.case_id, ev.check, ev.reruns + 1, ev.reproduced + 1, shown=ev.case_id not in failed)
             failed[ev.case_id] = max(failed.get(ev.case_id, 0), ev.reproduced + 1)
         tally.failed += sum(failed.values())
         evidence += found

@@ -42,6 +42,9 @@ def test_large_dv_fault_is_faulty_and_located():
 def test_additive_fault_breaks_exact_scaling():
     d = scan("perturb:target=attn.dv,r=0.8,index=70")
     assert d.verdict is Verdict.FAULTY and any(e.check == "attention.pow2_exact" for e in d.evidence)
+    # a case with two findings is one case given in full
+    t = d.tally.probe("attention").to_dict()
+    assert t["evidence_in_full"] == t["flagged_cases"] == len({e.case_id for e in d.evidence}) < len(d.evidence)
 
 
 def test_fail_fast_stops_at_the_case_that_confirmed_faulty():
