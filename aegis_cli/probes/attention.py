@@ -134,12 +134,15 @@ class AttentionProbe:
         # stop(cid): whether the device stops at the FAULTY confirmed in case ``cid`` (fail-fast, Tally.stop)
         self.stop = stop or (lambda _cid: False)
         self.skipped: list[str] = []  # case ids fail-fast left unrun (each counted as progress)
+        self.failed_runs = 0  # runs (forward and backward) with any signal
         self.stats = Stats()
 
     def _once(self, ops: AttentionOperands, ref, expected, cid: str):
         fwd, bwd = run_pass(self.device, ops, self.fault, cid)
+        checked = checks.check_attention(ops, fwd, bwd, ref, ops.shape.scale, self.th, expected=expected)
         self.stats.runs += 1
-        return fwd, bwd, checks.check_attention(ops, fwd, bwd, ref, ops.shape.scale, self.th, expected=expected)
+        self.failed_runs += bool(checked.signals)
+        return fwd, bwd, checked
 
     def run(self, case: AttentionCase, only: str | None = None) -> list[Evidence]:
         t0 = time.perf_counter()
@@ -283,17 +286,17 @@ def attention_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     tally = ctx.tally.probe("attention")
     for i, case in enumerate(cases):
         found = probe.run(case, only=config.case)
-        failed: dict[str, int] = {}  # per case id: runs that failed, counted once over its checks
+        shown: set[str] = set()
         for ev in found:  # each case given in full counts once, whatever number of its checks fired
-            tally.flagged(ev.case_id, ev.check, ev.reruns + 1, ev.reproduced + 1, shown=ev.case_id not in failed)
-            failed[ev.case_id] = max(failed.get(ev.case_id, 0), ev.reproduced + 1)
-        tally.failed += sum(failed.values())
+            tally.flagged(ev.case_id, ev.check, ev.reruns + 1, ev.reproduced + 1, shown=ev.case_id not in shown)
+            shown.add(ev.case_id)
         evidence += found
         if ctx.tally.stopped:  # fail-fast stopped in this case: the later cases are skipped
             probe.skip([c.case_id(ev, edo) for c in cases[i + 1:] for ev, edo in SCALES])
             break
     tally.skipped += probe.skipped
     tally.launches += probe.stats.runs
+    tally.failed += probe.failed_runs
     st = probe.stats
     st.shape = {"token": cases[0].shape.token(), "workload": wl.name} if cases else {}
     ctx.stats["attention"] = {**st.__dict__, "tau": dict(sums.DEFAULT_TAU)}

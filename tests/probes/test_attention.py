@@ -45,6 +45,7 @@ def test_additive_fault_breaks_exact_scaling():
     # a case with two findings is one case given in full
     t = d.tally.probe("attention").to_dict()
     assert t["evidence_in_full"] == t["flagged_cases"] == len({e.case_id for e in d.evidence}) < len(d.evidence)
+    assert t["failed_launches"] == t["launches"] == 3 * (1 + 2)  # a permanent fault: every run of every scale
 
 
 def test_fail_fast_stops_at_the_case_that_confirmed_faulty():
