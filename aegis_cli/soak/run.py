@@ -63,13 +63,14 @@ class SoakOptions:
     golden: str | None = None
     probe_options: dict[str, str] = field(default_factory=dict)
     probes: tuple[str, ...] = ()
+    fail_fast: bool = False
 
     def __post_init__(self) -> None:
         check_seed(self.seed)
         if not 1 <= self.reruns <= MAX_RERUNS:
             raise ConfigError(f"--reruns must lie in 1…{MAX_RERUNS}, got {self.reruns}")
         refused = {"--case": self.case, "--save-vtasks": self.keep_flagged, "--golden": self.golden,
-                   "--probe-option": self.probe_options}
+                   "--probe-option": self.probe_options, "--probes": self.probes, "--fail-fast": self.fail_fast}
         given = [k for k, v in refused.items() if v]
         if given:
             raise ConfigError(f"--soak runs its own schedule of checked GEMMs and takes no {', '.join(given)} "

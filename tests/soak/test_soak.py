@@ -187,6 +187,13 @@ def test_bad_duration_is_one_line_exit_3(capsys):
     assert code == 3 and err.strip().count("\n") == 0 and err.startswith("Error: --soak '2 minutes'")
 
 
+@pytest.mark.parametrize(("args", "named"), [(("--fail-fast",), "--fail-fast"), (("--probes", "gemm"), "--probes"),
+                                             (("--case", "x"), "--case")])
+def test_scan_options_the_burn_in_does_not_take_are_refused(capsys, args, named):
+    code, out, err = run_cli(capsys, "scan", "--soak", "1s", *args)
+    assert code == 3 and out == "" and err.strip().count("\n") == 0 and f"takes no {named}" in err
+
+
 def test_scales_are_exact_and_reach_beyond_the_grid():
     (dev,) = resolve_devices("cpu:0")
     case = set_case(workloads.load("cpu-quick"), 0, 5)
