@@ -179,6 +179,7 @@ class GemmProbe:
         self.keep_flagged = keep_flagged
         self.flagged_runs: dict[str, GemmResult] = {}
         self.kept_bytes = 0
+        self._group_reran = False  # a flagged case of the current group was re-run (_reruns_now)
 
     # -- one group of scale variants -----------------------------------------------
     def run(self, case: GemmCase, scales: list[list[int]], only: str | None = None) -> list[Evidence]:
