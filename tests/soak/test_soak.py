@@ -285,3 +285,10 @@ def test_progress_bar_follows_the_burn_in():
         (task,) = progress.tasks
         assert task.completed == 12.5 and task.total == 20
         assert "cuda:1 soak: 400 launches, 560.0 TFLOP/s, 1 failed" in task.description
+    # a device that ended before its first progress event (an ERROR at once) still counts its share
+    with Progress(console=Console(file=io.StringIO()), transient=True) as progress:
+        cb = render._progress_callback(progress)
+        cb("start", total=20, devices=["cuda:0", "cuda:1"], soak=True)
+        cb("device_done", device="cuda:0", verdict="ERROR")
+        cb("soak", device="cuda:1", elapsed=2.5, seconds=10.0, launches=400, failures=0, tflops=560.0)
+        assert progress.tasks[0].completed == 12.5
