@@ -232,7 +232,8 @@ class GemmProbe:
                     self._keep(cid, res)
             self.on_case(cid)
             if self._stops(evidence, cid):  # fail-fast: the rest of the group is skipped, no vote
-                self.skip([case.case_id(a, b) for a, b in order[i + 1:]])
+                rest = [case.case_id(a, b) for a, b in order[i + 1:]]
+                self.skip([r for r in rest if only is None or r == only])  # what a --case would not run is not skipped
                 break
         else:
             if runs.mismatched:
