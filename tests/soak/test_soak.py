@@ -150,7 +150,7 @@ def test_a_failing_launch_on_a_simulated_device_replays(capsys, monkeypatch):
     the listed command scans devices that exist and accepts the whole --inject spec."""
     monkeypatch.setenv("AEGIS_CPU_DEVICES", "2")
     inject = "bitflip:target=acc,bit=exp,op=qkv/fwd,device=cpu:1;bitflip:target=acc,bit=exp,op=none,device=cpu:0"
-    rep = run_soak(SoakOptions(seconds=1, devices="cpu:0,cpu:1", inject=inject))
+    rep = run_soak(SoakOptions(seconds=0.5, devices="cpu:0,cpu:1", inject=inject))
     first = rep.to_dict()["devices"][1]["soak"]["failures"]["first"][0]
     code, out, err = _run_command(capsys, monkeypatch, first["command"])
     assert out, err
