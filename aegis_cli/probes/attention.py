@@ -22,6 +22,7 @@ import torch
 
 from aegis_cli.backends.base import Device, memory_shortfall
 from aegis_cli.checks import attention as checks
+from aegis_cli.checks import judge
 from aegis_cli.faults.spec import FaultPlan
 from aegis_cli.ops import attention_sums as sums
 from aegis_cli.ops.attention import BLOCK, AttentionOperands, AttentionShape, reference
@@ -218,7 +219,7 @@ class AttentionProbe:
                        shape={"batch": s.batch, "q_heads": s.q_heads, "kv_heads": s.kv_heads, "seq": s.seq,
                               "head_dim": s.head_dim, "causal": s.causal},
                        dist=case.dist, scale=[ev, edo], seed=case.seed, threshold=tau, max_value=sig.max_value,
-                       margin=sig.max_value / tau if tau else None, elements=sig.elements, samples=samples,
+                       margin=judge.margin(sig.max_value, tau) if tau else None, elements=sig.elements, samples=samples,
                        tiles=[list(b) for b in blocks][:16], reruns=self.reruns, reproduced=reproduced,
                        distinct_outputs=distinct, kernel=f"{fwd.kernel}/{bwd.kernel}",
                        injected=_injections(self.fault, cid))
