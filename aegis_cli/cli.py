@@ -98,7 +98,8 @@ def scan(devices, workload, seed, case, reruns, inject, save_vtasks, probes, gol
 
         sopts = SoakOptions(seconds=parse_duration(soak), devices=devices, workload=workload, seed=seed, reruns=reruns, inject=inject,
                             thresholds=opts.thresholds, command_line=opts.command_line, case=case, keep_flagged=opts.keep_flagged,
-                            golden=golden, probe_options=opts.probe_options)
+                            golden=golden, probe_options=opts.probe_options, fail_fast=fail_fast,
+                            probes=() if probes == ",".join(DEFAULT_PROBES) else opts.probes)
         rep = render.run_with_progress(run_soak, sopts, inject, quiet)
         render.emit(rep.to_dict(), fmt, output, render.soak_table)
         render.warn_never_fired(rep)

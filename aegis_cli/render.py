@@ -180,15 +180,17 @@ def _progress_callback(progress: Progress | None, banner: Text | None = None):
             return
         if event == "start":
             task["id"] = progress.add_task("scanning", total=info["total"])
+            if info.get("soak"):  # a burn-in counts seconds, device after device, each its share of the total
+                task["share"], task["done"] = info["total"] / max(len(info["devices"]), 1), 0.0
         elif event in ("case", "step") and "id" in task:  # a step (non-GEMM probes) is not one of the counted cases
             progress.update(task["id"], advance=1 if event == "case" else 0, description=f"{info['device']} {info['case'][:60]}")
-        elif event == "soak" and "id" in task:  # a burn-in counts seconds, device after device
-            task["seconds"] = info["seconds"]
-            progress.update(task["id"], completed=task.get("done", 0) + min(info["elapsed"], info["seconds"]),
+        elif event == "soak" and "id" in task:
+            progress.update(task["id"], completed=task["done"] + min(info["elapsed"], info["seconds"]),
                             description=f"{info['device']} soak: {info['launches']} launches, {info['tflops']:.1f} TFLOP/s, "
                                         f"{info['failures']} failed")
-        elif event == "device_done" and "seconds" in task:
-            task["done"] = task.get("done", 0) + task.pop("seconds")
+        elif event == "device_done" and "share" in task:  # also a device that ended before its first soak event
+            task["done"] += task["share"]
+            progress.update(task["id"], completed=task["done"])
     return cb
 
 

@@ -184,6 +184,17 @@ def _label(v: str) -> str:
     return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+def launch_counts(d: dict) -> tuple[int, int] | None:
+    """(checked launches, failing launches) of a device report: its probes' (``confirmation``)
+    plus its burn-in's (``soak``); None when it carries neither (an older report)."""
+    c = d.get("confirmation") if isinstance(d.get("confirmation"), dict) else {}
+    s = d.get("soak") if isinstance(d.get("soak"), dict) else {}
+    f = s.get("failures") if isinstance(s.get("failures"), dict) else {}
+    parts = [(c.get("launches"), c.get("failed_launches")), (s.get("launches"), f.get("launches"))]
+    parts = [(n, k) for n, k in parts if isinstance(n, int) and isinstance(k, int)]
+    return (sum(n for n, _ in parts), sum(k for _, k in parts)) if parts else None
+
+
 def to_prometheus(doc: dict) -> str:
     """Prometheus text exposition (node_exporter textfile collector)."""
     lines = [
@@ -203,12 +214,12 @@ def to_prometheus(doc: dict) -> str:
     for d in doc["devices"]:
         lines.append(f'aegis_device_gemms{{device="{_label(d["device"]["id"])}",uuid="{_label(d["device"]["uuid"])}"}} {(d["stats"] or {}).get("gemms", 0)}')
     # "k of n launches": what each device ran under check, and how many of those runs failed
-    for metric, key, what in (("launches_checked", "launches", "Launches (runs of a checked computation) checked"),
-                              ("failed_launches", "failed_launches", "Checked launches with a signal (failed)")):
+    for i, (metric, what) in enumerate((("launches_checked", "Launches (runs of a checked computation) checked"),
+                                        ("failed_launches", "Checked launches with a signal (failed)"))):
         lines += [f"# HELP aegis_device_{metric} {what} in the last aegis run per device.", f"# TYPE aegis_device_{metric} gauge"]
         for d in doc["devices"]:
             lines.append(f'aegis_device_{metric}{{device="{_label(d["device"]["id"])}",uuid="{_label(d["device"]["uuid"])}"}} '
-                         f'{(d.get("confirmation") or {}).get(key, 0)}')
+                         f'{(launch_counts(d) or (0, 0))[i]}')
     finished = doc.get("finished") or doc.get("started")
     ts = datetime.fromisoformat(finished).timestamp() if finished else time.time()
     lines += ["# HELP aegis_last_run_timestamp_seconds When the last aegis run finished (Unix time).",

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from aegis_cli.backends import resolve_devices
 from aegis_cli.backends.base import Device
+from aegis_cli.backends.cpu import simulated_env
 from aegis_cli.faults.spec import FaultPlan, parse_spec
 from aegis_cli.ops import numerics
 from aegis_cli.ops.case import check_seed
@@ -32,8 +33,9 @@ from aegis_cli.probes import (
     case_probe,
     load_all,
     parse_probe_options,
+    workload_for,
 )
-from aegis_cli.probes.gemm_scan import plan_cases, workload_for
+from aegis_cli.probes.gemm_scan import plan_cases
 from aegis_cli.report import DeviceReport, Report, new_report
 from aegis_cli.vtask.capture import check_savable as savable
 from aegis_cli.vtask.model import GemmSpec
@@ -255,9 +257,7 @@ def rerun_commands(doc: dict) -> list[str]:
         # the --inject spec (the seeds of their positions) only when those devices are scanned too
         if probe in NODE_PROBES or any(f.params.get("device") not in (None, *devices) for f in faults):
             devices = scanned
-        sims = [int(i.split(":", 1)[1]) for i in devices if i.startswith("cpu:") and i[4:].isdigit()]
-        env = f"AEGIS_CPU_DEVICES={max(sims) + 1} " if sims and max(sims) > 0 else ""  # simulated CPU devices
-        parts = [f"{env}aegis scan", f"--seed {doc['seed']}", f"--device {q(','.join(devices))}"]
+        parts = [f"{simulated_env(devices)}aegis scan", f"--seed {doc['seed']}", f"--device {q(','.join(devices))}"]
         if o.get("workload"):
             parts.append(f"--workload {q(str(o['workload']))}")
         if o.get("golden"):

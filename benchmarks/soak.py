@@ -31,8 +31,8 @@ from aegis_cli.backends.soak_cuda import Launcher
 from aegis_cli.faults.spec import FaultPlan
 from aegis_cli.ops import workloads
 from aegis_cli.ops.gemm import GemmOperands, Layout
+from aegis_cli.probes import DEFAULT_GPU_WORKLOAD
 from aegis_cli.probes.gemm import draw_operands
-from aegis_cli.probes.gemm_scan import DEFAULT_GPU_WORKLOAD
 from aegis_cli.soak.run import SoakOptions, run_soak
 from aegis_cli.soak.schedule import SCALES, repeats_for
 from benchmarks.fingerprint import timed

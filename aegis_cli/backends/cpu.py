@@ -163,6 +163,13 @@ def _tile_sm(m: int, n: int, tile: tuple[int, int]) -> np.ndarray:
     return (np.arange(tm_n * tn_n, dtype=np.int32) % SIM_SMS).reshape(tm_n, tn_n)
 
 
+def simulated_env(ids: list[str]) -> str:
+    """The prefix a printed command needs to see the simulated CPU devices among ``ids``
+    (``AEGIS_CPU_DEVICES=N ``), empty when cpu:0 is enough."""
+    sims = [int(i[4:]) for i in ids if i.startswith("cpu:") and i[4:].isdigit()]
+    return f"AEGIS_CPU_DEVICES={max(sims) + 1} " if sims and max(sims) > 0 else ""
+
+
 class CpuBackend(Backend):
     name = "cpu"
 

@@ -25,6 +25,7 @@ from aegis_cli.fleet.history import History, ResultRow
 from aegis_cli.ops import dither
 from aegis_cli.ops.case import case_seed
 from aegis_cli.probes.pow2 import MAX_STEP
+from aegis_cli.report import launch_counts
 
 DAY = 86400.0
 
@@ -84,12 +85,13 @@ def marks(cfg: SweepConfig, chosen: dict) -> dict:
 
 
 def counts(d: dict) -> tuple[int | None, int | None]:
-    """(launches checked, failing launches) of a device report: its ``confirmation`` counts where
-    the report carries them (schema 1.2), else, for older reports, the GEMM launches of its stats
-    and, for each finding, the runs that failed ("failed k of n": 1 + reproduced)."""
-    c = d.get("confirmation") if isinstance(d.get("confirmation"), dict) else {}
-    if isinstance(c.get("launches"), int) and isinstance(c.get("failed_launches"), int):
-        return c["launches"], c["failed_launches"]
+    """(launches checked, failing launches) of a device report: its probes' ``confirmation``
+    counts and its burn-in's where the report carries them (report.launch_counts), else, for
+    older reports, the GEMM launches of its stats and, for each finding, the runs that failed
+    ("failed k of n": 1 + reproduced)."""
+    carried = launch_counts(d)
+    if carried is not None:
+        return carried
     stats = d.get("stats") if isinstance(d.get("stats"), dict) else {}
     pow2 = ((d.get("probes") or {}).get("pow2") or {}).get("implementations") or {}
     launches = (stats.get("gemms") or 0) + sum(1 + (s.get("tested") or 0) for s in pow2.values() if isinstance(s, dict))

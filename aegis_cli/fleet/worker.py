@@ -63,8 +63,7 @@ def fleet_fingerprints(device, wl, seed: int, fault: FaultPlan | None, limit: in
 
 def run(spec: dict) -> dict:
     from aegis_cli.backends import resolve_devices
-    from aegis_cli.probes import load_all
-    from aegis_cli.probes.gemm_scan import workload_for
+    from aegis_cli.probes import load_all, workload_for
     from aegis_cli.scan import ScanOptions, preflight, scan_device
 
     device_id = spec["device"]
@@ -117,7 +116,9 @@ def run(spec: dict) -> dict:
         files.atomic_write(spec["output"] + ".partial.json", report_mod.render(partial, "json"))
     dr = scan_device(device, opts, plan and plan.for_device(device_id), quiet)
     _keep_priority_findings(dr, pre)
-    if spec.get("soak"):  # sweep.yaml soak: a checked burn-in after the probes (docs/soak.md)
+    if spec.get("soak") and dr.tally is not None and dr.tally.stopped:  # fail-fast: the device is FAULTY already
+        dr.tally.skipped_probes.append("soak")
+    elif spec.get("soak"):  # sweep.yaml soak: a checked burn-in after the probes (docs/soak.md)
         from aegis_cli.soak.record import parse_duration
         from aegis_cli.soak.run import SoakOptions, soak_after
 
@@ -153,7 +154,8 @@ def _as_judged(opts, cid: str, seed: int, device):
     """The options that re-run ``cid`` as it failed before: with its sweep's seed (every sweep
     draws new inputs) and, for a GEMM case at a dithered scale, the gemm shift that gives it."""
     from aegis_cli.ops.case import CaseId
-    from aegis_cli.probes.gemm_scan import scales_for, workload_for
+    from aegis_cli.probes import workload_for
+    from aegis_cli.probes.gemm_scan import scales_for
 
     o = replace(opts, case=cid, seed=seed)
     scale = CaseId.parse(cid).scale

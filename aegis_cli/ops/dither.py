@@ -9,10 +9,11 @@ pairs of a grid are checkable; the others are skipped and counted):
 
     sweep index i → j = i mod step²;  q, r = divmod(j, step);  offset = (r, (q + r) mod step)
 
-a bijection of 0 … step²−1 onto [0, step)² in which both offsets change every sweep. The pow2
-grid at offset (oa, ob) is every a ≡ oa and b ≡ ob (mod step) inside the range; the gemm probe
-shifts each non-base scale by the same offset centred on zero (−step/2 … step/2 − 1), so its
-scales wander over the band around each workload scale. Index 0 is the undithered scan.
+a bijection of 0 … step²−1 onto [0, step)² in which both offsets change every sweep from step
+3 on (at step 2 no order of the four offsets can). The pow2 grid at offset (oa, ob) is every
+a ≡ oa and b ≡ ob (mod step) inside the range; the gemm probe shifts each non-base scale by
+the same offset centred on zero (−step/2 … step/2 − 1), so its scales wander over the band
+around each workload scale. Index 0 is the undithered scan.
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ it stops at that first confirmed FAULTY. It may register a ``preflight(devices,
 ctx)`` that refuses, before any probe runs, what it could not do (ConfigError: too little
 memory, a case it never gives, a golden file without this device), and a ``count_cases(devices,
 config)`` giving how many ``progress("case")`` events it will send (the scan's progress total).
+``workload_for`` names the workload a device runs (the gemm and attention probes and the
+burn-in share it), so no probe imports another.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
     from aegis_cli.faults.spec import FaultPlan
     from aegis_cli.ops.numerics import Thresholds
     from aegis_cli.ops.verdict import Evidence
+    from aegis_cli.ops.workloads import Workload
 
 DEFAULT_PROBES = ("gemm", "determinism", "pow2", "memory", "crossdevice", "attention")
 DEFAULT_RERUNS = 5  # re-runs of a flagged case (aegis scan --reruns)
@@ -183,6 +186,24 @@ def case_probe(case: str) -> str:
     """The probe that owns case id ``case``: ids start with its name, GEMM ids with a workload's."""
     head = CaseId.parse(case).prefix if case else ""  # a fleet finding may name no case
     return head if head in PROBES or head in NODE_PROBES else "gemm"
+
+
+DEFAULT_CPU_WORKLOAD = "cpu-quick"
+DEFAULT_GPU_WORKLOAD = "llama3-70b"
+
+
+def workload_for(config: ProbeConfig, device: Device) -> Workload:
+    """The catalog the workload probes (gemm, attention) and the burn-in run on ``device``:
+    ``config.workload``, else the CPU or GPU default."""
+    from aegis_cli.ops import workloads  # reads YAML: not at `import aegis_cli.probes`
+    from aegis_cli.ops.errors import ConfigError
+
+    name = config.workload or (DEFAULT_CPU_WORKLOAD if device.identity.backend == "cpu" else DEFAULT_GPU_WORKLOAD)
+    wl = workloads.load(name)
+    load_all()
+    if wl.name in PROBES or wl.name in NODE_PROBES:  # case ids start with the workload's name
+        raise ConfigError(f"workload name {wl.name!r} is also a probe's: its case ids could not be re-run with --case")
+    return wl
 
 
 @functools.cache

@@ -22,6 +22,7 @@ import torch
 
 from aegis_cli.backends.base import Device, memory_shortfall
 from aegis_cli.checks import attention as checks
+from aegis_cli.checks import judge
 from aegis_cli.faults.spec import FaultPlan
 from aegis_cli.ops import attention_sums as sums
 from aegis_cli.ops.attention import BLOCK, AttentionOperands, AttentionShape, reference
@@ -29,8 +30,7 @@ from aegis_cli.ops.case import CaseId, case_seed, op_site, scale_token
 from aegis_cli.ops.errors import ConfigError
 from aegis_cli.ops.verdict import Evidence, Verdict
 from aegis_cli.ops.workloads import Workload
-from aegis_cli.probes import ProbeConfig, ProbeContext, bounded, register
-from aegis_cli.probes.gemm_scan import workload_for
+from aegis_cli.probes import ProbeConfig, ProbeContext, bounded, register, workload_for
 
 SCALES = ((0, 0), (8, -8), (-8, 8))  # (V, dO) exponents: a + b = 0 keeps dS's bits (docs/attention.md §6)
 CPU_MAX_SEQ = 256
@@ -129,15 +129,21 @@ class Stats:
 
 class AttentionProbe:
     def __init__(self, device: Device, th: sums.AttentionThresholds, *, reruns: int, confirm_margin: float,
-                 fault: FaultPlan | None, on_case=None):
+                 fault: FaultPlan | None, on_case=None, stop=None):
         self.device, self.th, self.reruns, self.confirm_margin, self.fault = device, th, reruns, confirm_margin, fault
         self.on_case = on_case or (lambda _cid: None)
+        # stop(cid): whether the device stops at the FAULTY confirmed in case ``cid`` (fail-fast, Tally.stop)
+        self.stop = stop or (lambda _cid: False)
+        self.skipped: list[str] = []  # case ids fail-fast left unrun (each counted as progress)
+        self.failed_runs = 0  # runs (forward and backward) with any signal
         self.stats = Stats()
 
     def _once(self, ops: AttentionOperands, ref, expected, cid: str):
         fwd, bwd = run_pass(self.device, ops, self.fault, cid)
+        checked = checks.check_attention(ops, fwd, bwd, ref, ops.shape.scale, self.th, expected=expected)
         self.stats.runs += 1
-        return fwd, bwd, checks.check_attention(ops, fwd, bwd, ref, ops.shape.scale, self.th, expected=expected)
+        self.failed_runs += bool(checked.signals)
+        return fwd, bwd, checked
 
     def run(self, case: AttentionCase, only: str | None = None) -> list[Evidence]:
         t0 = time.perf_counter()
@@ -145,7 +151,7 @@ class AttentionProbe:
         base_ref = reference(base_ops, case.shape.scale)
         self.stats.cases += 1
         evidence, base = [], None
-        for ev, edo in SCALES:
+        for i, (ev, edo) in enumerate(SCALES):
             cid = case.case_id(ev, edo)
             if only is not None and cid != only and (ev, edo) != (0, 0):
                 continue
@@ -163,11 +169,22 @@ class AttentionProbe:
             self._note(checked)
             if base is None:
                 base = checks.outputs_of(fwd, bwd)
-            if checked.signals and (only is None or cid == only):
-                evidence += self._confirm(case, ev, edo, ops, ref, expected, fwd, bwd, checked)
+            found = self._confirm(case, ev, edo, ops, ref, expected, fwd, bwd, checked) \
+                if checked.signals and (only is None or cid == only) else []
+            evidence += found
             self.on_case(cid)
+            if any(e.severity is Verdict.FAULTY for e in found) and self.stop(cid):
+                rest = [case.case_id(*sc) for sc in SCALES[i + 1:]]
+                self.skip([r for r in rest if only is None or r == only])
+                break
         self.stats.seconds += time.perf_counter() - t0
         return evidence
+
+    def skip(self, case_ids: list[str]) -> None:
+        """Cases fail-fast leaves unrun: named in the report, counted in the progress total."""
+        self.skipped += case_ids
+        for cid in case_ids:
+            self.on_case(cid)
 
     def _note(self, checked: checks.Checked) -> None:
         for name, v in checked.clean_max.items():
@@ -202,7 +219,7 @@ class AttentionProbe:
                        shape={"batch": s.batch, "q_heads": s.q_heads, "kv_heads": s.kv_heads, "seq": s.seq,
                               "head_dim": s.head_dim, "causal": s.causal},
                        dist=case.dist, scale=[ev, edo], seed=case.seed, threshold=tau, max_value=sig.max_value,
-                       margin=sig.max_value / tau if tau else None, elements=sig.elements, samples=samples,
+                       margin=judge.margin(sig.max_value, tau) if tau else None, elements=sig.elements, samples=samples,
                        tiles=[list(b) for b in blocks][:16], reruns=self.reruns, reproduced=reproduced,
                        distinct_outputs=distinct, kernel=f"{fwd.kernel}/{bwd.kernel}",
                        injected=_injections(self.fault, cid))
@@ -264,24 +281,23 @@ def attention_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     max_seq = ctx.option("attention", "max_seq")
     probe = AttentionProbe(device, sums.AttentionThresholds(), reruns=config.reruns,
                            confirm_margin=config.thresholds.confirm_margin, fault=ctx.fault,
-                           on_case=lambda cid: ctx.progress("case", device=device.identity.id, case=cid))
+                           on_case=lambda cid: ctx.progress("case", device=device.identity.id, case=cid), stop=ctx.tally.stop)
     evidence: list[Evidence] = []
     cases = plan_cases(wl, device, config, max_seq)
     tally = ctx.tally.probe("attention")
     for i, case in enumerate(cases):
         found = probe.run(case, only=config.case)
-        failed: dict[str, int] = {}  # per case id: runs that failed, counted once over its checks
-        for ev in found:
-            tally.flagged(ev.case_id, ev.check, ev.reruns + 1, ev.reproduced + 1, shown=True)
-            failed[ev.case_id] = max(failed.get(ev.case_id, 0), ev.reproduced + 1)
-        tally.failed += sum(failed.values())
+        shown: set[str] = set()
+        for ev in found:  # each case given in full counts once, whatever number of its checks fired
+            tally.flagged(ev.case_id, ev.check, ev.reruns + 1, ev.reproduced + 1, shown=ev.case_id not in shown)
+            shown.add(ev.case_id)
         evidence += found
-        if any(ev.severity is Verdict.FAULTY for ev in found) and ctx.tally.stop(found[0].case_id):
-            tally.skipped += [c.case_id(ev, edo) for c in cases[i + 1:] for ev, edo in SCALES]
-            for cid in tally.skipped:
-                ctx.progress("case", device=device.identity.id, case=cid)
+        if ctx.tally.stopped:  # fail-fast stopped in this case: the later cases are skipped
+            probe.skip([c.case_id(ev, edo) for c in cases[i + 1:] for ev, edo in SCALES])
             break
+    tally.skipped += probe.skipped
     tally.launches += probe.stats.runs
+    tally.failed += probe.failed_runs
     st = probe.stats
     st.shape = {"token": cases[0].shape.token(), "workload": wl.name} if cases else {}
     ctx.stats["attention"] = {**st.__dict__, "tau": dict(sums.DEFAULT_TAU)}

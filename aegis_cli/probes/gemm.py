@@ -178,6 +178,7 @@ class GemmProbe:
         self.keep_flagged = keep_flagged
         self.flagged_runs: dict[str, GemmResult] = {}
         self.kept_bytes = 0
+        self._group_reran = False  # a flagged case of the current group was re-run (_reruns_now)
 
     # -- one group of scale variants -----------------------------------------------
     def run(self, case: GemmCase, scales: list[list[int]], only: str | None = None) -> list[Evidence]:
@@ -230,7 +231,8 @@ class GemmProbe:
                     self._keep(cid, res)
             self.on_case(cid)
             if self._stops(evidence, cid):  # fail-fast: the rest of the group is skipped, no vote
-                self.skip([case.case_id(a, b) for a, b in order[i + 1:]])
+                rest = [case.case_id(a, b) for a, b in order[i + 1:]]
+                self.skip([r for r in rest if only is None or r == only])  # what a --case would not run is not skipped
                 break
         else:
             if runs.mismatched:
@@ -373,6 +375,19 @@ class GemmProbe:
         return out
 
     # -- confirmation ------------------------------------------------------------------
+    def confirm_run(self, case: GemmCase, ea: int, eb: int, res: GemmResult, ops: GemmOperands, ref: ReferenceChecksums,
+                    expected: torch.Tensor | None, tau: float, rerun: Callable[[], GemmResult]) -> list[Evidence]:
+        """Check a run made outside the probe (a burn-in launch its screen flagged) as the probe
+        checks its own at scale (ea, eb): the GEMM checks against ``ref`` and, where given, the
+        exact bits ``expected``; if any fires, re-runs through ``rerun`` and the judgement, as in
+        ``run``. The run itself is not counted (its caller did); the re-runs are."""
+        def once():
+            r = rerun()
+            return r, self._signals(r, ref, expected, tau)
+
+        signals = self._signals(res, ref, expected, tau)
+        return self._confirm(case, ea, eb, res, signals, once, tau, ops) if signals else []
+
     def _confirm(self, case: GemmCase, ea: int, eb: int, res: GemmResult, signals: list[checks.Signal], once, tau: float,
                  ops: GemmOperands) -> list[Evidence]:
         """Re-run a flagged case (as often as ``_reruns_now`` says) and count it; judge each

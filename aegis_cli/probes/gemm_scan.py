@@ -16,24 +16,8 @@ from aegis_cli.ops import dither, workloads
 from aegis_cli.ops.case import CaseId
 from aegis_cli.ops.errors import ConfigError
 from aegis_cli.ops.verdict import Evidence
-from aegis_cli.probes import NODE_PROBES, PROBES, ProbeConfig, ProbeContext, convert_option, load_all, register
+from aegis_cli.probes import ProbeConfig, ProbeContext, convert_option, register, workload_for
 from aegis_cli.probes.gemm import GemmCase, GemmProbe, case_bytes
-
-DEFAULT_CPU_WORKLOAD = "cpu-quick"
-DEFAULT_GPU_WORKLOAD = "llama3-70b"
-
-
-def workload_for(config: ProbeConfig, device: Device) -> workloads.Workload:
-    """The catalog the probe runs on ``device``: ``config.workload``, else the CPU or GPU default."""
-    if config.workload:
-        wl = workloads.load(config.workload)
-    else:
-        wl = workloads.load(DEFAULT_CPU_WORKLOAD if device.identity.backend == "cpu" else DEFAULT_GPU_WORKLOAD)
-    load_all()
-    if wl.name in PROBES or wl.name in NODE_PROBES:  # case ids start with the workload's name
-        raise ConfigError(f"workload name {wl.name!r} is also a probe's: its case ids could not be re-run with --case")
-    return wl
-
 
 OPTIONS = {"shift": (dither.parse_pair, (0, 0), "move every scale but (0, 0) by A,B: a sweep's scale dithering (docs/fleet.md)")}
 

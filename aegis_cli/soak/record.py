@@ -33,9 +33,17 @@ def parse_duration(text: str, what: str = "--soak") -> float:
 
 
 def replay_command(seed: int, device: str, case: str, opts) -> str:
-    """The scan that re-runs one launch of the burn-in as a case (``opts``: SoakOptions)."""
+    """The scan that re-runs one launch of the burn-in as a case (``opts``: SoakOptions): on
+    ``device``, or on the burn-in's devices when a fault of ``--inject`` names another (the scan
+    refuses a fault for a device it does not scan, and a fault is seeded by its place in the
+    spec), with the environment that makes simulated CPU devices exist."""
+    from aegis_cli.backends.cpu import simulated_env  # imports torch: not when a sweep config reads a duration
+    from aegis_cli.faults.spec import parse_spec
+
     q = shlex.quote
-    parts = ["aegis scan", f"--seed {seed}", f"--device {q(device)}"]
+    named = [f.params["device"] for f in parse_spec(opts.inject) if "device" in f.params] if opts.inject else []
+    where = opts.devices if any(d != device for d in named) else device
+    parts = [f"{simulated_env([device, *named])}aegis scan", f"--seed {seed}", f"--device {q(where)}"]
     if opts.workload:
         parts.append(f"--workload {q(str(opts.workload))}")
     defaults = type(opts.thresholds)()
@@ -136,27 +144,27 @@ class SoakRecord:
     def tick(self, telemetry, progress, device: str) -> None:
         """After each read: close an interval when one is due, and tell the progress bar."""
         now = time.monotonic()
-        t_last, n_last, f_last = self._last
-        if now - t_last >= self.interval:
-            r = self._sample(telemetry) or {}
-            self._add_interval({"t": round(now - self._t0, 2), "launches": self.launches - n_last,
-                                "tflops": round((self.flops - f_last) / (now - t_last) / 1e12, 3),
-                                **{k: r.get(k) for k in _READINGS}, "throttle": r.get("throttle")})
-            self._last = (now, self.launches, self.flops)
+        if now - self._last[0] >= self.interval:
+            self._close_interval(telemetry, now)
         if now - self._shown >= PROGRESS_EVERY:
             self._shown = now
             progress("soak", device=device, elapsed=now - self._t0, seconds=self.seconds, launches=self.launches,
                      failures=self.failures, tflops=self.flops / max(now - self._t0, 1e-9) / 1e12)
 
-    def finish(self, telemetry) -> None:
-        self.elapsed = time.monotonic() - self._t0
+    def _close_interval(self, telemetry, now: float) -> None:
+        """One interval row since the last: launches, TFLOP/s, and a telemetry sample."""
         t_last, n_last, f_last = self._last
+        r = self._sample(telemetry) or {}
+        self._add_interval({"t": round(now - self._t0, 2), "launches": self.launches - n_last,
+                            "tflops": round((self.flops - f_last) / max(now - t_last, 1e-9) / 1e12, 3),
+                            **{k: r.get(k) for k in _READINGS}, "throttle": r.get("throttle")})
+        self._last = (now, self.launches, self.flops)
+
+    def finish(self, telemetry) -> None:
         now = time.monotonic()
-        if self.launches > n_last:  # the last, partial interval
-            r = self._sample(telemetry) or {}
-            self._add_interval({"t": round(now - self._t0, 2), "launches": self.launches - n_last,
-                                "tflops": round((self.flops - f_last) / max(now - t_last, 1e-9) / 1e12, 3),
-                                **{k: r.get(k) for k in _READINGS}, "throttle": r.get("throttle")})
+        self.elapsed = now - self._t0
+        if self.launches > self._last[1]:  # the last, partial interval
+            self._close_interval(telemetry, now)
         else:
             self._sample(telemetry)
 

@@ -32,9 +32,8 @@ from aegis_cli.ops.case import check_seed
 from aegis_cli.ops.errors import AegisError, ConfigError, DeviceError, GoldenError
 from aegis_cli.ops.gemm import GemmOperands, GemmResult, ReferenceChecksums
 from aegis_cli.ops.verdict import Evidence, Verdict, worst
-from aegis_cli.probes import DEFAULT_RERUNS, ProbeConfig
+from aegis_cli.probes import DEFAULT_RERUNS, ProbeConfig, workload_for
 from aegis_cli.probes.gemm import GemmProbe, ProbeStats, case_bytes, clean_median, scaled, scaled_reference
-from aegis_cli.probes.gemm_scan import workload_for
 from aegis_cli.report import DeviceReport, Report, new_report
 from aegis_cli.soak.record import SoakRecord
 from aegis_cli.soak.schedule import REPEATS, SCALES, SET_FLOPS, SetPlan, pow2, set_case, set_plan
@@ -64,13 +63,14 @@ class SoakOptions:
     golden: str | None = None
     probe_options: dict[str, str] = field(default_factory=dict)
     probes: tuple[str, ...] = ()
+    fail_fast: bool = False
 
     def __post_init__(self) -> None:
         check_seed(self.seed)
         if not 1 <= self.reruns <= MAX_RERUNS:
             raise ConfigError(f"--reruns must lie in 1…{MAX_RERUNS}, got {self.reruns}")
         refused = {"--case": self.case, "--save-vtasks": self.keep_flagged, "--golden": self.golden,
-                   "--probe-option": self.probe_options}
+                   "--probe-option": self.probe_options, "--probes": self.probes, "--fail-fast": self.fail_fast}
         given = [k for k, v in refused.items() if v]
         if given:
             raise ConfigError(f"--soak runs its own schedule of checked GEMMs and takes no {', '.join(given)} "
@@ -92,7 +92,9 @@ class _Set:
     median: float | None  # a perturb fault's unit (FaultPlan.needs_clean_median), else None
     base: GemmResult | None = None  # its first launch: the bits every scale must give, scaled
     matched: bool = False  # a launch after the base gave the expected bits: the base is right
-    base_blamed: bool = False  # no launch after the base gave its bits: the base run is the odd one
+    # the base run failed (its checks flagged it, or no launch after it gave its bits), counted
+    # once: later launches that differ from it are not failures, and it is no expectation
+    base_failed: bool = False
 
 
 @dataclass
@@ -270,11 +272,13 @@ class _Soak:
         for x, f, m in zip(w.launches, flagged, mismatch, strict=True):
             if f:
                 self._fail(x, f, bool(m))
-            elif m and not x.s.base_blamed:
-                if x.s.matched:
+                if x.index == x.s.plan.first:
+                    x.s.base_failed = True
+            elif m:
+                if x.s.matched:  # the base's bits are right: this launch is off
                     self._fail(x, 0, True)
-                else:  # nothing after the base gave its bits: the base run is the odd one
-                    x.s.base_blamed = True
+                elif not x.s.base_failed:  # nothing after the base gave its bits: the base run is the odd one
+                    x.s.base_failed = True
                     base = dataclasses.replace(x, index=x.s.plan.first, scale=(0, 0), res=x.s.base)
                     self._fail(base, 0, True, blamed=x)
 
@@ -297,15 +301,10 @@ class _Soak:
         if blamed is not None:  # the base against the bits later runs gave, scaled back (exact)
             expected = numerics.pow2_scale(blamed.res.c, -sum(blamed.scale))
         else:
-            expected = None if s.base_blamed else numerics.pow2_scale(s.base.c, ea + eb)
+            expected = None if s.base_failed else numerics.pow2_scale(s.base.c, ea + eb)
         cid = s.plan.case.case_id(ea, eb)
-
-        def once():
-            res = self.device.checked_gemm(ops, self.fault, op=cid, clean_median=s.median)
-            return res, probe._signals(res, ref, expected, s.tau)  # probe._confirm counts each re-run
-
-        signals = probe._signals(x.res, ref, expected, s.tau)
-        found = probe._confirm(s.plan.case, ea, eb, x.res, signals, once, s.tau, ops) if signals else []
+        rerun = lambda: self.device.checked_gemm(ops, self.fault, op=cid, clean_median=s.median)
+        found = probe.confirm_run(s.plan.case, ea, eb, x.res, ops, ref, expected, s.tau, rerun)
         self.stats.gemms += probe.stats.gemms
         self.stats.flops += probe.stats.flops
         if found:

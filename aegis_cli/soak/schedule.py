@@ -29,20 +29,14 @@ REPEATS = (2, 256)  # runs of each scale per set: at least two, so fingerprints 
 @dataclass(frozen=True)
 class SetPlan:
     """Input set ``index``: its case (shape, distribution, scan seed), scales and repeats; its
-    launches are numbered from ``first``, scale by scale, ``repeats`` each."""
+    launches are numbered from ``first`` (the base run), scale by scale, up to ``repeats`` each
+    (fewer when the burn-in's time runs out)."""
 
     index: int
     case: GemmCase
     scales: tuple[tuple[int, int], ...]
     repeats: int
     first: int
-
-    @property
-    def launches(self) -> int:
-        return len(self.scales) * self.repeats
-
-    def scale_of(self, launch: int) -> tuple[int, int]:
-        return self.scales[(launch - self.first) // self.repeats]
 
 
 def set_case(wl, seed: int, index: int) -> GemmCase:

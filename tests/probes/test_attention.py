@@ -42,6 +42,25 @@ def test_large_dv_fault_is_faulty_and_located():
 def test_additive_fault_breaks_exact_scaling():
     d = scan("perturb:target=attn.dv,r=0.8,index=70")
     assert d.verdict is Verdict.FAULTY and any(e.check == "attention.pow2_exact" for e in d.evidence)
+    # a case with two findings is one case given in full
+    t = d.tally.probe("attention").to_dict()
+    assert t["evidence_in_full"] == t["flagged_cases"] == len({e.case_id for e in d.evidence}) < len(d.evidence)
+    assert t["failed_launches"] == t["launches"] == 3 * (1 + 2)  # a permanent fault: every run of every scale
+
+
+def test_fail_fast_stops_at_the_case_that_confirmed_faulty():
+    """A SUSPECT at the base scale, FAULTY at a later one: fail-fast names the FAULTY case."""
+    events: list[tuple[str, dict]] = []
+    rep = run_scan(ScanOptions(devices="cpu:0", probes=("attention",), workload=TINY, reruns=2, fail_fast=True,
+                               inject="perturb:target=attn.dv,r=0.8,index=70"),
+                   progress=lambda event, **info: events.append((event, info)))
+    d = rep.devices[0]
+    assert next(i["total"] for e, i in events if e == "start") == sum(e == "case" for e, _ in events)
+    assert d.evidence[0].severity is Verdict.SUSPECT
+    faulty = next(e for e in d.evidence if e.severity is Verdict.FAULTY)
+    assert d.tally.stopped_at == faulty.case_id != d.evidence[0].case_id
+    # the case's later scale is not run: named as skipped, and nothing after the FAULTY is shown
+    assert d.tally.probe("attention").skipped == [CASE + "/s-8+8"] and d.evidence[-1].case_id == faulty.case_id
 
 
 def test_flag_within_rounding_bound_stays_suspect():

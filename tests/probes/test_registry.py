@@ -10,7 +10,7 @@ import pytest
 from aegis_cli import probes
 from aegis_cli.backends import resolve_devices
 from aegis_cli.ops.errors import ConfigError
-from aegis_cli.probes import gemm_scan
+from aegis_cli.probes import gemm_scan, workload_for
 from aegis_cli.scan import ScanOptions, count_cases, preflight
 from tests.helpers import TINY
 
@@ -47,7 +47,7 @@ def test_preflights_run_in_the_order_of_the_selected_probes(monkeypatch):
 def test_gemm_preflight_refuses_a_case_the_workload_lacks_and_counts_cases():
     devices = resolve_devices("cpu:0")
     opts = ScanOptions(workload=TINY, probes=("gemm", "pow2"))
-    wl = gemm_scan.workload_for(opts.probe_config(), devices[0])
+    wl = workload_for(opts.probe_config(), devices[0])
     assert count_cases(opts, devices) == len(gemm_scan.plan_cases(wl, 0)) * len(wl.scan.scales)
     with pytest.raises(ConfigError, match="is not in workload"):
         preflight(dataclasses.replace(opts, case=f"{wl.name}/nope/fwd/normal/1x1x1/s+0+0"), devices)

@@ -52,6 +52,18 @@ def test_other_devices_go_on_and_the_progress_total_adds_up(monkeypatch):
     assert total == sum(1 for e, _ in events if e == "case")
 
 
+def test_fail_fast_with_a_case_skips_nothing_it_was_not_asked_for():
+    """--case at a scale runs that scale and its base: stopping there skips no other scale, and
+    the progress total adds up."""
+    events: list[tuple[str, dict]] = []
+    case = "cpu-quick/qkv/fwd/normal/192x384x256/s-16-16"  # two scales of cpu-quick's grid come after it
+    rep = run_scan(ScanOptions(devices="cpu:0", case=case, fail_fast=True, inject=FAULT),
+                   progress=lambda event, **info: events.append((event, info)))
+    d = rep.devices[0]
+    assert d.verdict is Verdict.FAULTY and d.tally.stopped_at == case and d.tally.probe("gemm").skipped == []
+    assert next(i["total"] for e, i in events if e == "start") == sum(e == "case" for e, _ in events) == 2
+
+
 def test_fail_fast_in_the_table(capsys):
     code, out, _ = run_cli(capsys, "scan", "--fail-fast", "--workload", TINY, "--inject", FAULT)
     assert code == 2 and "--fail-fast: stopped at tiny/" in out and "skipped" in out

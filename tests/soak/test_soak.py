@@ -88,6 +88,39 @@ def test_injected_intermittent_fault_caught_k_of_n():
     assert confirmed[0]["distinct_outputs"] == 2  # the re-runs gave the clean bits, the flagged run did not
 
 
+@pytest.fixture(scope="module")
+def half_faulty():
+    """A 1 s burn-in with a fault on about half the launches; seed 3 fires on the first (a base
+    launch) and not the second."""
+    return run_soak(SoakOptions(seconds=1, devices="cpu:0", inject="bitflip:target=acc,bit=exp,prob=0.5,seed=3")).to_dict()
+
+
+def test_a_failing_base_launch_is_counted_once(half_faulty):
+    """The base launch of a set fails and the next gives the clean bits: the base is one failure,
+    not a second one when the next launch's bits differ from it."""
+    f = half_faulty["devices"][0]["soak"]["failures"]
+    listed = [x["launch"] for x in f["first"]]
+    assert 0 in listed and len(listed) == len(set(listed))
+
+
+def test_launch_counts_carry_the_burn_in(half_faulty):
+    """The Prometheus export and the sweep history count a burn-in's launches and failures ("k of
+    n launches"), beside any probe's."""
+    from aegis_cli.fleet.coverage import counts
+    from aegis_cli.report import to_prometheus
+
+    doc = half_faulty
+    d = doc["devices"][0]
+    n, k = d["soak"]["launches"], d["soak"]["failures"]["launches"]
+    assert 0 < k < n
+    prom = to_prometheus(doc)
+    assert 'aegis_device_launches_checked{device="cpu:0",' in prom and f"}} {n}\n" in prom.split("launches_checked{")[1]
+    assert f"}} {k}\n" in prom.split("failed_launches{")[1]
+    assert counts(d) == (n, k)
+    probes = {"launches": 10, "failed_launches": 1}
+    assert counts({**d, "confirmation": probes}) == (n + 10, k + 1)  # a sweep's probes, then its burn-in
+
+
 def test_a_failing_launch_replays_with_its_command(capsys):
     """A permanent fault on one op: the burn-in lists the launch; its command (seed, case) is a scan
     that finds the same fault in the same case."""
@@ -99,6 +132,31 @@ def test_a_failing_launch_replays_with_its_command(capsys):
     assert out, err
     doc = json.loads(out)
     assert code == 2 and doc["devices"][0]["evidence"][0]["case_id"] == first["case_id"]
+
+
+def _run_command(capsys, monkeypatch, command: str):
+    """A listed command as a shell would run it: its leading VAR=VALUE words set the environment."""
+    argv = shlex.split(command)
+    monkeypatch.delenv("AEGIS_CPU_DEVICES", raising=False)
+    while "=" in argv[0]:
+        key, value = argv.pop(0).split("=", 1)
+        monkeypatch.setenv(key, value)
+    assert argv[:2] == ["aegis", "scan"]
+    return run_cli(capsys, *argv[1:], "-q", "--format", "json")
+
+
+def test_a_failing_launch_on_a_simulated_device_replays(capsys, monkeypatch):
+    """On cpu:1 of two simulated devices, with a fault aimed at cpu:1 among faults for others,
+    the listed command scans devices that exist and accepts the whole --inject spec."""
+    monkeypatch.setenv("AEGIS_CPU_DEVICES", "2")
+    inject = "bitflip:target=acc,bit=exp,op=qkv/fwd,device=cpu:1;bitflip:target=acc,bit=exp,op=none,device=cpu:0"
+    rep = run_soak(SoakOptions(seconds=0.5, devices="cpu:0,cpu:1", inject=inject))
+    first = rep.to_dict()["devices"][1]["soak"]["failures"]["first"][0]
+    code, out, err = _run_command(capsys, monkeypatch, first["command"])
+    assert out, err
+    doc = json.loads(out)
+    found = {d["device"]["id"]: d["evidence"] for d in doc["devices"]}
+    assert code == 2 and found["cpu:1"][0]["case_id"] == first["case_id"]
 
 
 def test_a_soak_case_draws_the_scans_inputs():
@@ -127,6 +185,13 @@ def test_parse_duration_refuses(text):
 def test_bad_duration_is_one_line_exit_3(capsys):
     code, _, err = run_cli(capsys, "scan", "--soak", "2 minutes")
     assert code == 3 and err.strip().count("\n") == 0 and err.startswith("Error: --soak '2 minutes'")
+
+
+@pytest.mark.parametrize(("args", "named"), [(("--fail-fast",), "--fail-fast"), (("--probes", "gemm"), "--probes"),
+                                             (("--case", "x"), "--case")])
+def test_scan_options_the_burn_in_does_not_take_are_refused(capsys, args, named):
+    code, out, err = run_cli(capsys, "scan", "--soak", "1s", *args)
+    assert code == 3 and out == "" and err.strip().count("\n") == 0 and f"takes no {named}" in err
 
 
 def test_scales_are_exact_and_reach_beyond_the_grid():
@@ -220,3 +285,10 @@ def test_progress_bar_follows_the_burn_in():
         (task,) = progress.tasks
         assert task.completed == 12.5 and task.total == 20
         assert "cuda:1 soak: 400 launches, 560.0 TFLOP/s, 1 failed" in task.description
+    # a device that ended before its first progress event (an ERROR at once) still counts its share
+    with Progress(console=Console(file=io.StringIO()), transient=True) as progress:
+        cb = render._progress_callback(progress)
+        cb("start", total=20, devices=["cuda:0", "cuda:1"], soak=True)
+        cb("device_done", device="cuda:0", verdict="ERROR")
+        cb("soak", device="cuda:1", elapsed=2.5, seconds=10.0, launches=400, failures=0, tflops=560.0)
+        assert progress.tasks[0].completed == 12.5

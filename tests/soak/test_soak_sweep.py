@@ -10,7 +10,7 @@ import pytest
 
 from aegis_cli.fleet.config import load_config
 from aegis_cli.ops.errors import ConfigError
-from tests.fleet_helpers import aegis, env, write_config
+from tests.fleet_helpers import WORKLOAD, aegis, env, write_config
 
 
 def test_sweep_soaks_each_device_after_its_probes(tmp_path):
@@ -24,6 +24,21 @@ def test_sweep_soaks_each_device_after_its_probes(tmp_path):
     assert by["cpu:0"]["verdict"] == "HEALTHY" and by["cpu:0"]["soak"]["launches"] > 0
     bad = by["cpu:1"]["soak"]["failures"]
     assert by["cpu:1"]["verdict"] == "FAULTY" and bad["launches"] == bad["of"] > 0  # a permanent fault fails every launch
+
+
+def test_fail_fast_skips_the_burn_in_of_a_stopped_device(tmp_path):
+    """A sweep worker with fail_fast: a device its probes stopped at a confirmed FAULTY runs no
+    burn-in after them, and says so; a healthy one does."""
+    from aegis_cli.fleet import worker
+
+    (tmp_path / "wl.yaml").write_text(WORKLOAD, encoding="utf-8")
+    spec = {"device": "cpu:0", "workload": str(tmp_path / "wl.yaml"), "seed": 0, "reruns": 2, "probes": ["gemm"], "fail_fast": True,
+            "soak": "1s", "fingerprint_cases": 0, "output": str(tmp_path / "w.json")}
+    bad = worker.run({**spec, "inject": "bitflip:target=acc,bit=exp"})
+    assert bad["verdict"] == "FAULTY" and not bad.get("soak")
+    assert bad["confirmation"]["fail_fast"]["skipped_probes"] == ["soak"]
+    good = worker.run(spec)
+    assert good["verdict"] == "HEALTHY" and good["soak"]["launches"] > 0
 
 
 @pytest.mark.parametrize(("soak", "needle"), [("soon", "soak: 'soon': give a duration"), ("30s", "leaves no time for the probes")])
