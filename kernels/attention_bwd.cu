@@ -21,13 +21,13 @@
 #define ATTN_BWD_BQ(D) ((D) == 128 ? 32 : 64)
 #endif
 #ifndef ATTN_DKDV_HEAVY_FIRST
-#define ATTN_DKDV_HEAVY_FIRST 0
+#define ATTN_DKDV_HEAVY_FIRST 1
 #endif
 #ifndef ATTN_DQ_BN
-#define ATTN_DQ_BN 64   // keys per step of the dQ kernel
+#define ATTN_DQ_BN 32   // keys per step of the dQ kernel
 #endif
 #ifndef ATTN_DQ_MT
-#define ATTN_DQ_MT 1    // m-tiles (16 query rows each) per warp of the dQ kernel
+#define ATTN_DQ_MT 2    // m-tiles (16 query rows each) per warp of the dQ kernel
 #endif
 
 extern "C" __global__ void attn_bwd_pre(const bf16* __restrict__ o, const bf16* __restrict__ dout, float* __restrict__ delta,

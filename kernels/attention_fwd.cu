@@ -12,7 +12,7 @@
 #define ATTN_FWD_WARPS 4
 #endif
 #ifndef ATTN_FWD_MT  // m-tiles (16 rows each) per warp: each K/V fragment read from shared memory feeds MT of them
-#define ATTN_FWD_MT 1
+#define ATTN_FWD_MT 2
 #endif
 #define FWD_BN 64
 

@@ -30,8 +30,8 @@ from aegis_cli.ops.errors import ConfigError
 
 # The kernels' tile defines and their defaults (benchmarks/attention.py --tune tries others): warps per
 # CTA, m-tiles of 16 rows per warp in the forward and dQ kernels, keys per dQ step, the dK/dV grid order
-DEFAULT_TUNE = {"ATTN_FWD_WARPS": 4, "ATTN_BWD_WARPS": 4, "ATTN_FWD_MT": 1, "ATTN_DQ_MT": 1, "ATTN_DQ_BN": 64,
-                "ATTN_DKDV_HEAVY_FIRST": 0}
+DEFAULT_TUNE = {"ATTN_FWD_WARPS": 4, "ATTN_BWD_WARPS": 4, "ATTN_FWD_MT": 2, "ATTN_DQ_MT": 2, "ATTN_DQ_BN": 32,
+                "ATTN_DKDV_HEAVY_FIRST": 1}
 TUNE = dict(DEFAULT_TUNE)
 FWD_BN = 64    # keys per forward step
 

@@ -22,9 +22,9 @@ def _ca():
     return cuda_attention
 
 
-# the default tiles, and two m-tiles per warp in the forward and dQ kernels with the dK/dV grid
-# heavy-first over all heads (benchmarks/attention.py --tune)
-TUNES = {"default": {}, "mt2": {"ATTN_FWD_MT": 2, "ATTN_DQ_MT": 2, "ATTN_DQ_BN": 32, "ATTN_DKDV_HEAVY_FIRST": 1}}
+# the default tiles (two m-tiles per warp in the forward and dQ kernels, the dK/dV grid heavy-first
+# over all heads), and one m-tile per warp in key order (benchmarks/attention.py --tune)
+TUNES = {"default": {}, "mt1": {"ATTN_FWD_MT": 1, "ATTN_DQ_MT": 1, "ATTN_DQ_BN": 64, "ATTN_DKDV_HEAVY_FIRST": 0}}
 
 
 @pytest.fixture(params=list(TUNES))
