@@ -54,7 +54,7 @@ MAX_DITHER_SWEEPS = MAX_STEP * MAX_STEP  # the pow2 grid's coarsest step, square
 class SweepConfig:
     devices: str = "auto"
     workload: str | None = None
-    probes: list[str] = field(default_factory=lambda: ["gemm", "pow2"])  # pow2: the whole exact range, dithered
+    probes: list[str] = field(default_factory=lambda: ["gemm", "pow2", "attention"])  # pow2: the whole exact range, dithered
     seed: int | None = None  # None: a new seed every sweep (fleet/coverage.py); an integer pins it
     dither_sweeps: int = 256  # scale dithering: every exponent pair of the exact range within this many sweeps (0: off)
     vtasks: str | None = None  # a directory of captured vTask bundles, replayed on every device (fleet/vtasks.py)
