@@ -79,7 +79,7 @@ def _writable(_ctx, _param, path: str | None) -> str | None:
               "(10s, 2m, 1h): the workload's GEMMs back to back, every launch checked (docs/soak.md).")
 def scan(devices, workload, seed, case, reruns, inject, save_vtasks, probes, golden, probe_options, threshold, confirm_margin, fmt, output,
          fail_fast, evidence_in_full, quiet, soak):
-    """Scan this node's devices with checked training-shaped GEMMs and print a verdict per device."""
+    """Scan this node's devices with checked training-shaped GEMMs and attention and print a verdict per device."""
     from aegis_cli.scan import ScanOptions, run_scan, scan_thresholds
 
     apply_thread_policy()
