@@ -91,6 +91,8 @@ class SensorStats:
     launches: int = 0  # checked GEMMs run (forward, dgrad, wgrad)
     checked: int = 0  # of those, sampled and compared with the fp64 reference
     skipped_nonfinite: int = 0  # sampled launches whose inputs held NaN/Inf (no reference to compare with)
+    attention_launches: int = 0  # SDPA calls run on the checked attention (SensorConfig.attention)
+    attention_unchecked: dict[str, int] = field(default_factory=dict)  # SDPA calls left to torch, by reason
     regions: int = 0  # checkpointed regions run
     fingerprinted: int = 0  # of those, fingerprinted at forward and at recompute
     raised: int = 0  # suspicions raised by the sensors
@@ -114,5 +116,6 @@ class SensorStats:
     def to_dict(self) -> dict:
         d = {k: v for k, v in self.__dict__.items() if k != "latency"}
         d["latency"] = self.latency.to_dict()
+        d["attention_unchecked"] = dict(self.attention_unchecked)
         d["overhead"] = self.overhead()
         return d

@@ -18,6 +18,7 @@ from aegis_cli.backends.base import Device
 from aegis_cli.faults.spec import FaultPlan
 from aegis_cli.ops.errors import ConfigError
 from aegis_cli.sensors import linear
+from aegis_cli.sensors.attention import AttentionRouter
 from aegis_cli.sensors.checkpoint import CheckpointSensor
 from aegis_cli.sensors.config import SensorConfig
 from aegis_cli.sensors.control import Controller
@@ -207,6 +208,12 @@ class SensorHandle:
 
     # -- instrumenting ----------------------------------------------------------------------------
     def _attach(self, optimizer) -> None:
+        if self.config.attention:  # SDPA is one global function: one handle routes it at a time
+            if isinstance(torch.nn.functional.scaled_dot_product_attention, AttentionRouter):
+                raise ConfigError("scaled_dot_product_attention is already routed by another instrumented model")
+            router = AttentionRouter(self)
+            router.install()
+            self._restore.append(router.restore)
         for name, m in self.model.named_modules():
             if isinstance(m, nn.Linear) and linear.patchable(m):
                 self._restore.append(linear.patch(self, m, name or "model"))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 from aegis_cli.ops.verdict import Verdict
+from aegis_cli.sensors.attention import verify_attention
 from aegis_cli.sensors.checkpoint import verify_region
 from aegis_cli.sensors.events import SensorEvent
 from aegis_cli.sensors.queue import Suspicion
@@ -14,6 +15,7 @@ from aegis_cli.sensors.save import safe_name, save_gemm
 from aegis_cli.sensors.verify import verify_gemm
 
 NOT_REPLAYABLE = "not saved: a recomputed region has no vTask kind (bundles hold GEMMs and attention)"
+ATTENTION_UNSAVED = "not saved: the sensors do not write attention vTasks yet"
 
 
 def verify_one(h, s: Suspicion) -> SensorEvent:
@@ -21,7 +23,9 @@ def verify_one(h, s: Suspicion) -> SensorEvent:
     cfg = h.config
     bundle, unsaved = None, ""
     try:
-        out = (verify_gemm(s.context, s.site, cfg.reruns, cfg.thresholds.confirm_margin) if s.kind == "gemm"
+        margin = cfg.thresholds.confirm_margin
+        out = (verify_gemm(s.context, s.site, cfg.reruns, margin) if s.kind == "gemm"
+               else verify_attention(s.context, cfg.reruns, margin) if s.kind == "attention"
                else verify_region(s.context, s.op, s.site, cfg.reruns))
     except Exception as exc:  # a failed verification is an event: it must not end the training step
         h.stats.unverified += 1
@@ -46,6 +50,10 @@ def verify_one(h, s: Suspicion) -> SensorEvent:
             if tau is not None:
                 h.emit(SensorEvent("threshold", s.step, s.op, s.site, s.checks[0], severity.value,
                                    f"τ of {key} raised to {tau:.3g} after a cleared spike of {s.max_value:.3g}", rank=h.rank))
+    elif s.kind == "attention":
+        severity, evidence, summary = out.severity, out.evidence, out.summary
+        confirmed = severity is Verdict.FAULTY
+        unsaved = ATTENTION_UNSAVED if confirmed else ""
     else:
         severity, evidence, summary = out.severity, [out.evidence], out.evidence.summary
         confirmed = severity is Verdict.FAULTY

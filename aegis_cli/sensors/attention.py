@@ -1,0 +1,236 @@
+"""``F.scaled_dot_product_attention`` through the checked attention (docs/sensors.md §2.3), opt-in
+(``SensorConfig.attention``).
+
+While a model is instrumented, ``torch.nn.functional.scaled_dot_product_attention`` is replaced
+by a function that sends the calls the checked attention computes (4-D Q, K, V of one batch,
+sequence and head dim; no mask other than ``is_causal``; no dropout; KV heads equal to the query
+heads, or dividing them with ``enable_gqa``) through a custom autograd function: the forward on
+``Device.attention_forward``, the backward on ``Device.attention_backward`` (bf16 operands, fp32
+accumulators, deterministic). Any other call goes to torch's own function and is counted in
+``stats.attention_unchecked`` by reason.
+
+A sampled call is sensed after its backward, when forward and backward sums exist: the attention
+checks (checks/attention.py ``check_attention``, the probe's, against the fp64 reference) at the
+invariants' τ. A flagged call's operands and outputs are copied and queued (kind ``attention``);
+the verifier re-runs it (``verify_attention``) and judges each signal by checks/attention.py
+``judge_signal``, as the probe's confirmation does. Calls are named by their order in the step:
+``train/sdpa#I/SHAPE`` (an ``--inject`` ``op=`` matches a part of it; the passes are ``…:fwd``
+and ``…:bwd``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from aegis_cli.backends.base import Device
+from aegis_cli.checks import attention as checks
+from aegis_cli.faults.spec import FaultPlan
+from aegis_cli.ops import attention_sums as sums
+from aegis_cli.ops.attention import BLOCK, AttentionBackward, AttentionForward, AttentionOperands, AttentionShape, reference
+from aegis_cli.ops.errors import ConfigError
+from aegis_cli.ops.verdict import Evidence, Verdict, worst
+from aegis_cli.sensors.queue import Suspicion
+
+BF16 = torch.bfloat16
+MAX_SAMPLES = 8
+
+
+@dataclass
+class AttentionContext:
+    """A flagged call, copied: what the verifier re-runs and what it compares with."""
+
+    device: Device
+    fault: FaultPlan | None
+    ops: AttentionOperands
+    fwd: AttentionForward
+    bwd: AttentionBackward
+    scale: float
+    site: str
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.ops.q, self.ops.k, self.ops.v, self.ops.do, *checks.outputs_of(self.fwd, self.bwd).values()]
+
+
+def unsupported(q, k, v, attn_mask, dropout_p, enable_gqa) -> str | None:
+    """Why the checked attention cannot compute this call (None: it can)."""
+    if attn_mask is not None:
+        return "attn_mask"
+    if dropout_p != 0.0:
+        return "dropout"
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 and t.is_floating_point() for t in (q, k, v)):
+        return "not 4-D floating point"
+    if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:] or k.shape != v.shape or 0 in q.shape:
+        return "shape"
+    if q.shape[1] % k.shape[1] or (q.shape[1] != k.shape[1] and not enable_gqa):
+        return "kv heads"
+    if q.device.type not in ("cpu", "cuda") or q.device != k.device or q.device != v.device:
+        return "device"
+    if q.device.type == "cuda" and q.shape[3] > 128:
+        return "head dim"
+    return None
+
+
+def _run(device: Device, ops: AttentionOperands, scale: float, fault: FaultPlan | None, site: str):
+    fwd = device.attention_forward(ops.q, ops.k, ops.v, causal=ops.causal, scale=scale, fault=fault, op=f"{site}:fwd")
+    bwd = device.attention_backward(ops.q, ops.k, ops.v, fwd.o, fwd.lse, ops.do, causal=ops.causal, scale=scale,
+                                    fault=fault, op=f"{site}:bwd")
+    return fwd, bwd
+
+
+class _Call:
+    """One routed call: its device, name and scale."""
+
+    def __init__(self, h, device: Device, site: str, causal: bool, scale: float):
+        self.h, self.device, self.site, self.causal, self.scale = h, device, site, causal, scale
+
+    def sense(self, ops: AttentionOperands, fwd: AttentionForward, bwd: AttentionBackward) -> None:
+        h, key = self.h, "sdpa/" + ops.shape.token()
+        if not (h.sensing and h.controller.want(key)):
+            return
+        self.device.synchronize()
+        t0 = time.perf_counter()
+        th = sums.AttentionThresholds()
+        checked = checks.check_attention(ops, fwd, bwd, reference(ops, self.scale), self.scale, th)
+        h.stats.checked += 1
+        ratio = max((v / checked.tau[n] for n, v in checked.clean_max.items()), default=0.0)
+        h.step_max_ratio = max(h.step_max_ratio, ratio)
+        if not checked.signals:
+            h.stats.clean_max_ratio = max(h.stats.clean_max_ratio, ratio)
+        else:
+            top = max(checked.signals, key=lambda s: s.max_value)
+            ctx = AttentionContext(self.device, h.fault_for(self.device), _copy(ops),
+                                   AttentionForward(*(t.clone() for t in (fwd.o, fwd.lse, fwd.o_rowsum)), kernel=fwd.kernel),
+                                   AttentionBackward(*(t.clone() for t in bwd.tensors().values()), kernel=bwd.kernel),
+                                   self.scale, self.site)
+            h.raise_suspicion(Suspicion("attention", self.site.split("/")[1], self.site, h.step_index,
+                                        [s.check for s in checked.signals], top.max_value, ctx))
+        dt = time.perf_counter() - t0
+        h.controller.spent(key, dt)
+        h.add_sense_time(dt)
+
+
+def _copy(ops: AttentionOperands) -> AttentionOperands:
+    return AttentionOperands(*(t.detach().clone() for t in (ops.q, ops.k, ops.v, ops.do)), ops.causal)
+
+
+class CheckedAttentionFunction(torch.autograd.Function):
+    """softmax(scale·QKᵀ)·V with forward and backward on the device's checked attention."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: _Call) -> torch.Tensor:
+        dev, home = call.device, q.device
+        where = "cpu" if dev.identity.backend == "cpu" else home  # the reference path for tensors that live elsewhere
+        q2, k2, v2 = (t.detach().to(where, BF16).contiguous() for t in (q, k, v))
+        fwd = dev.attention_forward(q2, k2, v2, causal=call.causal, scale=call.scale,
+                                    fault=call.h.fault_for(dev), op=f"{call.site}:fwd")
+        ctx.save_for_backward(q2, k2, v2, fwd.o, fwd.lse, fwd.o_rowsum)
+        ctx.call, ctx.kernel = call, fwd.kernel
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype)
+        return fwd.o.to(home, q.dtype)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do: torch.Tensor):
+        q2, k2, v2, o, lse, o_rowsum = ctx.saved_tensors
+        call: _Call = ctx.call
+        dev, home = call.device, do.device
+        do2 = do.to(q2.device, BF16).contiguous()
+        bwd = dev.attention_backward(q2, k2, v2, o, lse, do2, causal=call.causal, scale=call.scale,
+                                     fault=call.h.fault_for(dev), op=f"{call.site}:bwd")
+        call.sense(AttentionOperands(q2, k2, v2, do2, call.causal), AttentionForward(o, lse, o_rowsum, ctx.kernel), bwd)
+        return (*(g.to(home, dt) for g, dt in zip((bwd.dq, bwd.dk, bwd.dv), ctx.dtypes, strict=True)), None)
+
+
+class AttentionRouter:
+    """The replacement of ``F.scaled_dot_product_attention`` for one handle; ``restore`` puts back
+    what was there."""
+
+    def __init__(self, h):
+        self.h, self.step, self.calls = h, -1, 0
+        self.original = F.scaled_dot_product_attention
+
+    def install(self) -> None:
+        F.scaled_dot_product_attention = self
+
+    def restore(self) -> None:
+        if F.scaled_dot_product_attention is self:
+            F.scaled_dot_product_attention = self.original
+
+    def _unchecked(self, reason: str) -> None:
+        counts = self.h.stats.attention_unchecked
+        counts[reason] = counts.get(reason, 0) + 1
+
+    def __call__(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        reason = unsupported(query, key, value, attn_mask, dropout_p, enable_gqa)
+        try:
+            shape = AttentionShape.of(query, key, bool(is_causal)) if reason is None else None
+        except ConfigError:  # a dimension beyond what the checked attention takes
+            reason = "shape"
+        if reason is not None:
+            self._unchecked(reason)
+            kw = {"enable_gqa": enable_gqa} if enable_gqa else {}
+            return self.original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                 scale=scale, **kw)
+        if self.step != self.h.step_index:  # calls are numbered from 0 in each step
+            self.step, self.calls = self.h.step_index, 0
+        site = f"train/sdpa#{self.calls}/{shape.token()}"
+        self.calls += 1
+        self.h.stats.attention_launches += 1
+        sc = shape.scale if scale is None else float(scale)
+        call = _Call(self.h, self.h.device_for(query), site, bool(is_causal), sc)
+        with torch.autocast(query.device.type, enabled=False):
+            return CheckedAttentionFunction.apply(query, key, value, call)
+
+
+def _injections(plan: FaultPlan | None, site: str, n: int = 4) -> list[dict]:
+    """The last ``n`` injection records of this call's passes (``SITE:fwd``, ``SITE:bwd``)."""
+    return [r for r in plan.injected if r["op"].partition(":")[0] == site][-n:] if plan is not None else []
+
+
+@dataclass
+class AttentionOutcome:
+    severity: Verdict
+    evidence: list[Evidence]
+    summary: str
+
+
+def verify_attention(ctx: AttentionContext, reruns: int, confirm_margin: float) -> AttentionOutcome:
+    """Re-run a flagged call ``reruns`` times on its copied operands; judge each signal of the
+    observed run by how often it came back and whether the runs' bits agreed."""
+    dev, ops, th = ctx.device, ctx.ops, sums.AttentionThresholds()
+    ref = reference(ops, ctx.scale)
+    first = checks.check_attention(ops, ctx.fwd, ctx.bwd, ref, ctx.scale, th)
+    fp = lambda f, b: tuple(dev.fingerprint(t) for t in checks.outputs_of(f, b).values())
+    prints = {fp(ctx.fwd, ctx.bwd)}
+    seen = {s.check: 0 for s in first.signals}
+    for _ in range(reruns):
+        f2, b2 = _run(dev, ops, ctx.scale, ctx.fault, ctx.site)
+        prints.add(fp(f2, b2))
+        for s in checks.check_attention(ops, f2, b2, ref, ctx.scale, th).signals:
+            if s.check in seen:
+                seen[s.check] += 1
+    if not first.signals:
+        return AttentionOutcome(Verdict.HEALTHY, [], "no attention check fires on the observed run")
+    evidence = []
+    for sig in first.signals:
+        tau = first.tau.get(sig.tensor) if sig.check in checks.INVARIANT_CHECKS else None
+        j = checks.judge_signal(sig, distinct_outputs=len(prints), reproducible=seen[sig.check] == reruns, tau=tau,
+                                confirm_margin=confirm_margin)
+        s = ops.shape
+        ev = Evidence(check=sig.check, severity=j.severity, case_id=ctx.site, summary="", op="attention",
+                      shape={"batch": s.batch, "q_heads": s.q_heads, "kv_heads": s.kv_heads, "seq": s.seq,
+                             "head_dim": s.head_dim, "causal": s.causal},
+                      threshold=tau, max_value=sig.max_value, elements=sig.elements,
+                      samples=[sig.position(tuple(p), BLOCK) for p in sig.where[:MAX_SAMPLES].tolist()],
+                      reruns=reruns, reproduced=seen[sig.check], distinct_outputs=len(prints),
+                      kernel=f"{ctx.fwd.kernel}/{ctx.bwd.kernel}", injected=_injections(ctx.fault, ctx.site))
+        ev.summary = (f"{sig.check}: {sig.elements} value(s) flagged in training ({sig.tensor}); failed "
+                      f"{seen[sig.check] + 1} of {reruns + 1} runs; {j.why}")
+        evidence.append(ev)
+    severity = worst(e.severity for e in evidence)
+    lead = max(evidence, key=lambda e: e.severity.rank)
+    return AttentionOutcome(severity, evidence, lead.summary)

@@ -1,0 +1,98 @@
+"""SDPA through the checked attention (SensorConfig.attention): a model trains like its plain self
+within bf16 tolerance and repeats bit for bit; an injected attention fault is caught and
+confirmed; unsupported calls fall through to torch and are counted; uninstrument restores SDPA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from aegis_cli.ops.errors import ConfigError
+from aegis_cli.sensors import Action, SensorConfig, instrument, uninstrument
+from aegis_cli.sensors.attention import AttentionRouter
+from tests.sensors.test_instrument import loss_and_grads, rel
+from tests.sensors.tiny import batches, gpt, mlp
+
+ATTN = SensorConfig(overhead_budget=None, attention=True)
+
+
+def test_gpt_matches_the_plain_model_and_repeats_bit_for_bit():
+    model = gpt()
+    x, y = next(batches())
+    loss0, g0 = loss_and_grads(model, x, y)
+    runs = []
+    for _ in range(2):
+        h = instrument(model, ATTN)
+        runs.append(loss_and_grads(model, x, y))
+        assert h.step() is Action.CONTINUE
+        uninstrument(model)
+        # two blocks: two SDPA calls, each checked after its backward; nothing flagged
+        assert h.stats.attention_launches == 2 and h.stats.attention_unchecked == {}
+        assert h.stats.checked == 27 + 2 and h.stats.raised == 0
+    (loss1, g1), (loss2, g2) = runs
+    assert abs(float(loss1 - loss0)) <= 1e-2 * abs(float(loss0))
+    for name, g in g0.items():
+        assert rel(g1[name], g) < 5e-2, name
+    assert torch.equal(loss1.view(torch.int32), loss2.view(torch.int32))
+    assert all(torch.equal(g1[n].view(torch.int32), g2[n].view(torch.int32)) for n in g1)
+
+
+@pytest.mark.parametrize("spec, check", [("perturb:target=attn.dv,r=1000,op=sdpa#1", "attention.dv_colsum"),
+                                         ("perturb:target=attn.pv,r=100,op=sdpa#0", "attention.o_rowsum")])
+def test_injected_attention_fault_is_caught_and_confirmed(spec, check):
+    model = gpt()
+    x, y = next(batches())
+    h = instrument(model, SensorConfig(overhead_budget=None, attention=True, inject=spec))
+    loss_and_grads(model, x, y)
+    assert h.step() is Action.STOP
+    uninstrument(model)
+    confirmed = [e for e in h.events if e.kind == "confirmed"]
+    assert len(confirmed) == 1 and h.stats.raised == 1 and h.stats.confirmed == 1
+    ev = confirmed[0]
+    want_op = spec.split("op=")[1]
+    assert ev.check == check and ev.severity == "FAULTY" and ev.op == want_op and ev.site.startswith(f"train/{want_op}/")
+    assert ev.evidence[0].reproduced == 2 and ev.evidence[0].distinct_outputs == 1 and ev.evidence[0].injected
+    assert h.stats_dict()["never_fired"] == []
+
+
+def _qkv(heads=4, kv=4, seq=16, d=16, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda h: torch.randn(2, h, seq, d, generator=g, requires_grad=True)
+    return mk(heads), mk(kv), mk(kv)
+
+
+def test_gqa_is_checked_and_unsupported_calls_fall_through_counted():
+    model = mlp()
+    original = F.scaled_dot_product_attention
+    h = instrument(model, ATTN)
+    assert isinstance(F.scaled_dot_product_attention, AttentionRouter)
+    with pytest.raises(ConfigError):  # one global function: one routing handle at a time
+        instrument(mlp(), ATTN)
+    q, k, v = _qkv(kv=2)
+    got = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    got.square().sum().backward()
+    want = original(q, k, v, is_causal=True, enable_gqa=True)
+    assert rel(got.detach(), want.detach()) < 2e-2 and k.grad.shape == k.shape
+    mask = torch.ones(16, 16, dtype=torch.bool).tril()
+    assert torch.equal(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
+                       original(q, k, v, attn_mask=mask, enable_gqa=True))
+    F.scaled_dot_product_attention(q, k, v, dropout_p=0.5, enable_gqa=True)
+    with pytest.raises(RuntimeError):  # torch's own refusal of unequal heads without enable_gqa, unchanged
+        F.scaled_dot_product_attention(q, k, v)
+    h.step()
+    uninstrument(model)
+    assert F.scaled_dot_product_attention is original
+    assert h.stats.attention_launches == 1 and h.stats.checked == 1 and h.stats.raised == 0
+    assert h.stats_dict()["attention_unchecked"] == {"attn_mask": 1, "dropout": 1, "kv heads": 1}
+
+
+def test_attention_off_by_default_leaves_sdpa_alone():
+    original = F.scaled_dot_product_attention
+    model = gpt()
+    h = instrument(model, SensorConfig(overhead_budget=None))
+    assert F.scaled_dot_product_attention is original
+    x, y = next(batches())
+    loss_and_grads(model, x, y)
+    uninstrument(model)
+    assert h.stats.attention_launches == 0
