@@ -33,7 +33,7 @@ from aegis_cli.ops import attention_sums as sums
 from aegis_cli.ops.attention import BLOCK, AttentionBackward, AttentionForward, AttentionOperands, AttentionShape, reference
 from aegis_cli.ops.errors import ConfigError
 from aegis_cli.ops.verdict import Evidence, Verdict, worst
-from aegis_cli.sensors.queue import Suspicion
+from aegis_cli.sensors.queue import nbytes
 
 BF16 = torch.bfloat16
 MAX_SAMPLES = 8
@@ -102,12 +102,13 @@ class _Call:
             h.stats.clean_max_ratio = max(h.stats.clean_max_ratio, ratio)
         else:
             top = max(checked.signals, key=lambda s: s.max_value)
-            ctx = AttentionContext(self.device, h.fault_for(self.device), _copy(ops),
-                                   AttentionForward(*(t.clone() for t in (fwd.o, fwd.lse, fwd.o_rowsum)), kernel=fwd.kernel),
-                                   AttentionBackward(*(t.clone() for t in bwd.tensors().values()), kernel=bwd.kernel),
-                                   self.scale, self.site)
-            h.raise_suspicion(Suspicion("attention", self.site.split("/")[1], self.site, h.step_index,
-                                        [s.check for s in checked.signals], top.max_value, ctx))
+            h.suspect("attention", self.site.split("/")[1], self.site, [s.check for s in checked.signals], top.max_value,
+                      nbytes([ops.q, ops.k, ops.v, ops.do, *checks.outputs_of(fwd, bwd).values()]),
+                      lambda: AttentionContext(
+                          self.device, h.fault_for(self.device), _copy(ops),
+                          AttentionForward(*(t.clone() for t in (fwd.o, fwd.lse, fwd.o_rowsum)), kernel=fwd.kernel),
+                          AttentionBackward(*(t.clone() for t in bwd.tensors().values()), kernel=bwd.kernel),
+                          self.scale, self.site))
         dt = time.perf_counter() - t0
         h.controller.spent(key, dt)
         h.add_sense_time(dt)

@@ -8,6 +8,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
@@ -117,6 +118,16 @@ class SensorHandle:
         self.stats.raised += 1
         if not self.queue.push(s):
             self.drop(s.step, s.op, s.site, s.checks[0])
+
+    def suspect(self, kind: str, op: str, site: str, checks: list[str], max_value: float, size: int,
+                context: Callable[[], Any]) -> None:
+        """Raise a suspicion of this step holding ``size`` bytes, its context made by ``context()``
+        (the copies): dropped before anything is copied when the queue has no room for it."""
+        if not self.queue.fits(size):
+            self.stats.raised += 1
+            self.drop(self.step_index, op, site, checks[0])
+            return
+        self.raise_suspicion(Suspicion(kind, op, site, self.step_index, checks, max_value, context()))
 
     def drop(self, step: int, op: str, site: str, check: str) -> None:
         """A suspicion the queue has no room for: counted, and the step is no longer known clean."""

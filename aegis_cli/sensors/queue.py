@@ -13,6 +13,11 @@ from typing import Any
 import torch
 
 
+def nbytes(tensors) -> int:
+    """The bytes the tensors among ``tensors`` hold."""
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
 @dataclass
 class Suspicion:
     kind: str  # "gemm" | "checkpoint"
@@ -26,7 +31,7 @@ class Suspicion:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.context.tensors() if isinstance(t, torch.Tensor))
+        return nbytes(self.context.tensors())
 
 
 class SuspicionQueue:

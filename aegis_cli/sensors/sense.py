@@ -33,7 +33,7 @@ from aegis_cli.checks import gemm as checks
 from aegis_cli.faults.spec import FaultPlan
 from aegis_cli.ops import numerics
 from aegis_cli.ops.gemm import GemmOperands, GemmResult, Layout, ReferenceChecksums
-from aegis_cli.sensors.queue import Suspicion
+from aegis_cli.sensors.queue import nbytes
 
 
 @dataclass
@@ -148,13 +148,10 @@ def sense(h, device: Device, layer: str, ops: GemmOperands, res: GemmResult, sit
         h.stats.skipped_nonfinite += 1
     elif not signals:
         h.stats.clean_max_ratio = max(h.stats.clean_max_ratio, worst / tau)
-    elif not h.queue.fits(sum(t.numel() * t.element_size() for t in (ops.a, ops.b, res.c, res.row_sums, res.col_sums))):
-        h.stats.raised += 1
-        h.drop(h.step_index, layer, site, signals[0].check)  # no room: not even copied
     else:
-        ops2, res2 = snapshot(ops, res)
-        ctx = GemmContext(device, h.fault_for(device), ops2, res2, layer, tau, floor)
-        h.raise_suspicion(Suspicion("gemm", layer, site, h.step_index, [s.check for s in signals], worst, ctx))
+        h.suspect("gemm", layer, site, [s.check for s in signals], worst,
+                  nbytes((ops.a, ops.b, res.c, res.row_sums, res.col_sums)),
+                  lambda: GemmContext(device, h.fault_for(device), *snapshot(ops, res), layer, tau, floor))
     dt = time.perf_counter() - t0
     h.controller.spent(key, dt)
     h.add_sense_time(dt)
