@@ -34,9 +34,10 @@ def verify_one(h, s: Suspicion) -> SensorEvent:
                             f"verification failed: {type(exc).__name__}: {exc}", rank=h.rank)
         h.emit(event)
         return event
+    severity = out.severity
+    confirmed = severity is Verdict.FAULTY
+    evidence, summary = ([out.evidence], out.evidence.summary) if s.kind == "checkpoint" else (out.evidence, out.summary)
     if s.kind == "gemm":
-        severity, evidence, summary = out.severity, out.evidence, out.summary
-        confirmed = severity is Verdict.FAULTY
         if confirmed and cfg.bundle_dir is not None:
             layout = s.context.operands.layout.value
             bundle, unsaved = save_gemm(s.context, s.site, evidence, out.reference, directory=cfg.bundle_dir,
@@ -51,12 +52,8 @@ def verify_one(h, s: Suspicion) -> SensorEvent:
                 h.emit(SensorEvent("threshold", s.step, s.op, s.site, s.checks[0], severity.value,
                                    f"τ of {key} raised to {tau:.3g} after a cleared spike of {s.max_value:.3g}", rank=h.rank))
     elif s.kind == "attention":
-        severity, evidence, summary = out.severity, out.evidence, out.summary
-        confirmed = severity is Verdict.FAULTY
         unsaved = ATTENTION_UNSAVED if confirmed else ""
     else:
-        severity, evidence, summary = out.severity, [out.evidence], out.evidence.summary
-        confirmed = severity is Verdict.FAULTY
         unsaved = NOT_REPLAYABLE if confirmed else ""
         if out.nondeterministic:
             h.nondeterministic.add(s.site)
