@@ -20,7 +20,6 @@ and ``…:bwd``).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -91,27 +90,23 @@ class _Call:
         h, key = self.h, "sdpa/" + ops.shape.token()
         if not (h.sensing and h.controller.want(key)):
             return
-        self.device.synchronize()
-        t0 = time.perf_counter()
-        th = sums.AttentionThresholds()
-        checked = checks.check_attention(ops, fwd, bwd, reference(ops, self.scale), self.scale, th)
-        h.stats.checked += 1
-        ratio = max((v / checked.tau[n] for n, v in checked.clean_max.items()), default=0.0)
-        h.step_max_ratio = max(h.step_max_ratio, ratio)
-        if not checked.signals:
-            h.stats.clean_max_ratio = max(h.stats.clean_max_ratio, ratio)
-        else:
-            top = max(checked.signals, key=lambda s: s.max_value)
-            h.suspect("attention", self.site.split("/")[1], self.site, [s.check for s in checked.signals], top.max_value,
-                      nbytes([ops.q, ops.k, ops.v, ops.do, *checks.outputs_of(fwd, bwd).values()]),
-                      lambda: AttentionContext(
-                          self.device, h.fault_for(self.device), _copy(ops),
-                          AttentionForward(*(t.clone() for t in (fwd.o, fwd.lse, fwd.o_rowsum)), kernel=fwd.kernel),
-                          AttentionBackward(*(t.clone() for t in bwd.tensors().values()), kernel=bwd.kernel),
-                          self.scale, self.site))
-        dt = time.perf_counter() - t0
-        h.controller.spent(key, dt)
-        h.add_sense_time(dt)
+        with h.sensing_time(self.device, key):
+            th = sums.AttentionThresholds()
+            checked = checks.check_attention(ops, fwd, bwd, reference(ops, self.scale), self.scale, th)
+            h.stats.checked += 1
+            ratio = max((v / checked.tau[n] for n, v in checked.clean_max.items()), default=0.0)
+            h.step_max_ratio = max(h.step_max_ratio, ratio)
+            if not checked.signals:
+                h.stats.clean_max_ratio = max(h.stats.clean_max_ratio, ratio)
+            else:
+                top = max(checked.signals, key=lambda s: s.max_value)
+                h.suspect("attention", self.site.split("/")[1], self.site, [s.check for s in checked.signals], top.max_value,
+                          nbytes([ops.q, ops.k, ops.v, ops.do, *checks.outputs_of(fwd, bwd).values()]),
+                          lambda: AttentionContext(
+                              self.device, h.fault_for(self.device), _copy(ops),
+                              AttentionForward(*(t.clone() for t in (fwd.o, fwd.lse, fwd.o_rowsum)), kernel=fwd.kernel),
+                              AttentionBackward(*(t.clone() for t in bwd.tensors().values()), kernel=bwd.kernel),
+                              self.scale, self.site))
 
 
 def _copy(ops: AttentionOperands) -> AttentionOperands:

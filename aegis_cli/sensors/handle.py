@@ -3,6 +3,7 @@ sensors, the step boundary where the verifier runs, events, and statistics (docs
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 import weakref
@@ -113,6 +114,18 @@ class SensorHandle:
 
     def add_sense_time(self, seconds: float) -> None:
         self._sense_step += seconds
+
+    @contextlib.contextmanager
+    def sensing_time(self, device: Device, key: str):
+        """Time one sampled check of operator ``key``: charged to its controller and to this step's
+        sensing. The device is synchronised first, so the launch and the work queued before it are
+        not the check's cost."""
+        device.synchronize()
+        t0 = time.perf_counter()
+        yield
+        dt = time.perf_counter() - t0
+        self.controller.spent(key, dt)
+        self.add_sense_time(dt)
 
     def raise_suspicion(self, s: Suspicion) -> None:
         self.stats.raised += 1

@@ -21,7 +21,6 @@ one number back. Self-tests (a fault plan) run through ``Device.checked_gemm`` a
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass
 
 import torch
@@ -136,9 +135,8 @@ def snapshot(ops: GemmOperands, res: GemmResult) -> tuple[GemmOperands, GemmResu
 
 def sense(h, device: Device, layer: str, ops: GemmOperands, res: GemmResult, site: str, key: str) -> None:
     """Check one sampled launch; push a suspicion when a checksum is over this operator's τ.
-    ``h``: the SensorHandle (its controller, queue and counters)."""
-    device.synchronize()  # the launch, and the work queued before it, are not this check's cost
-    t0 = time.perf_counter()
+    ``h``: the SensorHandle (its controller, queue and counters); the caller times it
+    (``SensorHandle.sensing_time``)."""
     floor = h.config.thresholds.tau_for(device, ops.mnk[2])
     tau = h.controller.tau(key, floor)
     signals, worst, finite = compare(ops, res, tau, device.noise_model(ops.mnk[2]))
@@ -152,9 +150,6 @@ def sense(h, device: Device, layer: str, ops: GemmOperands, res: GemmResult, sit
         h.suspect("gemm", layer, site, [s.check for s in signals], worst,
                   nbytes((ops.a, ops.b, res.c, res.row_sums, res.col_sums)),
                   lambda: GemmContext(device, h.fault_for(device), *snapshot(ops, res), layer, tau, floor))
-    dt = time.perf_counter() - t0
-    h.controller.spent(key, dt)
-    h.add_sense_time(dt)
 
 
 def launch(device: Device, ops: GemmOperands, fault: FaultPlan | None, site: str) -> GemmResult:
@@ -185,5 +180,6 @@ def run_gemm(h, layer: str, layout: Layout, a: torch.Tensor, b: torch.Tensor) ->
         h.stats.launches += 1
         key = f"{layer}/{layout.value}"
         if h.sensing and h.controller.want(key):
-            sense(h, device, layer, ops, res, site, key)
+            with h.sensing_time(device, key):
+                sense(h, device, layer, ops, res, site, key)
     return res.c.to(home)
