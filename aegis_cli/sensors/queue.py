@@ -20,13 +20,14 @@ def nbytes(tensors) -> int:
 
 @dataclass
 class Suspicion:
-    kind: str  # "gemm" | "checkpoint"
+    kind: str  # "gemm" | "attention" | "checkpoint"
     op: str  # the layer or region
     site: str  # the launch's op id
     step: int
     checks: list[str]  # what fired
     max_value: float  # the largest normalised difference (gemm) or 1.0 (a fingerprint mismatch)
-    context: Any  # what the verifier needs: sensors.verify.GemmContext or sensors.checkpoint.RegionContext
+    context: Any  # what the verifier needs: sensors.sense.GemmContext, sensors.attention.AttentionContext
+    # or sensors.checkpoint.RegionContext
     raised_at: float = field(default_factory=time.perf_counter)
 
     @property
