@@ -102,8 +102,8 @@ def scan_device(device: Device, opts: ScanOptions, fault: FaultPlan | None, prog
             if first is not None and tally.stop(first.case_id):  # fail-fast: the later probes are skipped
                 tally.skipped_probes += list(opts.probes[i + 1:])
                 for later in opts.probes[i + 1:]:  # their cases still count as progress, so the total adds up
-                    count = CASE_COUNTS.get(later) if later not in NODE_PROBES else None
-                    for _ in range(count([device], ctx.config) if count else 0):
+                    count = CASE_COUNTS[later]([device], ctx.config) if later in CASE_COUNTS else 0  # node probes: none
+                    for _ in range(count):
                         progress("case", device=device.identity.id, case=f"{later}/skipped")
                 break
     except AegisError as exc:
