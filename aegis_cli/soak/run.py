@@ -359,8 +359,9 @@ def preflight(opts: SoakOptions, devices: list[Device]) -> None:
     for d in devices:
         wl = workload_for(opts.probe_config(), d)
         held = 2 * WINDOW.get(d.identity.backend, WINDOW["cpu"])  # results of two windows: C, 2 bytes an element
-        big = max(wl.gemms(), key=lambda s: case_bytes(s.m, s.n, s.k) + held * s.m * s.n * 2)
-        need = case_bytes(big.m, big.n, big.k) + held * big.m * big.n * 2
+        needs = {s: case_bytes(s.m, s.n, s.k) + held * s.m * s.n * 2 for s in wl.gemms()}
+        big = max(needs, key=needs.get)
+        need = needs[big]
         short = memory_shortfall(d, need)
         if short is not None:
             raise ConfigError(f"--soak: workload {wl.name!r}: its largest GEMM ({big.op} {big.layout.value} "
