@@ -31,6 +31,7 @@ from aegis_cli.probes import (
     ProbeConfig,
     ProbeContext,
     case_probe,
+    check_reruns,
     load_all,
     parse_probe_options,
     workload_for,
@@ -40,7 +41,6 @@ from aegis_cli.report import DeviceReport, Report, new_report
 from aegis_cli.vtask.capture import check_savable as savable
 from aegis_cli.vtask.model import GemmSpec
 
-MAX_RERUNS = 1000  # re-runs of one flagged case; a typo (--reruns 1000000) must not hang the scan
 MAX_IN_FULL = 1000  # evidence in full per probe: beyond it, a report of a device failing every launch grows without use
 
 # progress(event, **info): "start" (total=cases), "case" (device, case), "device_done" (device, verdict)
@@ -102,8 +102,8 @@ def scan_device(device: Device, opts: ScanOptions, fault: FaultPlan | None, prog
             if first is not None and tally.stop(first.case_id):  # fail-fast: the later probes are skipped
                 tally.skipped_probes += list(opts.probes[i + 1:])
                 for later in opts.probes[i + 1:]:  # their cases still count as progress, so the total adds up
-                    count = CASE_COUNTS.get(later) if later not in NODE_PROBES else None
-                    for _ in range(count([device], ctx.config) if count else 0):
+                    count = CASE_COUNTS[later]([device], ctx.config) if later in CASE_COUNTS else 0  # node probes: none
+                    for _ in range(count):
                         progress("case", device=device.identity.id, case=f"{later}/skipped")
                 break
     except AegisError as exc:
@@ -191,11 +191,6 @@ def scan_thresholds(tau: float | None, margin: float | None) -> numerics.Thresho
     """The default thresholds with the given ``--threshold`` / ``--confirm-margin`` (None: default)."""
     given = {"tau": tau, "confirm_margin": margin}
     return dataclasses.replace(numerics.Thresholds(), **{k: v for k, v in given.items() if v is not None})
-
-
-def check_reruns(n: int, name: str = "--reruns") -> None:
-    if not 1 <= n <= MAX_RERUNS:
-        raise ConfigError(f"{name} must lie in 1…{MAX_RERUNS}, got {n}")
 
 
 def run_scan(opts: ScanOptions, progress: Progress | None = None) -> Report:

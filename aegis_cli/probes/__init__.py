@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
 DEFAULT_PROBES = ("gemm", "determinism", "pow2", "memory", "crossdevice", "attention")
 DEFAULT_RERUNS = 5  # re-runs of a flagged case (aegis scan --reruns)
+MAX_RERUNS = 1000  # re-runs of one flagged case; a typo (--reruns 1000000) must not hang a scan or a burn-in
 
 
 def _default_thresholds() -> Thresholds:
@@ -180,6 +181,14 @@ def parse_probe_options(items: dict[str, str]) -> dict[str, str]:
             raise ConfigError(f"unknown probe option {name!r} (known: {known})")
         convert_option(probe, key, raw)
     return dict(items)
+
+
+def check_reruns(n: int, name: str = "--reruns") -> None:
+    """Refuse re-runs outside 1…MAX_RERUNS (the scan's, the burn-in's and a sweep's)."""
+    from aegis_cli.ops.errors import ConfigError
+
+    if not 1 <= n <= MAX_RERUNS:
+        raise ConfigError(f"{name} must lie in 1…{MAX_RERUNS}, got {n}")
 
 
 def case_probe(case: str) -> str:

@@ -32,7 +32,7 @@ from aegis_cli.ops.case import check_seed
 from aegis_cli.ops.errors import AegisError, ConfigError, DeviceError, GoldenError
 from aegis_cli.ops.gemm import GemmOperands, GemmResult, ReferenceChecksums
 from aegis_cli.ops.verdict import Evidence, Verdict, worst
-from aegis_cli.probes import DEFAULT_RERUNS, ProbeConfig, workload_for
+from aegis_cli.probes import DEFAULT_RERUNS, ProbeConfig, check_reruns, workload_for
 from aegis_cli.probes.gemm import GemmProbe, ProbeStats, case_bytes, clean_median, scaled, scaled_reference
 from aegis_cli.report import DeviceReport, Report, new_report
 from aegis_cli.soak.record import SoakRecord
@@ -42,7 +42,6 @@ Progress = Callable[..., None]  # as scan's: progress("start" | "soak" | "device
 
 WINDOW = {"cuda": 64, "cpu": 4}  # launches screened per host read; on a GPU the host reads one window behind
 CONFIRM = 1  # failing launches confirmed in full (re-runs, fp64 recomputation, judgement); later ones are counted
-MAX_RERUNS = 1000  # as aegis scan's
 
 
 @dataclass
@@ -67,8 +66,7 @@ class SoakOptions:
 
     def __post_init__(self) -> None:
         check_seed(self.seed)
-        if not 1 <= self.reruns <= MAX_RERUNS:
-            raise ConfigError(f"--reruns must lie in 1…{MAX_RERUNS}, got {self.reruns}")
+        check_reruns(self.reruns)
         refused = {"--case": self.case, "--save-vtasks": self.keep_flagged, "--golden": self.golden,
                    "--probe-option": self.probe_options, "--probes": self.probes, "--fail-fast": self.fail_fast}
         given = [k for k, v in refused.items() if v]
@@ -361,8 +359,9 @@ def preflight(opts: SoakOptions, devices: list[Device]) -> None:
     for d in devices:
         wl = workload_for(opts.probe_config(), d)
         held = 2 * WINDOW.get(d.identity.backend, WINDOW["cpu"])  # results of two windows: C, 2 bytes an element
-        big = max(wl.gemms(), key=lambda s: case_bytes(s.m, s.n, s.k) + held * s.m * s.n * 2)
-        need = case_bytes(big.m, big.n, big.k) + held * big.m * big.n * 2
+        needs = {s: case_bytes(s.m, s.n, s.k) + held * s.m * s.n * 2 for s in wl.gemms()}
+        big = max(needs, key=needs.get)
+        need = needs[big]
         short = memory_shortfall(d, need)
         if short is not None:
             raise ConfigError(f"--soak: workload {wl.name!r}: its largest GEMM ({big.op} {big.layout.value} "
