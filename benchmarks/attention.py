@@ -17,13 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
 import torch
 
 from aegis_cli.backends import cuda_attention as ca
+from benchmarks.gemm import _time as _gemm_time
 
 MODELS = {"llama3-8b": (32, 8), "llama3-70b/tp8": (8, 1)}
 D = 128
@@ -31,21 +31,9 @@ TOKENS = 32768
 
 
 def _time(fns: dict, reps: int, warmup: int = 2) -> dict[str, float]:
-    """Median milliseconds per call of each fn; candidates interleaved sample by sample."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    torch.cuda.synchronize()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(reps):
-        for key, fn in fns.items():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times[key].append(start.elapsed_time(end))
-    return {k: statistics.median(v) for k, v in times.items()}
+    """Median milliseconds per call of each fn; candidates interleaved sample by sample
+    (benchmarks/gemm.py's timer, one call per sample)."""
+    return _gemm_time({k: (lambda _i, fn=fn: fn()) for k, fn in fns.items()}, reps, warmup=warmup, burst=1)
 
 
 def _sdpa(q, k, v, gqa: bool):

@@ -26,6 +26,7 @@ import torch
 
 from aegis_cli.backends import loader
 from aegis_cli.faults.kernel_params import ATTN_FWD_STAGES, AttnFault, attn_fault
+from aegis_cli.ops.attention import STAGES
 from aegis_cli.ops.errors import ConfigError
 
 # The kernels' tile defines and their defaults (benchmarks/attention.py --tune tries others): warps per
@@ -77,9 +78,8 @@ def _fault_block(fault, b: int, hq: int, hkv: int, s: int, d: int, forward: bool
     """The packed fault when it belongs to this pass, else None (run the clean build)."""
     if fault is None:
         return None
-    sq, sk, ss = b * hq * s * d, b * hkv * s * d, b * hq * s * s
-    sizes = {"load_q": sq, "scores": ss, "softmax": ss, "pv": sq, "lse": b * hq * s,
-             "dv": sk, "dk": sk, "dq": sq, "dp": ss, "recompute_p": ss}
+    dim = {"q": hq, "kv": hkv, "s": s, "d": d}
+    sizes = {stage: b * math.prod(dim[x] for x in dims) for stage, dims in STAGES.items()}
     block = attn_fault(fault, sizes)
     return block if (fault[0] in ATTN_FWD_STAGES) == forward else None
 

@@ -31,10 +31,7 @@ POW2_CHECK = "attention.pow2_exact"
 NONFINITE_CHECK = "attention.nonfinite"
 INVARIANT_CHECKS = tuple(PREFIX + n for n in sums.INVARIANTS)
 ATTENTION_CHECKS = (*INVARIANT_CHECKS, NONFINITE_CHECK, POW2_CHECK)
-# what one position of each check's tensor names: (batch, head, query) or (batch, KV head, column)
-AXES = {"o_rowsum": ("batch", "head", "query"), "lse": ("batch", "head", "query"),
-        "dq_rowsum": ("batch", "head", "query"), "dv_colsum": ("batch", "kv_head", "column"),
-        "dk_colsum": ("batch", "kv_head", "column")}
+# what one position of each output's or sum's tensor names
 OUTPUT_AXES = {"o": ("batch", "head", "query", "column"), "dq": ("batch", "head", "query", "column"),
                "dk": ("batch", "kv_head", "key", "column"), "dv": ("batch", "kv_head", "key", "column"),
                "lse": ("batch", "head", "query"), "o_rowsum": ("batch", "head", "query"),

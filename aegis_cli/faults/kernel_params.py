@@ -21,6 +21,7 @@ import torch
 
 from aegis_cli.faults import tensor as corrupt
 from aegis_cli.faults.spec import FaultPlan, FaultSpec, LaunchContext
+from aegis_cli.ops.attention import FORWARD_STAGES
 from aegis_cli.ops.errors import DeviceError, InjectSpecError
 from aegis_cli.ops.gemm import GemmOperands
 
@@ -240,7 +241,7 @@ def inject_params(acc: AccFaults, m: int, n: int, tile: tuple[int, int], device:
 # then a number added, before any fused invariant sum reads it.
 ATTN_STAGES = {"load_q": 1, "scores": 2, "softmax": 3, "pv": 4, "lse": 5,
                "dv": 6, "dk": 7, "dq": 8, "dp": 9, "recompute_p": 10}
-ATTN_FWD_STAGES = frozenset({"load_q", "scores", "softmax", "pv", "lse"})
+ATTN_FWD_STAGES = frozenset(FORWARD_STAGES)
 
 
 class AttnFault(ctypes.Structure):  # mirrors AttnFault in kernels/attention.cuh

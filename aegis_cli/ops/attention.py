@@ -318,7 +318,8 @@ def reference(ops: AttentionOperands, scale: float, *, rows: int = 256) -> Atten
     q, do = ops.q.double(), ops.do.double()
     k, v = _expand(ops.k.double(), g), _expand(ops.v.double(), g)
     b, h, s, d = q.shape
-    vabs, kabs = v.abs().sum(-1), k.abs().sum(-1)  # (B, Hq, S)
+    v_abs = v.abs()
+    vabs, kabs = v_abs.sum(-1), k.abs().sum(-1)  # (B, Hq, S)
     v1, k1 = v.sum(-1).unsqueeze(-2), k.sum(-1).unsqueeze(-2)  # (B, Hq, 1, S): V·1 and K·1 per key
     out = {n: torch.empty((b, h, s, *t), dtype=torch.float64, device=q.device) for n, t in (("o", (d,)), ("lse", ()), ("dq", (d,)),
                                                                           ("os", ()), ("dqs", ()), ("osg", ()), ("dqsg", ()),
@@ -326,6 +327,7 @@ def reference(ops: AttentionOperands, scale: float, *, rows: int = 256) -> Atten
     dk = torch.zeros((b, h, s, d), dtype=torch.float64, device=q.device)
     dv = torch.zeros((b, h, s, d), dtype=torch.float64, device=q.device)
     p_min = 1.0
+    rms = lambda x: x.square().sum(-1).sqrt()
     for i0 in range(0, s, rows):
         i1 = min(s, i0 + rows)
         sc = (q[:, :, i0:i1] @ k.transpose(-1, -2)) * scale
@@ -336,13 +338,12 @@ def reference(ops: AttentionOperands, scale: float, *, rows: int = 256) -> Atten
         p_min = min(p_min, float(p.masked_fill(torch.isinf(sc), 1.0).min()))
         dp = do[:, :, i0:i1] @ v.transpose(-1, -2)
         ds = p * (dp - (p * dp).sum(-1, keepdim=True))
-        a = do[:, :, i0:i1].abs() @ v.abs().transpose(-1, -2)
+        a = do[:, :, i0:i1].abs() @ v_abs.transpose(-1, -2)
         a_bar = (p * a).sum(-1, keepdim=True)
         o = p @ v
         out["o"][:, :, i0:i1] = o
         # rounding spreads (docs/attention.md §3): each bf16 rounding of P or dS moves its product by
         # at most 2⁻⁹ of it, independently; D_i's error (from the bf16 O and P) shifts a row's dS together
-        rms = lambda x: x.square().sum(-1).sqrt()
         out["osg"][:, :, i0:i1] = 2.0**-8 * (rms(p * v1) + rms(p) * (p * v1).sum(-1).abs())
         r = rms(p * dp) + rms(do[:, :, i0:i1] * o)
         out["dqsg"][:, :, i0:i1] = scale * 2.0**-8 * (rms(ds * k1) + r * (p * k1).sum(-1).abs())

@@ -141,10 +141,6 @@ def rounding_bound(name: str, ops: AttentionOperands, scale: float) -> float:
     return 3 * (U_BF16 * (1 + 2.0**-6) + 2 * delta) + acc
 
 
-def nonfinite(*tensors: torch.Tensor) -> bool:
-    return any(not bool(torch.isfinite(t).all()) for t in tensors)
-
-
 def scaled_operands(ops: AttentionOperands, ev: int, edo: int) -> AttentionOperands:
     """V·2^ev and dO·2^edo: exact for bf16 in the normal range (Q and K scalings are not: the
     softmax is not homogeneous)."""

@@ -254,8 +254,10 @@ def _blocks(sig: checks.AttentionSignal) -> list[tuple[int, int]]:
 
 def _samples(sig: checks.AttentionSignal) -> list[dict]:
     """The largest differences (invariants), else the first positions, with what was seen."""
-    if sig.diff is not None:
-        d = sig.diff.cpu()
+    host = {k: t.cpu() for k, t in (("observed", sig.observed), ("expected", sig.expected),
+                                     ("normalised_diff", sig.diff)) if t is not None}  # one copy each, not one per sample
+    if "normalised_diff" in host:
+        d = host["normalised_diff"]
         flat = torch.topk(d.reshape(-1), min(MAX_SAMPLES, sig.elements)).indices
         coords = torch.stack(torch.unravel_index(flat, d.shape), 1).tolist()
     else:
@@ -263,12 +265,7 @@ def _samples(sig: checks.AttentionSignal) -> list[dict]:
     out = []
     for c in coords:
         sample = sig.position(tuple(c), BLOCK)
-        if sig.observed is not None:
-            sample["observed"] = float(sig.observed.cpu()[tuple(c)])
-        if sig.expected is not None:
-            sample["expected"] = float(sig.expected.cpu()[tuple(c)])
-        if sig.diff is not None:
-            sample["normalised_diff"] = float(sig.diff.cpu()[tuple(c)])
+        sample.update({k: float(t[tuple(c)]) for k, t in host.items()})
         out.append(sample)
     return out
 
