@@ -13,7 +13,6 @@ fault models have something to pin to.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import os
 import platform
@@ -149,7 +148,7 @@ class CpuDevice(Device):
         return numerics.reference_checksums(ops, tile, self.noise_model(ops.mnk[2]))
 
     def noise_model(self, k: int) -> numerics.NoiseModel:
-        return dataclasses.replace(CPU_NOISE, cap=max(numerics.S_FLOOR, self.accumulation_bound(k)))
+        return CPU_NOISE.capped_at(self.accumulation_bound(k))
 
     def fingerprint(self, t: torch.Tensor) -> int:
         return fingerprint.fingerprint(t)

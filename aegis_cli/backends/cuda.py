@@ -163,7 +163,7 @@ class CudaDevice(Device):
         return numerics.reference_checksums(ops, tile, self.noise_model(ops.mnk[2]))
 
     def noise_model(self, k: int) -> numerics.NoiseModel:
-        return dataclasses.replace(CUDA_NOISE[self.kernel], cap=max(numerics.S_FLOOR, self.accumulation_bound(k)))
+        return CUDA_NOISE[self.kernel].capped_at(self.accumulation_bound(k))
 
     def fingerprint(self, t: torch.Tensor) -> int:
         return fingerprint_cuda.gpu_fingerprint(t)  # the GPU kernel for CUDA tensors, same value as the CPU twin

@@ -6,6 +6,7 @@ backend reuses it for the comparison side. The reference side of a checksum is f
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -122,6 +123,11 @@ class NoiseModel:
     power: float
     cap: float
     source: str = ""
+
+    def capped_at(self, bound: float) -> NoiseModel:
+        """This model with its cap at a device's accumulation ``bound`` (÷ s, Device.accumulation_bound
+        at its K), never below S_FLOOR, the former calibrated τ."""
+        return dataclasses.replace(self, cap=max(S_FLOOR, bound))
 
     def depth(self, k: int) -> float:
         """The K^power factor, with K no less than CHECKSUM_SPAN: a checksum also sums up to that

@@ -28,7 +28,7 @@ from aegis_cli.backends.base import Device
 from aegis_cli.faults.spec import recent_injections
 from aegis_cli.ops import numerics
 from aegis_cli.ops.case import CaseId
-from aegis_cli.ops.gemm import GemmOperands, Layout
+from aegis_cli.ops.gemm import GemmOperands, Layout, ReferenceChecksums
 from aegis_cli.ops.verdict import Evidence, Verdict
 from aegis_cli.probes import ProbeContext, register_node
 from aegis_cli.probes.computations import COMPUTATIONS, MAX_SAMPLES, assumed_deterministic, computation_list, localise, majority, sizes_for
@@ -126,8 +126,12 @@ def _referee(name: str, key: str, results: dict[str, dict], ids: list[str], devi
     tile = devices[ids[0]].tile  # one model per comparison group: one tile
     ops = GemmOperands(a.to(torch.bfloat16), b.to(torch.bfloat16), Layout.FWD)
     idx = torch.tensor([r["index"] for r in recs])
+    refs: dict[numerics.NoiseModel, ReferenceChecksums] = {}  # devices of one kind share a noise model: one fp64 reference
     for d in ids:  # each device's differences in units of its own noise scale, as its GEMM probe sees them
-        ref = numerics.reference_checksums(ops, tile, devices[d].noise_model(k))
+        noise_model = devices[d].noise_model(k)
+        if noise_model not in refs:
+            refs[noise_model] = numerics.reference_checksums(ops, tile, noise_model)
+        ref = refs[noise_model]
         want, noise = (ref.row, ref.noise()[0]) if key == "row_sums" else (ref.col, ref.noise()[1])
         if tuple(want.shape) != tuple(a0.shape):  # sums of another layout than this reference's
             return None

@@ -24,7 +24,6 @@ is SUSPECT in any case (checks/recompute.py; checks/judge.py decides). See docs/
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import re
 import sys
@@ -179,10 +178,9 @@ class _VTaskReplay:
         tdev = _torch_device(dev)
         ops0 = vt.operands(tdev)
         tile = dev.tile
-        ref0 = dev.reference_checksums(ops0, tile)
-        if not self.by_noise:  # τ in units of Σ|A||B|: the checks divide by it, not by the noise scale
-            ref0 = dataclasses.replace(ref0, row_noise=None, col_noise=None)
         m, n, k = ops0.mnk
+        # τ in units of Σ|A||B| ("abs-product"): the checks divide by it, so no noise scale is computed
+        ref0 = numerics.reference_checksums(ops0, tile, dev.noise_model(k) if self.by_noise else None)
         element_ref = None
         if checks.checks_elements(m, n, k, ELEMENT_BUDGET):
             element_ref = ElementReference.of(ops0)
