@@ -103,10 +103,12 @@ class Device(abc.ABC):
         """Checked, deterministic flash-attention backward from the forward's O and LSE: dQ,
         dK, dV and the fused sums of their fp32 accumulators; backward-stage faults as above."""
 
-    @abc.abstractmethod
     def reference_checksums(self, ops: GemmOperands, tile: tuple[int, int]) -> ReferenceChecksums:
-        """fp64 reference checksums read from the stored operands (not from the
-        tiles that fed the matrix unit)."""
+        """fp64 reference checksums read from the stored operands (not from the tiles that fed
+        the matrix unit), with this device's noise scale σ at the operands' K."""
+        from aegis_cli.ops import numerics  # torch: only when a device computes
+
+        return numerics.reference_checksums(ops, tile, self.noise_model(ops.mnk[2]))
 
     @abc.abstractmethod
     def fingerprint(self, t: torch.Tensor) -> int:
@@ -116,7 +118,7 @@ class Device(abc.ABC):
         """Normalised bound (÷ s) on how far this device's fp32 accumulation of a K-deep dot
         product may drift from round-to-nearest summation. 0 for a path that rounds to
         nearest after every add (its error does not grow with K relative to s); matrix units
-        that truncate per MMA step override it (numerics.Thresholds.tau_for)."""
+        that truncate per MMA step override it; it caps the noise scale (NoiseModel.capped_at)."""
         return 0.0
 
     def noise_model(self, k: int) -> NoiseModel:

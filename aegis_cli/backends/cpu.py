@@ -28,7 +28,7 @@ from aegis_cli.faults.attention import pass_fault
 from aegis_cli.faults.spec import FaultPlan, LaunchContext
 from aegis_cli.ops import attention, fingerprint, numerics
 from aegis_cli.ops.errors import DeviceError
-from aegis_cli.ops.gemm import GemmOperands, GemmResult, ReferenceChecksums
+from aegis_cli.ops.gemm import GemmOperands, GemmResult
 
 CPU_TILE = (128, 128)
 SIM_SMS = 16
@@ -143,9 +143,6 @@ class CpuDevice(Device):
                            op: str = "") -> attention.AttentionBackward:
         af = pass_fault(fault, self.identity.id, op, attention.AttentionShape.of(q, k, causal), attention.BACKWARD_STAGES)
         return attention.flash_backward(q, k, v, o, lse, do, causal=causal, scale=scale, fault=af)
-
-    def reference_checksums(self, ops: GemmOperands, tile: tuple[int, int]) -> ReferenceChecksums:
-        return numerics.reference_checksums(ops, tile, self.noise_model(ops.mnk[2]))
 
     def noise_model(self, k: int) -> numerics.NoiseModel:
         return CPU_NOISE.capped_at(self.accumulation_bound(k))

@@ -39,7 +39,7 @@ from aegis_cli.faults.kernel_params import InjectParams, acc_faults, inject_para
 from aegis_cli.faults.spec import FaultPlan, LaunchContext
 from aegis_cli.ops import attention, numerics
 from aegis_cli.ops.errors import ConfigError, DeviceError
-from aegis_cli.ops.gemm import GemmOperands, GemmResult, Layout, ReferenceChecksums
+from aegis_cli.ops.gemm import GemmOperands, GemmResult, Layout
 
 CHECK_TILE = (64, 128)  # checksum tile of both kernels
 # tensor cores chop each fp32 partial sum the same way step after step, so the error grows with K
@@ -158,9 +158,6 @@ class CudaDevice(Device):
         free, _ = torch.cuda.mem_get_info(self.index)
         # what torch's caching allocator holds for this process is ours to reuse
         return int(free + torch.cuda.memory_reserved(self.index) - torch.cuda.memory_allocated(self.index))
-
-    def reference_checksums(self, ops: GemmOperands, tile: tuple[int, int]) -> ReferenceChecksums:
-        return numerics.reference_checksums(ops, tile, self.noise_model(ops.mnk[2]))
 
     def noise_model(self, k: int) -> numerics.NoiseModel:
         return CUDA_NOISE[self.kernel].capped_at(self.accumulation_bound(k))
