@@ -82,7 +82,7 @@ class SweepConfig:
         check_positive("budget_seconds", self.budget_seconds)
         check_positive("device_timeout_seconds", self.device_timeout_seconds)
         from aegis_cli.ops.case import check_seed
-        from aegis_cli.scan import check_reruns
+        from aegis_cli.probes import check_reruns
 
         check_reruns(self.reruns, "reruns")
 
