@@ -177,7 +177,7 @@ def check_savable(opts: ScanOptions, devices: list[Device]) -> None:
         for case in plan_cases(wl, opts.seed, opts.case):
             s = case.shape
             savable(d.identity.id, GemmSpec(layout=s.layout, m=s.m, n=s.n, k=s.k, tile=tuple(d.tile)), s.op,
-                    [case.case_id(ea, eb) for ea, eb in wl.scan.scales], tau=opts.thresholds.tau_for(d, s.k),
+                    [case.case_id(ea, eb) for ea, eb in wl.scan.scales], tau=opts.thresholds.tau,
                     confirm_margin=opts.thresholds.confirm_margin, seed=case.seed, dist=case.dist)
 
 

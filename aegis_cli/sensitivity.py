@@ -14,7 +14,7 @@ For one GEMM shape (M, N, K) and one input distribution:
    row-checksum difference of that input (the ``perturb`` fault of aegis_cli.faults, in the
    kernel on CUDA), and records which detectors flag any row or column tile:
 
-   - ``fp32_tau``: the fp32-accumulator checks at the production τ (Thresholds.tau_for, on the
+   - ``fp32_tau``: the fp32-accumulator checks at the production τ (Thresholds.tau, on the
      noise scale σ: what ``aegis scan`` uses);
    - ``fp32_heldout``: the fp32-accumulator checks at their held-out thresholds;
    - ``bf16_heldout``: the bf16-output checks at their held-out thresholds.
@@ -154,7 +154,7 @@ def sensitivity(device: Device, setup: Setup, rs: list[float], th: numerics.Thre
     """Run the study of the module docstring for one shape and distribution. ``progress``, if
     given, is called with (r, {detector: rate}) after each r."""
     th = th or numerics.Thresholds()
-    tau = th.tau_for(device, setup.k)
+    tau = th.tau
     cal_seeds, trial_seeds = setup.seeds()
     clean_max = dict.fromkeys(CHECKS, 0.0)
     for _ops, ref, res in _inputs(device, setup, cal_seeds):  # calibration: thresholds only

@@ -176,7 +176,7 @@ def write_doc(path: Path, results: list[SensitivityResult], args, device, elapse
         f"all detectors see the same launches. {s0.trials} trials per r on a half-decade grid {fmt(grid[0])} … "
         f"{fmt(grid[-1])}. A trial is detected when any row or column tile is over its threshold.",
         "- Detectors: **(a)** the fp32-accumulator row and column checks at the production τ, "
-        f"`numerics.Thresholds().tau_for(device, K)` = {fmt(results[0].tau)}·σ, what `aegis scan` uses; **(b)** the same checks at their "
+        f"`numerics.Thresholds().tau` = {fmt(results[0].tau)}·σ, what `aegis scan` uses; **(b)** the same checks at their "
         "held-out thresholds; **(c)** the bf16-output row and column checks at theirs.",
         "- r50 / r99: the smallest r on the grid from which detection stays ≥ 50 % / ≥ 99 % "
         f"(\"> {fmt(grid[-1])}\": not reached on the grid).", "",

@@ -222,11 +222,6 @@ class Thresholds:
     # puts bits beyond rounding), below it SUSPECT
     confirm_margin: float = 1.0
 
-    def tau_for(self, device, k: int) -> float:
-        """τ for one K-deep GEMM on ``device``: K and the device enter through the noise scale σ
-        (Device.noise_model), so τ itself is the same for every case."""
-        return self.tau
-
     def __post_init__(self) -> None:
         if not (0 < self.tau <= TAU_MAX and 0 < self.tau_bf16 < 1):
             raise ConfigError(f"thresholds must lie in (0, {TAU_MAX:g}] (τ, in units of the calibrated noise) and (0, 1) "

@@ -187,7 +187,7 @@ class GemmProbe:
         base_ops = case.operands(dev)
         tile = dev.tile
         base_ref = dev.reference_checksums(base_ops, tile)
-        tau = self.th.tau_for(dev, case.shape.k)
+        tau = self.th.tau
         med = clean_median(dev, base_ops, base_ref) if self.fault is not None and self.fault.needs_clean_median() else None
         evidence: list[Evidence] = []
         base: GemmResult | None = None

@@ -9,8 +9,8 @@ operators are checked every time and the expensive ones share the rest; p = shar
 budget, an operator unchecked for ``coverage_steps - 1`` steps is checked at its next launch.
 The coin is a private generator seeded by the config: the model's own random stream is untouched.
 
-Thresholds. An operator's τ is its floor (the calibrated τ, raised to the device's accumulation
-bound at that K: Thresholds.tau_for) times a raise factor ≥ 1. A cleared spike (a flag that the
+Thresholds. An operator's τ is its floor (Thresholds.tau, in units of the device's noise scale σ)
+times a raise factor ≥ 1. A cleared spike (a flag that the
 verifier found within rounding) raises the factor to headroom × spike ÷ floor, at most max_raise;
 each step boundary decays it geometrically back toward 1. Each change is logged.
 """

@@ -137,7 +137,7 @@ def sense(h, device: Device, layer: str, ops: GemmOperands, res: GemmResult, sit
     """Check one sampled launch; push a suspicion when a checksum is over this operator's τ.
     ``h``: the SensorHandle (its controller, queue and counters); the caller times it
     (``SensorHandle.sensing_time``)."""
-    floor = h.config.thresholds.tau_for(device, ops.mnk[2])
+    floor = h.config.thresholds.tau
     tau = h.controller.tau(key, floor)
     signals, worst, finite = compare(ops, res, tau, device.noise_model(ops.mnk[2]))
     h.stats.checked += 1

@@ -162,7 +162,7 @@ class _Soak:
         plan = set_plan(self.wl, self.opts.seed, index, self.n, self.device.identity.backend, mag)
         med = clean_median(self.device, ops, ref) if self.fault is not None and self.fault.needs_clean_median() else None
         self.rec.visit(plan)
-        return _Set(plan, ops, ref, self.th.tau_for(self.device, case.shape.k), med)
+        return _Set(plan, ops, ref, self.th.tau, med)
 
     # -- the loop --------------------------------------------------------------------
     def run(self) -> None:

@@ -106,7 +106,7 @@ def save_scan_vtasks(report: Report, path: str | os.PathLike) -> int:
             run = observed_run(device, evs, drawn[1], dr.captured.get(cid), fault)
             # τ as the checksum checks used it; an exact check's evidence carries none
             tau = next((e.threshold for e in evs if e.threshold is not None), None)
-            tau = tau if tau is not None else thresholds.tau_for(device, run.operands.mnk[2])
+            tau = tau if tau is not None else thresholds.tau
             ref = device.reference_checksums(run.operands, run.result.tile)  # τ is in units of this device's noise
             for vt in capture_gemm(run, evs, tau=tau, confirm_margin=thresholds.confirm_margin, provenance=prov, reference=ref):
                 writer.add(vt)
