@@ -45,15 +45,16 @@ def _pointers(launch) -> list[int]:
 
 
 def _fresh(launch):
-    """``launch`` writing into newly allocated outputs of the same shapes (tile→SM filled with -1,
-    as prepare leaves it), arguments repacked; the launch it came from keeps its own."""
+    """``launch`` on torch's current stream, writing into outputs newly allocated there (of the
+    same shapes; tile→SM filled with -1, as prepare leaves it), arguments repacked; the launch it
+    came from keeps its own."""
     old = launch.keep[_OUTS]
     outs = [torch.empty_like(t) for t in old[:3]] + [torch.full_like(old[3], -1)]
     args = list(launch.args)
     args[_OUTS] = [ctypes.c_void_p(t.data_ptr()) for t in outs]
     keep = list(launch.keep)
     keep[_OUTS] = outs
-    return dataclasses.replace(launch, args=args, keep=keep)
+    return dataclasses.replace(launch, args=args, keep=keep, stream=torch.cuda.current_stream(launch.device_id).cuda_stream)
 
 
 class Launcher:
@@ -75,8 +76,8 @@ class Launcher:
         return Prepared(ops, launch)
 
     def run(self, p: Prepared, fault: FaultPlan | None = None, *, op: str = "", clean_median: float | None = None) -> GemmResult:
-        """One checked GEMM of ``p``'s operands; on a GPU enqueued only (the caller synchronises),
-        unless a fault fires on this launch."""
+        """One checked GEMM of ``p``'s operands on torch's current stream; on a GPU enqueued only
+        (the caller synchronises), unless a fault fires on this launch."""
         dev = self.device
         if not self.cuda:
             return dev.checked_gemm(p.ops, fault, op=op, clean_median=clean_median)

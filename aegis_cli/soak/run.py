@@ -13,6 +13,7 @@ counted), and every launch names the case id and seed that re-run it
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -36,12 +37,15 @@ from aegis_cli.probes import DEFAULT_RERUNS, ProbeConfig, check_reruns, workload
 from aegis_cli.probes.gemm import GemmProbe, ProbeStats, case_bytes, clean_median, scaled, scaled_reference
 from aegis_cli.report import DeviceReport, Report, new_report
 from aegis_cli.soak.record import SoakRecord
-from aegis_cli.soak.schedule import REPEATS, SCALES, SET_FLOPS, SetPlan, pow2, set_case, set_plan
+from aegis_cli.soak.schedule import FINGERPRINT_EVERY, REPEATS, SCALES, SET_FLOPS, SetPlan, fingerprinted, pow2, set_case, set_plan
 
 Progress = Callable[..., None]  # as scan's: progress("start" | "soak" | "device_done", **info)
 
 WINDOW = {"cuda": 64, "cpu": 4}  # launches screened per host read; on a GPU the host reads one window behind
 CONFIRM = 1  # failing launches confirmed in full (re-runs, fp64 recomputation, judgement); later ones are counted
+# CUDA streams the launches alternate between: a launch's last, partial wave of tiles overlaps the
+# next launch's first (llama3-70b's qkv GEMMs are 320 tiles on 132 SMs, 2.4 waves)
+STREAMS = 2
 
 
 @dataclass
@@ -103,9 +107,10 @@ class _Launch:
     s: _Set
     scale: tuple[int, int]
     res: GemmResult
-    fp: torch.Tensor  # (1,) int64 on the device: its C's fingerprint
+    fp: torch.Tensor | None  # (1,) int64 on the device: its C's fingerprint (schedule.fingerprinted), else None
     expected: torch.Tensor  # (1,) int64: the fingerprint of the base's C at this scale
     lim: screen.Limits
+    ops: GemmOperands  # its operands, kept until the window is read: another stream may still read them
 
 
 @dataclass
@@ -113,7 +118,7 @@ class _Window:
     """Launches screened together, their flags on the way to the host."""
 
     launches: list[_Launch]
-    host: torch.Tensor  # (3n + 2,) int64: flagged checksums, fingerprint mismatches, fingerprints, noise (fp64 bits)
+    host: torch.Tensor  # (2n + 2,) int64: flagged checksums, fingerprint mismatches, noise (fp64 bits)
     event: object | None  # recorded after the copy (CUDA)
     flops: int
 
@@ -127,12 +132,15 @@ class _Soak:
         backend = device.identity.backend
         self.cuda = backend == "cuda"
         self.window = WINDOW.get(backend, WINDOW["cpu"])
+        self.streams = [torch.cuda.Stream(device.torch_device) for _ in range(STREAMS)] if self.cuda else []
         self.stats = ProbeStats()
         self.rec = SoakRecord(opts.seconds, opts.seed, {
             "workload": self.wl.name, "window": self.window, "scales_per_set": SCALES, "repeats": list(REPEATS),
-            "set_flops": SET_FLOPS.get(backend, SET_FLOPS["cpu"]),
+            "set_flops": SET_FLOPS.get(backend, SET_FLOPS["cpu"]), "fingerprint_every": FINGERPRINT_EVERY,
+            "streams": len(self.streams) or 1,
             "rule": "input set i: shape i mod #shapes, distribution (i div #shapes) mod #distributions, scan seed "
-                    "case_seed(seed, 'soak', i); scales drawn from that seed over the exact range; each scale repeated"})
+                    "case_seed(seed, 'soak', i); scales drawn from that seed over the exact range; each scale repeated; "
+                    "repeat r of a scale fingerprinted when r mod fingerprint_every = fingerprint_every - 1 or it is the last"})
         self.evidence: list[Evidence] = []
         self.noise: list[torch.Tensor] = []  # (clean max, clean max ÷ τ) of each scale's first launch, on the device
         self.n = 0  # launches enqueued
@@ -204,34 +212,58 @@ class _Soak:
         prepared = self.launcher.prepare(ops)
         cid = s.plan.case.case_id(ea, eb)
         expected = None
+        self._fork()
         for r in range(s.plan.repeats):
             if r and time.monotonic() - t0 >= self.opts.seconds:
                 return
-            res = self.launcher.run(prepared, self.fault, op=cid, clean_median=s.median)
+            with self._stream(self.n):
+                res = self.launcher.run(prepared, self.fault, op=cid, clean_median=s.median)
+                fp = device_fingerprint_tensor(res.c) if fingerprinted(r, s.plan.repeats) else None
             if s.base is None:
                 s.base = res
             if expected is None:  # the base's C at this scale: exact (numerics.pow2_exact_safe)
+                self._join()
                 expected = device_fingerprint_tensor(pow2(s.base.c, ea + eb))
                 clean = screen.clean_max(res, ref, s.tau)
                 self.noise.append(torch.stack([clean, clean / s.tau]))
             self.stats.checksums += res.row_sums.numel() + res.col_sums.numel()
-            yield _Launch(self.n, s, scale, res, device_fingerprint_tensor(res.c), expected, lim)
+            yield _Launch(self.n, s, scale, res, fp, expected, lim, ops)
             self.n += 1
+
+    # -- streams (CUDA): launches run on self.streams in turn, everything else on torch's current one
+    def _stream(self, n: int):
+        return torch.cuda.stream(self.streams[n % len(self.streams)]) if self.streams else contextlib.nullcontext()
+
+    def _fork(self) -> None:
+        """The launch streams wait for the work enqueued so far (a scale's operands, and whatever
+        last used the memory they will allocate from)."""
+        main = torch.cuda.current_stream(self.device.torch_device) if self.streams else None
+        for st in self.streams:
+            st.wait_stream(main)
+
+    def _join(self) -> None:
+        """What follows on the current stream waits for every launch enqueued so far."""
+        main = torch.cuda.current_stream(self.device.torch_device) if self.streams else None
+        for st in self.streams:
+            main.wait_stream(st)
 
     def _close(self, launches: list[_Launch]) -> _Window:
         """Screen a window of launches on the device and start copying the flags to the host."""
+        self._join()
         flags, start = [], 0
         for i in range(1, len(launches) + 1):  # consecutive launches of one scale share their limits
             if i == len(launches) or launches[i].lim is not launches[start].lim:
                 run = launches[start:i]
                 flags.append(screen.flagged([x.res.row_sums for x in run], [x.res.col_sums for x in run], run[0].lim))
                 start = i
-        fps = torch.cat([x.fp for x in launches])
-        clean = torch.stack(self.noise).amax(0) if self.noise else fps.new_zeros(2, dtype=torch.float64)
+        flags = torch.cat(flags)
+        # a fingerprint against the expected one, where the launch has one (else the expected against itself)
+        mismatch = (torch.cat([x.expected if x.fp is None else x.fp for x in launches])
+                    != torch.cat([x.expected for x in launches])).long()
+        clean = torch.stack(self.noise).amax(0) if self.noise else flags.new_zeros(2, dtype=torch.float64)
         self.noise = []
-        # one copy back: flags, mismatches, fingerprints, and the noise's two fp64 values as their bits
-        pack = torch.cat([torch.cat(flags), (fps != torch.cat([x.expected for x in launches])).long(), fps,
-                          clean.view(torch.int64)])
+        # one copy back: flags, mismatches, and the noise's two fp64 values as their bits
+        pack = torch.cat([flags, mismatch, clean.view(torch.int64)])
         event = None
         if self.cuda:
             host = torch.empty(pack.shape, dtype=pack.dtype, pin_memory=True)
@@ -259,7 +291,7 @@ class _Soak:
     def _read(self, w: _Window) -> None:
         n = len(w.launches)
         flagged, mismatch = w.host[:n].tolist(), w.host[n:2 * n].tolist()
-        clean_max, clean_ratio = w.host[3 * n:].view(torch.float64).tolist()
+        clean_max, clean_ratio = w.host[2 * n:].view(torch.float64).tolist()
         self.stats.gemms += n
         self.stats.flops += w.flops
         self.rec.completed([x.s.plan.case.shape for x in w.launches], w.flops)
