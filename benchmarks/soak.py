@@ -106,7 +106,7 @@ def main() -> int:
     mix_flops = sum(n * shapes[k]["flops"] for k, n in by.items())
     result = {"device": d["device"]["name"], "uuid": d["device"]["uuid"], "per_shape": shapes, "cublas_sustained": cublas,
               "soak": {"verdict": d["verdict"], "error": d["error"], "seconds": soak.get("elapsed"), "launches": soak.get("launches"),
-                       "host_wait": soak.get("host_wait"),
+                       "fingerprinted": soak.get("fingerprinted"), "host_wait": soak.get("host_wait"),
                        "input_sets": soak.get("input_sets"), "tflops": soak.get("tflops"), "failures": soak.get("failures"),
                        "telemetry": soak.get("telemetry"), "coverage": soak.get("coverage"),
                        "intervals_tflops": [i["tflops"] for i in soak.get("intervals", [])]},
@@ -131,7 +131,8 @@ def main() -> int:
     t = soak.get("telemetry") or {}
     print(f"cuBLAS sustained {cublas['tflops']} TF/s over {cublas['seconds']} s; cuBLAS on the soak's mix (event-timed) "
           f"{result['cublas_same_mix_tflops']} TF/s")
-    print(f"soak {d['verdict']}: {soak.get('launches')} launches in {soak.get('elapsed')} s (host waited {soak.get('host_wait')} s), "
+    print(f"soak {d['verdict']}: {soak.get('launches')} launches ({soak.get('fingerprinted')} fingerprinted) "
+          f"in {soak.get('elapsed')} s (host waited {soak.get('host_wait')} s), "
           f"{soak.get('tflops')} TF/s sustained; "
           f"ratio vs cuBLAS sustained {result.get('ratio_vs_cublas_sustained')}, vs same-mix {result.get('ratio_vs_cublas_same_mix')}")
     print(f"clock {t.get('sm_clock_mhz')}, temp {t.get('temperature_c')}, power {t.get('power_w')}, throttle {t.get('throttle')}")

@@ -12,7 +12,10 @@
 3. The whole mix sustained (the GPU at its power cap), ``--mix-seconds`` each: cuBLAS and our
    kernel alone, one stream and two.
 4. The burn-in itself for ``--soak-seconds`` with the shipped settings, and for half that with
-   one stream and a fingerprint of every launch (the settings before).
+   a fingerprint of every launch.
+
+(Device call 1 of issue 18's last item ran this at commit 3bd7563, when the burn-in itself
+alternated two streams; benchmarks/RESULTS.md has its figures.)
 """
 # ruff: noqa: B023  (every lambda here runs inside the loop iteration that makes it)
 
@@ -145,13 +148,12 @@ def mix_sustained(fn_for, keep, seconds, streams):
     return round(flops / (time.perf_counter() - t0) / 1e12, 1)
 
 
-def soak(seconds, streams, every):
-    soak_run.STREAMS, schedule.FINGERPRINT_EVERY = streams, every
-    soak_run.FINGERPRINT_EVERY = every
+def soak(seconds, every):
+    schedule.FINGERPRINT_EVERY = soak_run.FINGERPRINT_EVERY = every
     d = run_soak(SoakOptions(seconds=seconds, devices="cuda:0")).to_dict()["devices"][0]
     s = d.get("soak") or {}
     t = s.get("telemetry") or {}
-    return {"streams": streams, "fingerprint_every": every, "verdict": d["verdict"], "error": d["error"],
+    return {"fingerprint_every": every, "verdict": d["verdict"], "error": d["error"],
             "tflops": s.get("tflops"), "launches": s.get("launches"), "host_wait": s.get("host_wait"), "elapsed": s.get("elapsed"),
             "intervals": [i["tflops"] for i in s.get("intervals", [])], "clock": t.get("sm_clock_mhz"), "power": t.get("power_w"),
             "throttle": t.get("throttle")}
@@ -180,9 +182,9 @@ def main() -> int:
         print(f"mix {name}: {mix[name]} TF/s", flush=True)
     outs.clear(), prepared.clear(), keep.clear()
     torch.cuda.empty_cache()
-    soaks = [soak(args.soak_seconds, 2, schedule.FINGERPRINT_EVERY)]
+    soaks = [soak(args.soak_seconds, schedule.FINGERPRINT_EVERY)]
     print(f"soak {soaks[-1]}", flush=True)
-    soaks.append(soak(args.soak_seconds / 2, 1, 1))
+    soaks.append(soak(args.soak_seconds / 2, 1))
     print(f"soak {soaks[-1]}", flush=True)
     result = {"per_shape": rows, "mix_sustained_tflops": mix, "soaks": soaks}
     if args.json:
@@ -193,7 +195,7 @@ def main() -> int:
               f"{r['fingerprint_ms']:.4f} {r['screen_ms']:.4f} {r['screen_old_ms']:.4f} | {r['set_overhead_pct']}")
     print("mix sustained TF/s:", mix)
     for s in soaks:
-        print(f"soak streams={s['streams']} fp_every={s['fingerprint_every']}: {s['verdict']} {s['tflops']} TF/s, "
+        print(f"soak fp_every={s['fingerprint_every']}: {s['verdict']} {s['tflops']} TF/s, "
               f"{s['launches']} launches, host wait {s['host_wait']} of {s['elapsed']} s, clock {s['clock']}, power {s['power']}")
     return 0
 

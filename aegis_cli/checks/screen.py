@@ -58,17 +58,17 @@ def limits(ref: ReferenceChecksums, tau: float) -> Limits:
 
 
 def _within(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    return torch.ge(x, lo).logical_and_(torch.le(x, hi)).sum()
+    return torch.ge(x, lo).logical_and_(torch.le(x, hi)).sum((1, 2))
 
 
-def flagged(rows: list[torch.Tensor], cols: list[torch.Tensor], lim: Limits) -> torch.Tensor:
+def flagged(rows: torch.Tensor | list[torch.Tensor], cols: torch.Tensor | list[torch.Tensor], lim: Limits) -> torch.Tensor:
     """Checksums beyond their limits in each of several launches with the same limits (their row
-    sums ``rows`` and column sums ``cols``), as an int64 tensor (one count per launch) on their
-    device, without a sync. Counted as total − within, so NaN counts as flagged. Launch by
-    launch: stacking them first would copy every checksum once more."""
-    within = torch.stack([_within(r, lim.row_lo, lim.row_hi) + _within(c, lim.col_lo, lim.col_hi)
-                          for r, c in zip(rows, cols, strict=True)])
-    return lim.count - within
+    sums ``rows`` and column sums ``cols``: stacked, (launches, M, nt_n) and (launches, nt_m, N),
+    or lists stacked here), as an int64 tensor (one count per launch) on their device, without a
+    sync. Counted as total − within, so NaN counts as flagged."""
+    r = rows if isinstance(rows, torch.Tensor) else torch.stack(rows)
+    c = cols if isinstance(cols, torch.Tensor) else torch.stack(cols)
+    return lim.count - (_within(r, lim.row_lo, lim.row_hi) + _within(c, lim.col_lo, lim.col_hi))
 
 
 def clean_max(res: GemmResult, ref: ReferenceChecksums, tau: float) -> torch.Tensor:

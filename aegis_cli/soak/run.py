@@ -13,7 +13,6 @@ counted), and every launch names the case id and seed that re-run it
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -25,7 +24,7 @@ from aegis_cli.backends import resolve_devices
 from aegis_cli.backends.base import Device, memory_shortfall
 from aegis_cli.backends.fingerprints import device_fingerprint_tensor
 from aegis_cli.backends.nvml import Telemetry
-from aegis_cli.backends.soak_cuda import Launcher
+from aegis_cli.backends.soak_cuda import Launcher, Slab
 from aegis_cli.checks import screen
 from aegis_cli.faults.spec import FaultPlan
 from aegis_cli.ops import numerics
@@ -43,9 +42,6 @@ Progress = Callable[..., None]  # as scan's: progress("start" | "soak" | "device
 
 WINDOW = {"cuda": 64, "cpu": 4}  # launches screened per host read; on a GPU the host reads one window behind
 CONFIRM = 1  # failing launches confirmed in full (re-runs, fp64 recomputation, judgement); later ones are counted
-# CUDA streams the launches alternate between: a launch's last, partial wave of tiles overlaps the
-# next launch's first (llama3-70b's qkv GEMMs are 320 tiles on 132 SMs, 2.4 waves)
-STREAMS = 2
 
 
 @dataclass
@@ -106,11 +102,17 @@ class _Launch:
     index: int  # of the burn-in's launches, from 0
     s: _Set
     scale: tuple[int, int]
-    res: GemmResult
     fp: torch.Tensor | None  # (1,) int64 on the device: its C's fingerprint (schedule.fingerprinted), else None
     expected: torch.Tensor  # (1,) int64: the fingerprint of the base's C at this scale
     lim: screen.Limits
-    ops: GemmOperands  # its operands, kept until the window is read: another stream may still read them
+    res: GemmResult | None = None  # its outputs, where the launcher gave it its own (off a GPU)
+    slab: Slab | None = None  # else where they are: slot ``slot`` of a slab
+    slot: int = 0
+    kernel: str = ""
+    injected: bool = False
+
+    def result(self) -> GemmResult:
+        return self.res if self.res is not None else self.slab.result(self.slot, self.kernel, self.injected)
 
 
 @dataclass
@@ -132,12 +134,10 @@ class _Soak:
         backend = device.identity.backend
         self.cuda = backend == "cuda"
         self.window = WINDOW.get(backend, WINDOW["cpu"])
-        self.streams = [torch.cuda.Stream(device.torch_device) for _ in range(STREAMS)] if self.cuda else []
         self.stats = ProbeStats()
         self.rec = SoakRecord(opts.seconds, opts.seed, {
             "workload": self.wl.name, "window": self.window, "scales_per_set": SCALES, "repeats": list(REPEATS),
             "set_flops": SET_FLOPS.get(backend, SET_FLOPS["cpu"]), "fingerprint_every": FINGERPRINT_EVERY,
-            "streams": len(self.streams) or 1,
             "rule": "input set i: shape i mod #shapes, distribution (i div #shapes) mod #distributions, scan seed "
                     "case_seed(seed, 'soak', i); scales drawn from that seed over the exact range; each scale repeated; "
                     "repeat r of a scale fingerprinted when r mod fingerprint_every = fingerprint_every - 1 or it is the last"})
@@ -211,50 +211,48 @@ class _Soak:
         lim = screen.limits(ref, s.tau)
         prepared = self.launcher.prepare(ops)
         cid = s.plan.case.case_id(ea, eb)
-        expected = None
-        self._fork()
-        for r in range(s.plan.repeats):
+        expected = slab = None
+        repeats = s.plan.repeats
+        for r in range(repeats):
             if r and time.monotonic() - t0 >= self.opts.seconds:
                 return
-            with self._stream(self.n):
-                res = self.launcher.run(prepared, self.fault, op=cid, clean_median=s.median)
-                fp = device_fingerprint_tensor(res.c) if fingerprinted(r, s.plan.repeats) else None
-            if s.base is None:
-                s.base = res
-            if expected is None:  # the base's C at this scale: exact (numerics.pow2_exact_safe)
-                self._join()
+            if self.launcher.slabs:  # into a slab: one per window's worth of launches
+                if slab is None or r % self.window == 0:
+                    slab = self.launcher.slab(prepared, min(self.window, repeats - r))
+                slot = r % self.window
+                kernel = self.launcher.run_into(prepared, slab, slot, self.fault, op=cid, clean_median=s.median)
+                x = _Launch(self.n, s, scale, None, None, lim, slab=slab, slot=slot, kernel=kernel, injected=self.fault is not None)
+            else:
+                x = _Launch(self.n, s, scale, None, None, lim, res=self.launcher.run(prepared, self.fault, op=cid, clean_median=s.median))
+            if fingerprinted(r, repeats):
+                x.fp = device_fingerprint_tensor(x.result().c)
+            if expected is None:  # the first run of this scale
+                res = x.result()
+                if s.base is None:  # its own copy: the slab goes when its window has been read
+                    s.base = res if x.slab is None else dataclasses.replace(
+                        res, c=res.c.clone(), row_sums=res.row_sums.clone(), col_sums=res.col_sums.clone(), tile_sm=res.tile_sm.clone())
+                # the base's C at this scale: exact (numerics.pow2_exact_safe)
                 expected = device_fingerprint_tensor(pow2(s.base.c, ea + eb))
                 clean = screen.clean_max(res, ref, s.tau)
                 self.noise.append(torch.stack([clean, clean / s.tau]))
-            self.stats.checksums += res.row_sums.numel() + res.col_sums.numel()
-            yield _Launch(self.n, s, scale, res, fp, expected, lim, ops)
+                checksums = res.row_sums.numel() + res.col_sums.numel()
+            x.expected = expected
+            self.stats.checksums += checksums
+            yield x
             self.n += 1
-
-    # -- streams (CUDA): launches run on self.streams in turn, everything else on torch's current one
-    def _stream(self, n: int):
-        return torch.cuda.stream(self.streams[n % len(self.streams)]) if self.streams else contextlib.nullcontext()
-
-    def _fork(self) -> None:
-        """The launch streams wait for the work enqueued so far (a scale's operands, and whatever
-        last used the memory they will allocate from)."""
-        main = torch.cuda.current_stream(self.device.torch_device) if self.streams else None
-        for st in self.streams:
-            st.wait_stream(main)
-
-    def _join(self) -> None:
-        """What follows on the current stream waits for every launch enqueued so far."""
-        main = torch.cuda.current_stream(self.device.torch_device) if self.streams else None
-        for st in self.streams:
-            main.wait_stream(st)
 
     def _close(self, launches: list[_Launch]) -> _Window:
         """Screen a window of launches on the device and start copying the flags to the host."""
-        self._join()
         flags, start = [], 0
-        for i in range(1, len(launches) + 1):  # consecutive launches of one scale share their limits
-            if i == len(launches) or launches[i].lim is not launches[start].lim:
+        for i in range(1, len(launches) + 1):  # consecutive launches of one slab (or scale) are screened together
+            if i == len(launches) or launches[i].lim is not launches[start].lim or launches[i].slab is not launches[start].slab:
                 run = launches[start:i]
-                flags.append(screen.flagged([x.res.row_sums for x in run], [x.res.col_sums for x in run], run[0].lim))
+                x, y = run[0], run[-1]
+                if x.slab is not None:  # consecutive slots
+                    rows, cols = x.slab.row_sums[x.slot:y.slot + 1], x.slab.col_sums[x.slot:y.slot + 1]
+                else:
+                    rows, cols = [u.res.row_sums for u in run], [u.res.col_sums for u in run]
+                flags.append(screen.flagged(rows, cols, x.lim))
                 start = i
         flags = torch.cat(flags)
         # a fingerprint against the expected one, where the launch has one (else the expected against itself)
@@ -295,9 +293,10 @@ class _Soak:
         self.stats.gemms += n
         self.stats.flops += w.flops
         self.rec.completed([x.s.plan.case.shape for x in w.launches], w.flops)
+        self.rec.fingerprinted += sum(x.fp is not None for x in w.launches)
         self.stats.clean_max, self.stats.clean_ratio = max(self.stats.clean_max, clean_max), max(self.stats.clean_ratio, clean_ratio)
         for x, m in zip(w.launches, mismatch, strict=True):
-            if not m and x.index != x.s.plan.first:
+            if not m and x.fp is not None and x.index != x.s.plan.first:
                 x.s.matched = True
         for x, f, m in zip(w.launches, flagged, mismatch, strict=True):
             if f:
@@ -329,12 +328,12 @@ class _Soak:
         ops = scaled(s.ops, ea, eb) if x.scale != (0, 0) else s.ops
         ref = scaled_reference(s.ref, ea + eb)
         if blamed is not None:  # the base against the bits later runs gave, scaled back (exact)
-            expected = numerics.pow2_scale(blamed.res.c, -sum(blamed.scale))
+            expected = numerics.pow2_scale(blamed.result().c, -sum(blamed.scale))
         else:
             expected = None if s.base_failed else numerics.pow2_scale(s.base.c, ea + eb)
         cid = s.plan.case.case_id(ea, eb)
         rerun = lambda: self.device.checked_gemm(ops, self.fault, op=cid, clean_median=s.median)
-        found = probe.confirm_run(s.plan.case, ea, eb, x.res, ops, ref, expected, s.tau, rerun)
+        found = probe.confirm_run(s.plan.case, ea, eb, x.result(), ops, ref, expected, s.tau, rerun)
         self.stats.gemms += probe.stats.gemms
         self.stats.flops += probe.stats.flops
         if found:
@@ -344,7 +343,7 @@ class _Soak:
         sh = s.plan.case.shape
         return [Evidence(check="soak.screen", severity=Verdict.SUSPECT, case_id=cid, op=sh.op, layout=sh.layout.value,
                          shape={"m": sh.m, "n": sh.n, "k": sh.k}, dist=s.plan.case.dist, scale=[ea, eb], seed=s.plan.case.seed,
-                         kernel=x.res.kernel, summary="soak.screen: the burn-in's screen flagged this launch, and its full "
+                         kernel=x.result().kernel, summary="soak.screen: the burn-in's screen flagged this launch, and its full "
                          "checks found nothing to confirm")]
 
 
@@ -390,7 +389,8 @@ def preflight(opts: SoakOptions, devices: list[Device]) -> None:
     copies and reference, and two windows of results."""
     for d in devices:
         wl = workload_for(opts.probe_config(), d)
-        held = 2 * WINDOW.get(d.identity.backend, WINDOW["cpu"])  # results of two windows: C, 2 bytes an element
+        # results of two windows, in slabs of a window's size that each may straddle two: C, 2 bytes an element
+        held = 4 * WINDOW.get(d.identity.backend, WINDOW["cpu"])
         needs = {s: case_bytes(s.m, s.n, s.k) + held * s.m * s.n * 2 for s in wl.gemms()}
         big = max(needs, key=needs.get)
         need = needs[big]

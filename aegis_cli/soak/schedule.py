@@ -22,8 +22,11 @@ from aegis_cli.ops.case import case_seed
 from aegis_cli.probes.gemm import GemmCase
 
 SCALES = 8  # scales per input set: the base and up to 7 exact-safe pairs
-SET_FLOPS = {"cuda": 2.4e14, "cpu": 1e8}  # GEMM work per input set (~0.4 s on an H200): its set-up is ~1 % of it
-REPEATS = (2, 256)  # runs of each scale per set: at least two, so fingerprints of repeats compare
+# GEMM work per input set (~0.8 s on an H200): its draw, fp64 references and each scale's set-up
+# (scaled operands, expected fingerprint, limits) took 2-5 % of a set half this size (measured
+# with a sync, benchmarks/soak_parts.py), so a set is long enough to make them ~1-2 %
+SET_FLOPS = {"cuda": 4.8e14, "cpu": 1e8}
+REPEATS = (2, 512)  # runs of each scale per set: at least two, so fingerprints of repeats compare
 # every launch's checksums are screened; its C is fingerprinted at this rate (a full read of C,
 # up to 15 % of a GEMM with K = 1280), and always on a scale's last repeat
 FINGERPRINT_EVERY = 8
