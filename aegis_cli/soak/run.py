@@ -4,8 +4,9 @@ For the duration, each device runs its workload's training GEMMs back to back in
 kernels, input set after input set of the schedule (schedule.py). A set's fp64 reference
 checksums are computed once, while the set before it runs: a scale's are the base's times
 2^(ea+eb), exactly. Every launch is screened where it ran (checks/screen.py: fused checksums at
-τ; its C's fingerprint against the base's C scaled exactly), and the flags are read one window
-of launches behind, so the GPU never waits for the host. A flagged launch is checked in full
+τ, a window's launches in one batch, read from the slab they wrote into; and on the launches
+schedule.fingerprinted picks, its C's fingerprint against the base's C scaled exactly), and the
+flags are read one window of launches behind, so the GPU never waits for the host. A flagged launch is checked in full
 and confirmed by the scan's own GEMM checks and judgement (the first one; later ones are
 counted), and every launch names the case id and seed that re-run it
 (``aegis scan --seed S --case ID``).
