@@ -80,6 +80,12 @@ def cublas_sustained(ops: dict, seconds: float) -> dict:
     return {"seconds": round(elapsed, 2), "launches": launches, "tflops": round(flops / elapsed / 1e12, 1)}
 
 
+def _save(path: str | None, result: dict) -> None:
+    """The figures so far: a run cut short (a device's time limit) keeps the phases it finished."""
+    if path:
+        Path(path).write_text(json.dumps(result, indent=2) + "\n")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda:0")
@@ -88,13 +94,21 @@ def main() -> int:
     ap.add_argument("--inject-seconds", type=float, default=25.0)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    say = lambda *a: print(*a, flush=True)  # each phase as it ends
     (dev,) = resolve_devices(args.device)
     wl = workloads.load(DEFAULT_GPU_WORKLOAD)
     ops, shapes = per_shape(dev, wl)
+    result: dict = {"per_shape": shapes}
+    _save(args.json, result)
+    say("shape                               cuBLAS TF/s  checked TF/s  checked/cuBLAS")
+    for k, r in shapes.items():
+        say(f"{k:36s}{r['cublas_tflops']:>10}  {r['checked_tflops']:>12}  {r['checked_vs_cublas']:>14}")
     # build the kernels' injection variant now: compiled at the first firing, it would stall the timed run
     small = draw_operands(dev.generate, Layout.FWD, 128, 256, 64, "normal", 0, "bench/warm")
     dev.checked_gemm(small, FaultPlan.parse("bitflip:target=acc"), op="warm")
-    cublas = cublas_sustained(ops, args.cublas_seconds)
+    cublas = result["cublas_sustained"] = cublas_sustained(ops, args.cublas_seconds)
+    _save(args.json, result)
+    say(f"cuBLAS sustained {cublas['tflops']} TF/s over {cublas['seconds']} s")
     del ops
     torch.cuda.empty_cache()
     rep = run_soak(SoakOptions(seconds=args.seconds, devices=args.device))
@@ -104,40 +118,34 @@ def main() -> int:
     # cuBLAS on exactly the burn-in's mix: each shape's launches at cuBLAS's own per-shape time
     mix_ms = sum(n * shapes[k]["cublas_ms"] for k, n in by.items())
     mix_flops = sum(n * shapes[k]["flops"] for k, n in by.items())
-    result = {"device": d["device"]["name"], "uuid": d["device"]["uuid"], "per_shape": shapes, "cublas_sustained": cublas,
-              "soak": {"verdict": d["verdict"], "error": d["error"], "seconds": soak.get("elapsed"), "launches": soak.get("launches"),
-                       "host_wait": soak.get("host_wait"),
-                       "input_sets": soak.get("input_sets"), "tflops": soak.get("tflops"), "failures": soak.get("failures"),
-                       "telemetry": soak.get("telemetry"), "coverage": soak.get("coverage"),
-                       "intervals_tflops": [i["tflops"] for i in soak.get("intervals", [])]},
-              "cublas_same_mix_tflops": round(mix_flops / mix_ms / 1e9, 1) if mix_ms else None}
+    result.update({"device": d["device"]["name"], "uuid": d["device"]["uuid"],
+                   "soak": {"verdict": d["verdict"], "error": d["error"], "seconds": soak.get("elapsed"), "launches": soak.get("launches"),
+                            "fingerprinted": soak.get("fingerprinted"), "host_wait": soak.get("host_wait"),
+                            "input_sets": soak.get("input_sets"), "tflops": soak.get("tflops"), "failures": soak.get("failures"),
+                            "telemetry": soak.get("telemetry"), "coverage": soak.get("coverage"),
+                            "intervals_tflops": [i["tflops"] for i in soak.get("intervals", [])]},
+                   "cublas_same_mix_tflops": round(mix_flops / mix_ms / 1e9, 1) if mix_ms else None})
     if soak.get("tflops"):
         result["ratio_vs_cublas_sustained"] = round(soak["tflops"] / cublas["tflops"], 3)
         if mix_ms:
             result["ratio_vs_cublas_same_mix"] = round(soak["tflops"] / (mix_flops / mix_ms / 1e9), 3)
+    _save(args.json, result)
+    t = soak.get("telemetry") or {}
+    say(f"cuBLAS on the soak's mix (event-timed) {result['cublas_same_mix_tflops']} TF/s")
+    say(f"soak {d['verdict']}: {soak.get('launches')} launches ({soak.get('fingerprinted')} fingerprinted) "
+        f"in {soak.get('elapsed')} s (host waited {soak.get('host_wait')} s), "
+        f"{soak.get('tflops')} TF/s sustained; "
+        f"ratio vs cuBLAS sustained {result.get('ratio_vs_cublas_sustained')}, vs same-mix {result.get('ratio_vs_cublas_same_mix')}")
+    say(f"clock {t.get('sm_clock_mhz')}, temp {t.get('temperature_c')}, power {t.get('power_w')}, throttle {t.get('throttle')}")
     if args.inject_seconds > 0:
         rep = run_soak(SoakOptions(seconds=args.inject_seconds, devices=args.device, inject=INJECT))
         di = rep.to_dict()["devices"][0]
         fi = (di.get("soak") or {}).get("failures", {})
-        result["injected"] = {"spec": INJECT, "verdict": di["verdict"], "error": di["error"], "failed": fi.get("launches"),
-                              "of": fi.get("of"), "first": (fi.get("first") or [None])[0],
-                              "evidence": [e["summary"] for e in di["evidence"]][:3]}
-    text = json.dumps(result, indent=2)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
-    print("shape                               cuBLAS TF/s  checked TF/s  checked/cuBLAS")
-    for k, r in shapes.items():
-        print(f"{k:36s}{r['cublas_tflops']:>10}  {r['checked_tflops']:>12}  {r['checked_vs_cublas']:>14}")
-    t = soak.get("telemetry") or {}
-    print(f"cuBLAS sustained {cublas['tflops']} TF/s over {cublas['seconds']} s; cuBLAS on the soak's mix (event-timed) "
-          f"{result['cublas_same_mix_tflops']} TF/s")
-    print(f"soak {d['verdict']}: {soak.get('launches')} launches in {soak.get('elapsed')} s (host waited {soak.get('host_wait')} s), "
-          f"{soak.get('tflops')} TF/s sustained; "
-          f"ratio vs cuBLAS sustained {result.get('ratio_vs_cublas_sustained')}, vs same-mix {result.get('ratio_vs_cublas_same_mix')}")
-    print(f"clock {t.get('sm_clock_mhz')}, temp {t.get('temperature_c')}, power {t.get('power_w')}, throttle {t.get('throttle')}")
-    if "injected" in result:
-        i = result["injected"]
-        print(f"injected {i['spec']}: {i['verdict']}, failed {i['failed']} of {i['of']} launches; error {i['error']}")
+        i = result["injected"] = {"spec": INJECT, "verdict": di["verdict"], "error": di["error"], "failed": fi.get("launches"),
+                                  "of": fi.get("of"), "first": (fi.get("first") or [None])[0],
+                                  "evidence": [e["summary"] for e in di["evidence"]][:3]}
+        _save(args.json, result)
+        say(f"injected {i['spec']}: {i['verdict']}, failed {i['failed']} of {i['of']} launches; error {i['error']}")
     return 0 if d["verdict"] == "HEALTHY" else 1
 
 

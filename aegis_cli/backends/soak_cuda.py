@@ -2,11 +2,13 @@
 launch.
 
 ``Launcher(device)`` prepares a launch once per operand set (``prepare``) and runs it as often
-as the burn-in asks (``run``). On a CUDA GPU each run only enqueues: the same packed launch
-(TMA descriptors, grid, the one loader/launcher of loader.py) writing into freshly allocated
-outputs, so the result of a recent launch is still there when the burn-in learns, a little
-later, that its checks flagged it. Other devices (the CPU reference path) run
-``Device.checked_gemm`` itself, which is synchronous anyway.
+as the burn-in asks. On a CUDA GPU each run only enqueues the same packed launch (TMA
+descriptors, grid, the one loader/launcher of loader.py) writing into outputs of its own, so
+the result of a recent launch is still there when the burn-in learns, a little later, that its
+checks flagged it: ``run`` allocates them, ``run_into`` writes into one slot of a ``Slab``, the
+outputs of many launches allocated together so that the burn-in screens their checksums in
+one batch and a launch costs the host little more than the launch itself. Other devices (the
+CPU reference path) run ``Device.checked_gemm`` itself, which is synchronous anyway.
 
 Faults (``--inject``) act as in ``CudaDevice.checked_gemm``: accumulator faults in the kernels'
 injection build (this launch only, then one sync to record where they landed), operand and
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from aegis_cli.backends import loader
 from aegis_cli.backends.base import Device
 from aegis_cli.backends.cuda import CTA_TILES, CudaDevice
 from aegis_cli.faults.kernel_params import acc_faults, inject_params
@@ -30,6 +33,41 @@ from aegis_cli.ops.errors import DeviceError
 from aegis_cli.ops.gemm import GemmOperands, GemmResult
 
 _OUTS = slice(2, 6)  # C, row sums, column sums, tile→SM: where CudaDevice.prepare puts them, in args and keep
+
+
+@dataclass
+class Slab:
+    """The outputs of up to ``size`` launches of one prepared GEMM: slot i's C is ``c[i]``, its
+    row sums ``row_sums[i]``, and so on (tile→SM filled with -1, as prepare leaves it)."""
+
+    c: torch.Tensor  # (size, M, N) bf16
+    row_sums: torch.Tensor  # (size, M, nt_n) fp32
+    col_sums: torch.Tensor  # (size, nt_m, N) fp32
+    tile_sm: torch.Tensor  # (size, nt_m, nt_n) int32
+    tile: tuple[int, int]
+    bases: tuple[int, ...] = ()  # data pointers of slot 0, and bytes from one slot to the next
+    steps: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        outs = (self.c, self.row_sums, self.col_sums, self.tile_sm)
+        self.bases = tuple(t.data_ptr() for t in outs)
+        self.steps = tuple(t.stride(0) * t.element_size() for t in outs)
+
+    @property
+    def size(self) -> int:
+        return self.c.shape[0]
+
+    def pointers(self, slot: int) -> list[ctypes.c_void_p]:
+        return [ctypes.c_void_p(b + slot * d) for b, d in zip(self.bases, self.steps, strict=True)]
+
+    def result(self, slot: int, kernel: str, injected: bool) -> GemmResult:
+        return GemmResult(c=self.c[slot], row_sums=self.row_sums[slot], col_sums=self.col_sums[slot], tile=self.tile,
+                          tile_sm=self.tile_sm[slot], kernel=kernel, injected=injected)
+
+    def store(self, slot: int, res: GemmResult) -> None:
+        """A result computed elsewhere (a launch a fault fired on) into ``slot``."""
+        for dst, src in ((self.c, res.c), (self.row_sums, res.row_sums), (self.col_sums, res.col_sums), (self.tile_sm, res.tile_sm)):
+            dst[slot].copy_(src)
 
 
 @dataclass
@@ -45,15 +83,16 @@ def _pointers(launch) -> list[int]:
 
 
 def _fresh(launch):
-    """``launch`` writing into newly allocated outputs of the same shapes (tile→SM filled with -1,
-    as prepare leaves it), arguments repacked; the launch it came from keeps its own."""
+    """``launch`` on torch's current stream, writing into outputs newly allocated there (of the
+    same shapes; tile→SM filled with -1, as prepare leaves it), arguments repacked; the launch it
+    came from keeps its own."""
     old = launch.keep[_OUTS]
     outs = [torch.empty_like(t) for t in old[:3]] + [torch.full_like(old[3], -1)]
     args = list(launch.args)
     args[_OUTS] = [ctypes.c_void_p(t.data_ptr()) for t in outs]
     keep = list(launch.keep)
     keep[_OUTS] = outs
-    return dataclasses.replace(launch, args=args, keep=keep)
+    return dataclasses.replace(launch, args=args, keep=keep, stream=torch.cuda.current_stream(launch.device_id).cuda_stream)
 
 
 class Launcher:
@@ -62,6 +101,7 @@ class Launcher:
     def __init__(self, device: Device):
         self.device = device
         self.cuda = isinstance(device, CudaDevice)
+        self.slabs = self.cuda  # run_into and slab: a GPU's
 
     def prepare(self, ops: GemmOperands) -> Prepared:
         if not self.cuda:
@@ -74,20 +114,52 @@ class Launcher:
             raise DeviceError(f"{dev.identity.id}: the GEMM launch's arguments changed layout; the burn-in cannot repack them")
         return Prepared(ops, launch)
 
+    def slab(self, p: Prepared, size: int) -> Slab:
+        """Outputs for ``size`` launches of ``p`` (a GPU's only), on the stream ``p`` was prepared on."""
+        c, rows, cols, tile_sm = p.launch.keep[_OUTS]
+        new = lambda t: torch.empty((size, *t.shape), dtype=t.dtype, device=t.device)
+        return Slab(new(c), new(rows), new(cols), torch.full((size, *tile_sm.shape), -1, dtype=tile_sm.dtype, device=tile_sm.device),
+                    self.device.tile)
+
+    def run_into(self, p: Prepared, slab: Slab, slot: int, fault: FaultPlan | None = None, *, op: str = "",
+                 clean_median: float | None = None) -> str:
+        """One checked GEMM of ``p``'s operands writing into ``slab``'s ``slot``, enqueued only
+        (on the stream ``p`` was prepared on) unless a fault fires on this launch; returns the
+        kernel that ran (GemmResult.kernel)."""
+        launch = p.launch
+        if fault is not None:
+            res = self._faulted(p, fault, op, clean_median)
+            if res is not None:
+                slab.store(slot, res)
+                return res.kernel
+        args = list(launch.args)
+        args[_OUTS] = slab.pointers(slot)
+        loader.launch(launch.func, launch.grid, launch.block, args, device_id=launch.device_id, stream=launch.stream,
+                      smem=launch.smem, label=launch.label)
+        return f"gemm_{launch.kernel}"
+
+    def _faulted(self, p: Prepared, fault: FaultPlan, op: str, clean_median: float | None) -> GemmResult | None:
+        """The result of a launch a fault fires on (computed synchronously), else None; counts the launch."""
+        dev = self.device
+        ctx = LaunchContext(dev.identity.id, op, dev.tile, None, clean_median)
+        if fault.active(ctx, "operands") or fault.active(ctx, "out"):
+            return dev.checked_gemm(p.ops, fault, op=op, clean_median=clean_median)  # host copies, synchronous
+        acc = acc_faults(fault, ctx, p.ops, CTA_TILES[p.launch.kernel])
+        if acc is not None:
+            return self._injected(p, fault, ctx, acc)
+        fault.launches += 1  # the plan counts launches: an intermittent fault's coin is drawn per launch
+        return None
+
     def run(self, p: Prepared, fault: FaultPlan | None = None, *, op: str = "", clean_median: float | None = None) -> GemmResult:
-        """One checked GEMM of ``p``'s operands; on a GPU enqueued only (the caller synchronises),
-        unless a fault fires on this launch."""
+        """One checked GEMM of ``p``'s operands on torch's current stream; on a GPU enqueued only
+        (the caller synchronises), unless a fault fires on this launch."""
         dev = self.device
         if not self.cuda:
             return dev.checked_gemm(p.ops, fault, op=op, clean_median=clean_median)
         if fault is not None:
-            ctx = LaunchContext(dev.identity.id, op, dev.tile, None, clean_median)
-            if fault.active(ctx, "operands") or fault.active(ctx, "out"):
-                return dev.checked_gemm(p.ops, fault, op=op, clean_median=clean_median)  # host copies, synchronous
-            acc = acc_faults(fault, ctx, p.ops, CTA_TILES[p.launch.kernel])
-            if acc is not None:
-                return self._injected(p, fault, ctx, acc)
-            fault.launches += 1  # the plan counts launches: an intermittent fault's coin is drawn per launch
+            res = self._faulted(p, fault, op, clean_median)
+            if res is not None:
+                return res
         launch = _fresh(p.launch)
         launch.run()
         c, row_sums, col_sums, tile_sm = launch.outputs

@@ -66,6 +66,7 @@ class SoakRecord:
     seed: int
     rule: dict  # how launches map to input sets, cases and seeds (the schedule's parameters)
     launches: int = 0  # screened (read back)
+    fingerprinted: int = 0  # of those, the ones whose C was fingerprinted (schedule.fingerprinted)
     flops: int = 0
     sets: int = 0
     failures: int = 0
@@ -186,7 +187,7 @@ class SoakRecord:
         eb = [s[1] for s in self.scales]
         return {
             "seconds": self.seconds, "elapsed": round(self.elapsed, 3), "host_wait": round(self.host_wait, 3), "launches": self.launches,
-            "gemms_checked": self.launches, "flops": self.flops,
+            "gemms_checked": self.launches, "fingerprinted": self.fingerprinted, "flops": self.flops,
             "tflops": round(self.flops / self.elapsed / 1e12, 4) if self.elapsed > 0 else None,
             "input_sets": self.sets, "schedule": {"seed": self.seed, **self.rule},
             "coverage": {"shapes": len(self.shapes), "launches_by_shape": dict(sorted(self.by_shape.items())),

@@ -4,8 +4,9 @@ For the duration, each device runs its workload's training GEMMs back to back in
 kernels, input set after input set of the schedule (schedule.py). A set's fp64 reference
 checksums are computed once, while the set before it runs: a scale's are the base's times
 2^(ea+eb), exactly. Every launch is screened where it ran (checks/screen.py: fused checksums at
-τ; its C's fingerprint against the base's C scaled exactly), and the flags are read one window
-of launches behind, so the GPU never waits for the host. A flagged launch is checked in full
+τ, a window's launches in one batch, read from the slab they wrote into; and on the launches
+schedule.fingerprinted picks, its C's fingerprint against the base's C scaled exactly), and the
+flags are read one window of launches behind, so the GPU never waits for the host. A flagged launch is checked in full
 and confirmed by the scan's own GEMM checks and judgement (the first one; later ones are
 counted), and every launch names the case id and seed that re-run it
 (``aegis scan --seed S --case ID``).
@@ -24,7 +25,7 @@ from aegis_cli.backends import resolve_devices
 from aegis_cli.backends.base import Device, memory_shortfall
 from aegis_cli.backends.fingerprints import device_fingerprint_tensor
 from aegis_cli.backends.nvml import Telemetry
-from aegis_cli.backends.soak_cuda import Launcher
+from aegis_cli.backends.soak_cuda import Launcher, Slab
 from aegis_cli.checks import screen
 from aegis_cli.faults.spec import FaultPlan
 from aegis_cli.ops import numerics
@@ -36,7 +37,7 @@ from aegis_cli.probes import DEFAULT_RERUNS, ProbeConfig, check_reruns, workload
 from aegis_cli.probes.gemm import GemmProbe, ProbeStats, case_bytes, clean_median, scaled, scaled_reference
 from aegis_cli.report import DeviceReport, Report, new_report
 from aegis_cli.soak.record import SoakRecord
-from aegis_cli.soak.schedule import REPEATS, SCALES, SET_FLOPS, SetPlan, pow2, set_case, set_plan
+from aegis_cli.soak.schedule import FINGERPRINT_EVERY, REPEATS, SCALES, SET_FLOPS, SetPlan, fingerprinted, pow2, set_case, set_plan
 
 Progress = Callable[..., None]  # as scan's: progress("start" | "soak" | "device_done", **info)
 
@@ -102,10 +103,17 @@ class _Launch:
     index: int  # of the burn-in's launches, from 0
     s: _Set
     scale: tuple[int, int]
-    res: GemmResult
-    fp: torch.Tensor  # (1,) int64 on the device: its C's fingerprint
+    fp: torch.Tensor | None  # (1,) int64 on the device: its C's fingerprint (schedule.fingerprinted), else None
     expected: torch.Tensor  # (1,) int64: the fingerprint of the base's C at this scale
     lim: screen.Limits
+    res: GemmResult | None = None  # its outputs, where the launcher gave it its own (off a GPU)
+    slab: Slab | None = None  # else where they are: slot ``slot`` of a slab
+    slot: int = 0
+    kernel: str = ""
+    injected: bool = False
+
+    def result(self) -> GemmResult:
+        return self.res if self.res is not None else self.slab.result(self.slot, self.kernel, self.injected)
 
 
 @dataclass
@@ -113,7 +121,7 @@ class _Window:
     """Launches screened together, their flags on the way to the host."""
 
     launches: list[_Launch]
-    host: torch.Tensor  # (3n + 2,) int64: flagged checksums, fingerprint mismatches, fingerprints, noise (fp64 bits)
+    host: torch.Tensor  # (2n + 2,) int64: flagged checksums, fingerprint mismatches, noise (fp64 bits)
     event: object | None  # recorded after the copy (CUDA)
     flops: int
 
@@ -130,9 +138,10 @@ class _Soak:
         self.stats = ProbeStats()
         self.rec = SoakRecord(opts.seconds, opts.seed, {
             "workload": self.wl.name, "window": self.window, "scales_per_set": SCALES, "repeats": list(REPEATS),
-            "set_flops": SET_FLOPS.get(backend, SET_FLOPS["cpu"]),
+            "set_flops": SET_FLOPS.get(backend, SET_FLOPS["cpu"]), "fingerprint_every": FINGERPRINT_EVERY,
             "rule": "input set i: shape i mod #shapes, distribution (i div #shapes) mod #distributions, scan seed "
-                    "case_seed(seed, 'soak', i); scales drawn from that seed over the exact range; each scale repeated"})
+                    "case_seed(seed, 'soak', i); scales drawn from that seed over the exact range; each scale repeated; "
+                    "repeat r of a scale fingerprinted when r mod fingerprint_every = fingerprint_every - 1 or it is the last"})
         self.evidence: list[Evidence] = []
         self.noise: list[torch.Tensor] = []  # (clean max, clean max ÷ τ) of each scale's first launch, on the device
         self.n = 0  # launches enqueued
@@ -203,35 +212,57 @@ class _Soak:
         lim = screen.limits(ref, s.tau)
         prepared = self.launcher.prepare(ops)
         cid = s.plan.case.case_id(ea, eb)
-        expected = None
-        for r in range(s.plan.repeats):
+        expected = slab = None
+        repeats = s.plan.repeats
+        for r in range(repeats):
             if r and time.monotonic() - t0 >= self.opts.seconds:
                 return
-            res = self.launcher.run(prepared, self.fault, op=cid, clean_median=s.median)
-            if s.base is None:
-                s.base = res
-            if expected is None:  # the base's C at this scale: exact (numerics.pow2_exact_safe)
+            if self.launcher.slabs:  # into a slab: one per window's worth of launches
+                if slab is None or r % self.window == 0:
+                    slab = self.launcher.slab(prepared, min(self.window, repeats - r))
+                slot = r % self.window
+                kernel = self.launcher.run_into(prepared, slab, slot, self.fault, op=cid, clean_median=s.median)
+                x = _Launch(self.n, s, scale, None, None, lim, slab=slab, slot=slot, kernel=kernel, injected=self.fault is not None)
+            else:
+                x = _Launch(self.n, s, scale, None, None, lim, res=self.launcher.run(prepared, self.fault, op=cid, clean_median=s.median))
+            if fingerprinted(r, repeats):
+                x.fp = device_fingerprint_tensor(x.result().c)
+            if expected is None:  # the first run of this scale
+                res = x.result()
+                if s.base is None:  # its own copy: the slab goes when its window has been read
+                    s.base = res if x.slab is None else dataclasses.replace(
+                        res, c=res.c.clone(), row_sums=res.row_sums.clone(), col_sums=res.col_sums.clone(), tile_sm=res.tile_sm.clone())
+                # the base's C at this scale: exact (numerics.pow2_exact_safe)
                 expected = device_fingerprint_tensor(pow2(s.base.c, ea + eb))
                 clean = screen.clean_max(res, ref, s.tau)
                 self.noise.append(torch.stack([clean, clean / s.tau]))
-            self.stats.checksums += res.row_sums.numel() + res.col_sums.numel()
-            yield _Launch(self.n, s, scale, res, device_fingerprint_tensor(res.c), expected, lim)
+                checksums = res.row_sums.numel() + res.col_sums.numel()
+            x.expected = expected
+            self.stats.checksums += checksums
+            yield x
             self.n += 1
 
     def _close(self, launches: list[_Launch]) -> _Window:
         """Screen a window of launches on the device and start copying the flags to the host."""
         flags, start = [], 0
-        for i in range(1, len(launches) + 1):  # consecutive launches of one scale share their limits
-            if i == len(launches) or launches[i].lim is not launches[start].lim:
+        for i in range(1, len(launches) + 1):  # consecutive launches of one slab (or scale) are screened together
+            if i == len(launches) or launches[i].lim is not launches[start].lim or launches[i].slab is not launches[start].slab:
                 run = launches[start:i]
-                flags.append(screen.flagged([x.res.row_sums for x in run], [x.res.col_sums for x in run], run[0].lim))
+                x, y = run[0], run[-1]
+                if x.slab is not None:  # consecutive slots
+                    rows, cols = x.slab.row_sums[x.slot:y.slot + 1], x.slab.col_sums[x.slot:y.slot + 1]
+                else:
+                    rows, cols = [u.res.row_sums for u in run], [u.res.col_sums for u in run]
+                flags.append(screen.flagged(rows, cols, x.lim))
                 start = i
-        fps = torch.cat([x.fp for x in launches])
-        clean = torch.stack(self.noise).amax(0) if self.noise else fps.new_zeros(2, dtype=torch.float64)
+        flags = torch.cat(flags)
+        # a fingerprint against the expected one, where the launch has one (else the expected against itself)
+        mismatch = (torch.cat([x.expected if x.fp is None else x.fp for x in launches])
+                    != torch.cat([x.expected for x in launches])).long()
+        clean = torch.stack(self.noise).amax(0) if self.noise else flags.new_zeros(2, dtype=torch.float64)
         self.noise = []
-        # one copy back: flags, mismatches, fingerprints, and the noise's two fp64 values as their bits
-        pack = torch.cat([torch.cat(flags), (fps != torch.cat([x.expected for x in launches])).long(), fps,
-                          clean.view(torch.int64)])
+        # one copy back: flags, mismatches, and the noise's two fp64 values as their bits
+        pack = torch.cat([flags, mismatch, clean.view(torch.int64)])
         event = None
         if self.cuda:
             host = torch.empty(pack.shape, dtype=pack.dtype, pin_memory=True)
@@ -259,13 +290,14 @@ class _Soak:
     def _read(self, w: _Window) -> None:
         n = len(w.launches)
         flagged, mismatch = w.host[:n].tolist(), w.host[n:2 * n].tolist()
-        clean_max, clean_ratio = w.host[3 * n:].view(torch.float64).tolist()
+        clean_max, clean_ratio = w.host[2 * n:].view(torch.float64).tolist()
         self.stats.gemms += n
         self.stats.flops += w.flops
         self.rec.completed([x.s.plan.case.shape for x in w.launches], w.flops)
+        self.rec.fingerprinted += sum(x.fp is not None for x in w.launches)
         self.stats.clean_max, self.stats.clean_ratio = max(self.stats.clean_max, clean_max), max(self.stats.clean_ratio, clean_ratio)
         for x, m in zip(w.launches, mismatch, strict=True):
-            if not m and x.index != x.s.plan.first:
+            if not m and x.fp is not None and x.index != x.s.plan.first:
                 x.s.matched = True
         for x, f, m in zip(w.launches, flagged, mismatch, strict=True):
             if f:
@@ -297,12 +329,12 @@ class _Soak:
         ops = scaled(s.ops, ea, eb) if x.scale != (0, 0) else s.ops
         ref = scaled_reference(s.ref, ea + eb)
         if blamed is not None:  # the base against the bits later runs gave, scaled back (exact)
-            expected = numerics.pow2_scale(blamed.res.c, -sum(blamed.scale))
+            expected = numerics.pow2_scale(blamed.result().c, -sum(blamed.scale))
         else:
             expected = None if s.base_failed else numerics.pow2_scale(s.base.c, ea + eb)
         cid = s.plan.case.case_id(ea, eb)
         rerun = lambda: self.device.checked_gemm(ops, self.fault, op=cid, clean_median=s.median)
-        found = probe.confirm_run(s.plan.case, ea, eb, x.res, ops, ref, expected, s.tau, rerun)
+        found = probe.confirm_run(s.plan.case, ea, eb, x.result(), ops, ref, expected, s.tau, rerun)
         self.stats.gemms += probe.stats.gemms
         self.stats.flops += probe.stats.flops
         if found:
@@ -312,7 +344,7 @@ class _Soak:
         sh = s.plan.case.shape
         return [Evidence(check="soak.screen", severity=Verdict.SUSPECT, case_id=cid, op=sh.op, layout=sh.layout.value,
                          shape={"m": sh.m, "n": sh.n, "k": sh.k}, dist=s.plan.case.dist, scale=[ea, eb], seed=s.plan.case.seed,
-                         kernel=x.res.kernel, summary="soak.screen: the burn-in's screen flagged this launch, and its full "
+                         kernel=x.result().kernel, summary="soak.screen: the burn-in's screen flagged this launch, and its full "
                          "checks found nothing to confirm")]
 
 
@@ -358,7 +390,8 @@ def preflight(opts: SoakOptions, devices: list[Device]) -> None:
     copies and reference, and two windows of results."""
     for d in devices:
         wl = workload_for(opts.probe_config(), d)
-        held = 2 * WINDOW.get(d.identity.backend, WINDOW["cpu"])  # results of two windows: C, 2 bytes an element
+        # results of two windows, in slabs of a window's size that each may straddle two: C, 2 bytes an element
+        held = 4 * WINDOW.get(d.identity.backend, WINDOW["cpu"])
         needs = {s: case_bytes(s.m, s.n, s.k) + held * s.m * s.n * 2 for s in wl.gemms()}
         big = max(needs, key=needs.get)
         need = needs[big]

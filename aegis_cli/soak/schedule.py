@@ -17,13 +17,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from aegis_cli.ops import numerics
+from aegis_cli.ops import dither, numerics
 from aegis_cli.ops.case import case_seed
 from aegis_cli.probes.gemm import GemmCase
 
 SCALES = 8  # scales per input set: the base and up to 7 exact-safe pairs
-SET_FLOPS = {"cuda": 2.4e14, "cpu": 1e8}  # GEMM work per input set (~0.4 s on an H200): its set-up is ~1 % of it
-REPEATS = (2, 256)  # runs of each scale per set: at least two, so fingerprints of repeats compare
+# GEMM work per input set (~0.8 s on an H200): its draw, fp64 references and each scale's set-up
+# (scaled operands, expected fingerprint, limits) took 2-5 % of a set half this size (measured
+# with a sync, benchmarks/soak_parts.py), so a set is long enough to make them ~1-2 %
+SET_FLOPS = {"cuda": 4.8e14, "cpu": 1e8}
+REPEATS = (2, 512)  # runs of each scale per set: at least two, so fingerprints of repeats compare
+# every launch's checksums are screened; its C is fingerprinted at this rate (a full read of C,
+# up to 15 % of a GEMM with K = 1280), and always on a scale's last repeat
+FINGERPRINT_EVERY = 8
 
 
 @dataclass(frozen=True)
@@ -54,8 +60,7 @@ def draw_scales(mag: numerics.Magnitudes | None, seed: int, n: int = SCALES) -> 
     if mag is None or not mag.exact_safe(0, 0):
         return tuple(out)
     lg = math.log2
-    ea_lo, ea_hi = math.ceil(-126 - lg(mag.amin)), math.floor(lg(numerics.SUM_LIMIT / mag.amax))
-    eb_lo, eb_hi = math.ceil(-126 - lg(mag.bmin)), math.floor(lg(numerics.SUM_LIMIT / mag.bmax))
+    (ea_lo, ea_hi), (eb_lo, eb_hi) = dither.operand_range(mag.amin, mag.amax), dither.operand_range(mag.bmin, mag.bmax)
     e_lo = math.ceil(-100 - lg(mag.amin * mag.bmin))
     e_hi = math.floor(lg(numerics.SUM_LIMIT / (mag.amax * mag.bmax * mag.k * numerics.CHECKSUM_SPAN)))
     rng = np.random.default_rng([seed, 0x50A4])
@@ -80,6 +85,12 @@ def pow2(t: torch.Tensor, e: int) -> torch.Tensor:
     if e == 0:
         return t
     return t * 2.0**e if t.dtype == torch.bfloat16 and -126 <= e <= 127 else numerics.pow2_scale(t, e)
+
+
+def fingerprinted(repeat: int, repeats: int) -> bool:
+    """Whether repeat ``repeat`` (from 0) of a scale's ``repeats`` has its C fingerprinted: every
+    FINGERPRINT_EVERY-th, and the last, so every scale compares at least one run after its first."""
+    return repeat % FINGERPRINT_EVERY == FINGERPRINT_EVERY - 1 or repeat == repeats - 1
 
 
 def repeats_for(flops: int, scales: int, backend: str) -> int:

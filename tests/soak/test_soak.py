@@ -292,3 +292,27 @@ def test_progress_bar_follows_the_burn_in():
         cb("device_done", device="cuda:0", verdict="ERROR")
         cb("soak", device="cuda:1", elapsed=2.5, seconds=10.0, launches=400, failures=0, tflops=560.0)
         assert progress.tasks[0].completed == 12.5
+
+
+def test_fp32_bounds_decide_as_the_fp64_ones():
+    # an fp32 checksum against the inward-rounded fp32 bounds gives the fp64 comparison's answer,
+    # also one fp32 ulp either side of each bound and for NaN and infinities
+    g = torch.Generator().manual_seed(3)
+    ref = torch.randn(4096, generator=g, dtype=torch.float64) * 10.0 ** torch.randint(-30, 30, (4096,), generator=g)
+    lim = ref.abs() * torch.rand(4096, generator=g, dtype=torch.float64) * 1e-5
+    lo, hi = screen._inward(ref - lim, ref + lim)
+    xs = [ref.float(), lo, hi, torch.nextafter(lo, torch.full_like(lo, -1e38)), torch.nextafter(hi, torch.full_like(hi, 1e38)),
+          torch.full_like(lo, float("nan")), torch.full_like(lo, float("inf"))]
+    for x in xs:
+        want = ((x.double() - ref).abs() <= lim)
+        assert torch.equal((x >= lo) & (x <= hi), want)
+    assert torch.equal(((xs[3] >= lo) & (xs[3] <= hi)), torch.zeros_like(lo, dtype=torch.bool))
+
+
+def test_every_scale_fingerprints_a_run_after_its_first():
+    from aegis_cli.soak.schedule import FINGERPRINT_EVERY, fingerprinted
+
+    for repeats in (2, 3, FINGERPRINT_EVERY, 2 * FINGERPRINT_EVERY + 1, 256):
+        picked = [r for r in range(repeats) if fingerprinted(r, repeats)]
+        assert picked and picked[0] > 0 and picked[-1] == repeats - 1
+        assert len(picked) == repeats // FINGERPRINT_EVERY + (repeats % FINGERPRINT_EVERY != 0)

@@ -31,8 +31,10 @@ def test_launcher_gives_the_checked_gemms_bits(layout, mnk):
     launcher = Launcher(dev)
     p = launcher.prepare(ops)
     runs = [launcher.run(p) for _ in range(3)]
+    slab = launcher.slab(p, 3)  # the burn-in's path: every launch into a slot of one slab
+    runs += [slab.result(i, launcher.run_into(p, slab, i), False) for i in range(3)]
     torch.cuda.synchronize()
-    assert len({r.c.data_ptr() for r in runs}) == 3  # each launch keeps its own outputs
+    assert len({r.c.data_ptr() for r in runs}) == 6  # each launch keeps its own outputs
     for r in runs:
         for name in ("c", "row_sums", "col_sums"):
             assert torch.equal(getattr(r, name).view(torch.int8 if name == "c" else torch.int32).cpu(),
@@ -43,7 +45,8 @@ def test_launcher_gives_the_checked_gemms_bits(layout, mnk):
     ref = dev.reference_checksums(ops, dev.tile)
     tau = numerics.Thresholds().tau
     counts = screen.flagged([r.row_sums for r in runs], [r.col_sums for r in runs], screen.limits(ref, tau)).tolist()
-    assert counts == [0, 0, 0]
+    assert counts == [0] * 6
+    assert screen.flagged(slab.row_sums, slab.col_sums, screen.limits(ref, tau)).tolist() == [0] * 3
     assert not gemm_checks.check_gemm(runs[0], ref, tau).signals
 
 
