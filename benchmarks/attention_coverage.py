@@ -65,17 +65,18 @@ DISTS = ("normal", "uniform", "heavy")
 Q_SCALES = (0.25, 1.0, 4.0)  # Q·c: sharper or flatter softmax (not an exact scaling: a new input)
 CATALOG = (("llama3-1b", (1, 2)), ("llama3-8b", (1, 2, 4, 8)), ("llama3-70b", (2, 4, 8)))
 RAGGED_SEQ = (509, 1000, 1531, 2048)
+LONG_SEQ = (4099, 8192)  # the catalog's training length, and a ragged one near half of it
 TH = sums.AttentionThresholds()
 BIT_CLASSES = (("sign", range(31, 32)), ("exponent", range(23, 31)), ("mantissa 16–22", range(16, 23)),
                ("mantissa 0–15", range(0, 16)))
 
 
-def catalog_shapes() -> list[tuple[str, tuple]]:
-    """(label, (B, Hq, Hkv, S, D, causal)) of every catalog model × TP × ragged S × causal or not."""
+def catalog_shapes(seqs: tuple[int, ...] = RAGGED_SEQ) -> list[tuple[str, tuple]]:
+    """(label, (B, Hq, Hkv, S, D, causal)) of every catalog model × TP × S of ``seqs`` × causal or not."""
     out = []
     for name, tps in CATALOG:
         m = workloads.load(name).model
-        for tp, s, causal in itertools.product(tps, RAGGED_SEQ, (True, False)):
+        for tp, s, causal in itertools.product(tps, seqs, (True, False)):
             out.append((f"{name} TP={tp}", (m.micro_batch, m.heads // tp, max(1, m.kv_heads // tp), s, m.head_dim, causal)))
     return out
 
@@ -109,15 +110,16 @@ def clean_group(device, ops: A.AttentionOperands, cid: str, acc: dict) -> None:
         f, b = run_pass(device, sops, None, f"{cid}/s{ev:+d}{edo:+d}")
         c = checks.check_attention(sops, f, b, ref.rescaled(ev, edo), sc, TH, expected=expected)
         acc["runs"] += 1
-        worst = acc["worst"].setdefault(acc["label"], {})
-        for name, v in c.clean_max.items():
-            worst[name] = max(worst.get(name, 0.0), v)
+        seen = dict(c.clean_max)
         for sig in c.signals:
             acc["flagged"][sig.check] += 1
             if sig.check in checks.INVARIANT_CHECKS:
-                worst[sig.tensor] = max(worst[sig.tensor], sig.max_value)
+                seen[sig.tensor] = max(seen[sig.tensor], sig.max_value)
             if len(acc["evidence"]) < 20:
                 acc["evidence"].append({"case": cid, "scale": [ev, edo], "check": sig.check, "max": sig.max_value})
+        for worst in (acc["worst"].setdefault(acc["label"], {}), acc["worst_seq"].setdefault(str(ops.shape.seq), {})):
+            for name, v in seen.items():
+                worst[name] = max(worst.get(name, 0.0), v)
         if base is None:
             base = checks.outputs_of(f, b)
             f2, b2 = run_pass(device, sops, None, f"{cid}/repeat")
@@ -131,7 +133,7 @@ def clean_group(device, ops: A.AttentionOperands, cid: str, acc: dict) -> None:
 def clean_campaign(device, groups, target_runs: int, max_seconds: float) -> dict:
     """Run ``groups`` ((label, shape, dist, q scale, seed)…) until ``target_runs`` checked runs or
     ``max_seconds``; the tallies."""
-    acc = {"groups": 0, "runs": 0, "repeats": 0, "repeat_mismatch": 0, "skipped_scales": 0, "worst": {},
+    acc = {"groups": 0, "runs": 0, "repeats": 0, "repeat_mismatch": 0, "skipped_scales": 0, "worst": {}, "worst_seq": {},
            "flagged": collections.Counter(), "evidence": [], "group_counts": collections.Counter()}
     t0 = time.perf_counter()
     for label, shape, dist, qs, seed in groups:
@@ -149,18 +151,18 @@ def clean_campaign(device, groups, target_runs: int, max_seconds: float) -> dict
     return acc
 
 
-def clean_groups(backend: str, seeds: int, order_seed: int = 19):
-    """The CPU's small shapes in a fixed order, or the catalog's shapes in a seeded order."""
+def clean_groups(backend: str, seeds: int, seqs: tuple[int, ...] = RAGGED_SEQ, order_seed: int = 19, seed0: int = 3000):
+    """The CPU's small shapes in a fixed order, or the catalog's shapes at ``seqs`` in a seeded order."""
     if backend == "cpu":
         for shape, dist, qs, seed in itertools.product(SHAPES, DISTS, Q_SCALES, range(seeds)):
             yield f"B{shape[0]} Hq{shape[1]} Hkv{shape[2]} S{shape[3]} D{shape[4]} {'causal' if shape[5] else 'full'}", \
                 shape, dist, qs, 1000 + seed
         return
-    combos = [(label, shape, dist, qs) for (label, shape), dist, qs in itertools.product(catalog_shapes(), DISTS, Q_SCALES)]
+    combos = [(label, shape, dist, qs) for (label, shape), dist, qs in itertools.product(catalog_shapes(seqs), DISTS, Q_SCALES)]
     for rnd in itertools.count():
         order = np.random.default_rng([order_seed, rnd]).permutation(len(combos))
         for i, j in enumerate(order):
-            yield (*combos[j], 3000 + rnd * len(combos) + i)
+            yield (*combos[j], seed0 + rnd * len(combos) + i)
 
 
 # ---------------------------------------------------------------------------------- fault trials
@@ -222,20 +224,15 @@ each; docs/attention.md explains the checks). Regenerate a section with
 """
 
 
-def section(doc: dict) -> str:
-    pct = lambda c, n: f"{100 * c / n:.0f}%" if n else "—"
-    cl, key = doc["clean"], doc["backend"]
-    worst = {n: max((w.get(n, 0.0) for w in cl["worst"].values()), default=0.0) for n in sums.INVARIANTS}
-    title = "CPU reference" if key == "cpu" else f"{doc['device']} (CUDA kernels)"
-    lines = [f"<!-- section:{key} -->", f"## {title}", "",
-             f"Generated on {doc['date']} ({doc['device']}{', ' + doc['driver'] if doc.get('driver') else ''}; "
-             f"commit {doc['commit']}) in {doc['seconds']:.0f} s"
-             + (f" ({doc['warm_up_seconds']:.0f} s of it compiling the kernels)" if doc.get("warm_up_seconds", 0) > 1 else "")
-             + f": `{doc['command']}`.", "", "### Clean runs", ""]
-    shapes = "; ".join(f"{s}" for s in SHAPES) if key == "cpu" else \
-        ", ".join(f"{n} TP {'/'.join(map(str, tps))}" for n, tps in CATALOG) + \
-        f" (per-GPU query and KV heads, D 64 for llama3-1b, 128 otherwise), S {', '.join(map(str, RAGGED_SEQ))}, causal and not"
-    lines += [
+def _worst(cl: dict) -> dict[str, float]:
+    return {n: max((w.get(n, 0.0) for w in cl["worst"].values()), default=0.0) for n in sums.INVARIANTS}
+
+
+def clean_lines(cl: dict, shapes: str, by_shape: bool) -> list[str]:
+    """A clean campaign's summary, its largest value per invariant against τ, and (GPU) the same by
+    shape and by sequence length."""
+    worst = _worst(cl)
+    lines = [
         f"{cl['groups']} groups ({shapes}; {', '.join(DISTS)} inputs; Q scaled by {', '.join(map(str, Q_SCALES))}; "
         f"fresh seeds), each at the probe's (V, dO) exponents {', '.join(f'({a}, {b})' for a, b in SCALES)}: "
         f"**{cl['runs']} checked forward+backward runs** in {cl['seconds']:.0f} s ({cl['skipped_scales']} scaled runs "
@@ -248,11 +245,32 @@ def section(doc: dict) -> str:
         "| invariant | largest clean \\|Δ\\|/σ (LSE: /s) | τ | τ ÷ largest clean |", "|---|---|---|---|"]
     for name in sums.INVARIANTS:
         lines.append(f"| attention.{name} | {worst[name]:.3g} | {TH.tau[name]:.3g} | {TH.tau[name] / max(worst[name], 1e-300):.1f}× |")
-    if key != "cpu":
-        lines += ["", "By shape (largest clean \\|Δ\\|/σ per invariant; groups run):", "",
+    if by_shape:
+        lines += ["", "By shape and by sequence length (largest clean \\|Δ\\|/σ per invariant; groups run):", "",
                   "| shape | groups | " + " | ".join(sums.INVARIANTS) + " |", "|---|---:|" + "---:|" * len(sums.INVARIANTS)]
-        for label, w in sorted(cl["worst"].items()):
-            lines.append(f"| {label} | {cl['group_counts'][label]} | " + " | ".join(f"{w.get(n, 0.0):.3g}" for n in sums.INVARIANTS) + " |")
+        rows = [(label, str(cl["group_counts"][label]), w) for label, w in sorted(cl["worst"].items())]
+        rows += [(f"S = {seq}", "", w) for seq, w in sorted(cl.get("worst_seq", {}).items(), key=lambda kv: int(kv[0]))]
+        for label, n, w in rows:
+            lines.append(f"| {label} | {n} | " + " | ".join(f"{w.get(x, 0.0):.3g}" for x in sums.INVARIANTS) + " |")
+    return lines
+
+
+def section(doc: dict) -> str:
+    pct = lambda c, n: f"{100 * c / n:.0f}%" if n else "—"
+    key = doc["backend"]
+    title = "CPU reference" if key == "cpu" else f"{doc['device']} (CUDA kernels)"
+    lines = [f"<!-- section:{key} -->", f"## {title}", "",
+             f"Generated on {doc['date']} ({doc['device']}{', ' + doc['driver'] if doc.get('driver') else ''}; "
+             f"commit {doc['commit']}) in {doc['seconds']:.0f} s"
+             + (f" ({doc['warm_up_seconds']:.0f} s of it compiling the kernels)" if doc.get("warm_up_seconds", 0) > 1 else "")
+             + f": `{doc['command']}`.", "", "### Clean runs", ""]
+    catalog = lambda seqs: (", ".join(f"{n} TP {'/'.join(map(str, tps))}" for n, tps in CATALOG)
+                            + f" (per-GPU query and KV heads, D 64 for llama3-1b, 128 otherwise), S {', '.join(map(str, seqs))}, "
+                            "causal and not")
+    lines += clean_lines(doc["clean"], "; ".join(f"{s}" for s in SHAPES) if key == "cpu" else catalog(RAGGED_SEQ), key != "cpu")
+    if doc.get("clean_long"):
+        lines += ["", "### Clean runs at training sequence lengths", ""]
+        lines += clean_lines(doc["clean_long"], catalog(LONG_SEQ), True)
     trials = doc["trials"]
     per = collections.defaultdict(list)
     for r in trials:
@@ -314,6 +332,10 @@ def write_doc(path: str | Path, doc: dict) -> None:
     path.write_text(HEADER + "".join(f"\n{parts[k]}\n" for k in ("cpu", "cuda") if k in parts), encoding="utf-8")
 
 
+def plain(acc: dict) -> dict:
+    return {**acc, "flagged": dict(acc["flagged"]), "group_counts": dict(acc["group_counts"])}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
@@ -321,6 +343,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--clean-seeds", type=int, default=19, help="CPU: seeds per (shape, distribution, Q scale)")
     ap.add_argument("--clean-runs", type=int, default=1200, help="GPU: stop the clean runs after this many checked runs")
     ap.add_argument("--max-seconds", type=float, default=90.0, help="GPU: and at the latest after this long")
+    ap.add_argument("--long-seconds", type=float, default=0.0,
+                    help=f"GPU: then clean runs at S {', '.join(map(str, LONG_SEQ))} for this long (0: none)")
     ap.add_argument("--commit", default="(working tree)")
     ap.add_argument("--compare", help="another device's --json: how often each trial's outcome agrees")
     ap.add_argument("--json")
@@ -343,14 +367,18 @@ def main(argv: list[str] | None = None) -> dict:
         warm_s = time.perf_counter() - t0
         clean = clean_campaign(device, clean_groups(backend, args.clean_seeds),
                                10**9 if backend == "cpu" else args.clean_runs, 1e9 if backend == "cpu" else args.max_seconds)
-        print(f"clean: {clean['runs']} runs, {clean['false_positives']} false positives, "
-              f"{clean['repeat_mismatch']} repeat mismatches, {clean['seconds']:.0f} s", flush=True)
+        long = clean_campaign(device, clean_groups(backend, 0, LONG_SEQ, order_seed=23, seed0=90000), 10**9,
+                              args.long_seconds) if backend != "cpu" and args.long_seconds > 0 else None
+        for name, c in (("clean", clean), ("long", long)):
+            if c is not None:
+                print(f"{name}: {c['runs']} runs, {c['false_positives']} false positives, "
+                      f"{c['repeat_mismatch']} repeat mismatches, {c['seconds']:.0f} s", flush=True)
         trials = fault_trials(device, args.trials)
         ident = device.identity
         doc = {"backend": backend, "device": ident.name, "driver": ident.driver, "commit": args.commit,
                "date": str(datetime.date.today()), "seconds": time.perf_counter() - t0, "warm_up_seconds": warm_s, "trials_per_stage": args.trials,
                "command": "python benchmarks/attention_coverage.py --device " + args.device,
-               "clean": {**clean, "flagged": dict(clean["flagged"]), "group_counts": dict(clean["group_counts"])},
+               "clean": plain(clean), "clean_long": plain(long) if long else None,
                "trials": trials, "tau": dict(TH.tau)}
     if args.compare:
         other = json.loads(Path(args.compare).read_text())
