@@ -32,7 +32,10 @@ scaled case differing bit for bit; a permanent one repeats its own bits, so it i
 
     python benchmarks/attention_coverage.py [--device cpu] [--trials 100]
     PYTHONPATH=. python3 benchmarks/attention_coverage.py --device cuda:0 --commit "$(git rev-parse --short HEAD)" \\
-        --out "$OUT/attention-coverage.md" --json "$OUT/attention-coverage.json"
+        --clean-runs 1500 --max-seconds 60 --long-seconds 60 --out "$OUT/attention-coverage.md" \\
+        --json "$OUT/attention-coverage.json" [--compare cpu.json]
+
+``--render JSON`` rewrites a section from a saved ``--json`` without running anything.
 """
 
 from __future__ import annotations
@@ -332,6 +335,14 @@ def write_doc(path: str | Path, doc: dict) -> None:
     path.write_text(HEADER + "".join(f"\n{parts[k]}\n" for k in ("cpu", "cuda") if k in parts), encoding="utf-8")
 
 
+def command(args, backend: str) -> str:
+    """The command line that reproduces the figures (without where they are written)."""
+    opts = {"device": args.device, "trials": args.trials}
+    opts |= {"clean-seeds": args.clean_seeds} if backend == "cpu" else \
+        {"clean-runs": args.clean_runs, "max-seconds": f"{args.max_seconds:g}", "long-seconds": f"{args.long_seconds:g}"}
+    return "python benchmarks/attention_coverage.py " + " ".join(f"--{k} {v}" for k, v in opts.items())
+
+
 def plain(acc: dict) -> dict:
     return {**acc, "flagged": dict(acc["flagged"]), "group_counts": dict(acc["group_counts"])}
 
@@ -377,7 +388,7 @@ def main(argv: list[str] | None = None) -> dict:
         ident = device.identity
         doc = {"backend": backend, "device": ident.name, "driver": ident.driver, "commit": args.commit,
                "date": str(datetime.date.today()), "seconds": time.perf_counter() - t0, "warm_up_seconds": warm_s, "trials_per_stage": args.trials,
-               "command": "python benchmarks/attention_coverage.py --device " + args.device,
+               "command": command(args, backend),
                "clean": plain(clean), "clean_long": plain(long) if long else None,
                "trials": trials, "tau": dict(TH.tau)}
     if args.compare:
