@@ -23,10 +23,10 @@ import torch
 from aegis_cli.backends.base import Device, memory_shortfall
 from aegis_cli.checks import attention as checks
 from aegis_cli.checks import judge
-from aegis_cli.faults.spec import FaultPlan
+from aegis_cli.faults.spec import FaultPlan, recent_injections
 from aegis_cli.ops import attention_sums as sums
 from aegis_cli.ops.attention import BLOCK, AttentionOperands, AttentionShape, reference
-from aegis_cli.ops.case import CaseId, case_seed, op_site, scale_token
+from aegis_cli.ops.case import CaseId, case_seed, scale_token
 from aegis_cli.ops.errors import ConfigError
 from aegis_cli.ops.verdict import Evidence, Verdict
 from aegis_cli.ops.workloads import Workload
@@ -222,20 +222,11 @@ class AttentionProbe:
                        margin=judge.margin(sig.max_value, tau) if tau else None, elements=sig.elements, samples=samples,
                        tiles=[list(b) for b in blocks][:16], reruns=self.reruns, reproduced=reproduced,
                        distinct_outputs=distinct, kernel=f"{fwd.kernel}/{bwd.kernel}",
-                       injected=_injections(self.fault, cid))
+                       injected=recent_injections(self.fault, case=cid))
         where = f"{sig.tensor} " + ", ".join(f"{k}={v}" for k, v in samples[0].items() if k in _NAMES) if samples else ""
         ev_.summary = (f"{sig.check}: {sig.elements} value(s) flagged at V·2^{ev}, dO·2^{edo} ({where}); "
                        f"failed {reproduced + 1} of {self.reruns + 1} runs; {j.why}")
         return ev_
-
-
-def _injections(plan: FaultPlan | None, cid: str, n: int = 4) -> list[dict]:
-    """The last ``n`` injection records of this case's shape group, forward and backward passes
-    (launch ops ``CASE:fwd``, ``CASE:bwd``) at any scale."""
-    if plan is None:
-        return []
-    site = op_site(cid)
-    return [r for r in plan.injected if op_site(r["op"]).partition(":")[0] == site][-n:]
 
 
 _NAMES = ("head", "kv_head", "query_block", "key_block", "column")
