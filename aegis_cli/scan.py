@@ -89,7 +89,14 @@ def scan_device(device: Device, opts: ScanOptions, fault: FaultPlan | None, prog
     (FAULTY when an earlier probe already confirmed corruption: its evidence is kept)."""
     t0 = time.time()
     dr = DeviceReport(identity=device.identity, verdict=Verdict.ERROR)
-    ctx = ProbeContext(config=opts.probe_config(), fault=fault, progress=progress)
+    total, counted = count_cases(opts, [device]), 0  # progress("case") events due from this device, and sent
+
+    def count(event: str, **info) -> None:
+        nonlocal counted
+        counted += event == "case"
+        progress(event, **info)
+
+    ctx = ProbeContext(config=opts.probe_config(), fault=fault, progress=count)
     ran = Verdict.HEALTHY
     tally = ctx.tally
     try:
@@ -101,10 +108,6 @@ def scan_device(device: Device, opts: ScanOptions, fault: FaultPlan | None, prog
             first = next((e for e in found if e.severity is Verdict.FAULTY), None)
             if first is not None and tally.stop(first.case_id):  # fail-fast: the later probes are skipped
                 tally.skipped_probes += list(opts.probes[i + 1:])
-                for later in opts.probes[i + 1:]:  # their cases still count as progress, so the total adds up
-                    count = CASE_COUNTS[later]([device], ctx.config) if later in CASE_COUNTS else 0  # node probes: none
-                    for _ in range(count):
-                        progress("case", device=device.identity.id, case=f"{later}/skipped")
                 break
     except AegisError as exc:
         if isinstance(exc, (ConfigError, GoldenError)):  # bad input, not the device: stop, exit 3
@@ -119,6 +122,8 @@ def scan_device(device: Device, opts: ScanOptions, fault: FaultPlan | None, prog
     dr.captured = ctx.captured
     dr.tally = tally
     dr.seconds = time.time() - t0
+    for _ in range(total - counted):  # the cases fail-fast skipped or a failure left unrun: the total adds up
+        progress("case", device=device.identity.id, case="skipped")
     progress("device_done", device=device.identity.id, verdict=dr.verdict.value)
     return dr
 

@@ -20,7 +20,8 @@ FAULTY, it confirms later cases cheaply and gives only the first few in full; wi
 it stops at that first confirmed FAULTY. It may register a ``preflight(devices,
 ctx)`` that refuses, before any probe runs, what it could not do (ConfigError: too little
 memory, a case it never gives, a golden file without this device), and a ``count_cases(devices,
-config)`` giving how many ``progress("case")`` events it will send (the scan's progress total).
+config)`` giving how many ``progress("case")`` events it will send (the scan's progress total;
+when a device is done, the scan sends those that fail-fast or a failure left unsent).
 ``workload_for`` names the workload a device runs (the gemm and attention probes and the
 burn-in share it), so no probe imports another.
 """

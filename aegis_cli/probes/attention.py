@@ -134,7 +134,7 @@ class AttentionProbe:
         self.on_case = on_case or (lambda _cid: None)
         # stop(cid): whether the device stops at the FAULTY confirmed in case ``cid`` (fail-fast, Tally.stop)
         self.stop = stop or (lambda _cid: False)
-        self.skipped: list[str] = []  # case ids fail-fast left unrun (each counted as progress)
+        self.skipped: list[str] = []  # case ids fail-fast left unrun
         self.failed_runs = 0  # runs (forward and backward) with any signal
         self.stats = Stats()
 
@@ -181,10 +181,8 @@ class AttentionProbe:
         return evidence
 
     def skip(self, case_ids: list[str]) -> None:
-        """Cases fail-fast leaves unrun: named in the report, counted in the progress total."""
+        """Cases fail-fast leaves unrun, named in the report (the scan counts them as progress)."""
         self.skipped += case_ids
-        for cid in case_ids:
-            self.on_case(cid)
 
     def _note(self, checked: checks.Checked) -> None:
         for name, v in checked.clean_max.items():

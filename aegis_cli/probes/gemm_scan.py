@@ -96,7 +96,7 @@ def gemm_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     cases = plan_cases(wl, config.seed, config.case)
     for i, case in enumerate(cases):
         evidence += probe.run(case, scales, only=config.case)
-        if ctx.tally.stopped:  # fail-fast: the cases not run are named, and counted as progress
+        if ctx.tally.stopped:  # fail-fast: the cases not run are named (the scan counts them as progress)
             probe.skip([c.case_id(ea, eb) for c in cases[i + 1:] for ea, eb in scales])
             break
     ctx.stats["gemm"] = probe.stats
