@@ -36,7 +36,7 @@ from aegis_cli.probes import (
     parse_probe_options,
     workload_for,
 )
-from aegis_cli.probes.gemm_scan import plan_cases
+from aegis_cli.probes.gemm_scan import planned_runs
 from aegis_cli.report import DeviceReport, Report, new_report
 from aegis_cli.vtask.capture import check_savable as savable
 from aegis_cli.vtask.model import GemmSpec
@@ -173,17 +173,16 @@ def preflight(opts: ScanOptions, devices: list[Device]) -> None:
 
 
 def check_savable(opts: ScanOptions, devices: list[Device]) -> None:
-    """Refuse, before any work, GEMM cases whose vTasks no bundle could hold (capture.check_savable)."""
+    """Refuse, before any work, GEMM cases whose vTasks no bundle could hold (capture.check_savable):
+    those the gemm probe will run, at the scales it runs them (``gemm.shift``, ``--case``)."""
     config = opts.probe_config()
     if "gemm" not in opts.probes:  # attention cases are saved whatever their shape (vtask/attention.py)
         return
     for d in devices:
-        wl = workload_for(config, d)
-        for case in plan_cases(wl, opts.seed, opts.case):
+        for case, ids in planned_runs(workload_for(config, d), config):
             s = case.shape
-            savable(d.identity.id, GemmSpec(layout=s.layout, m=s.m, n=s.n, k=s.k, tile=tuple(d.tile)), s.op,
-                    [case.case_id(ea, eb) for ea, eb in wl.scan.scales], tau=opts.thresholds.tau,
-                    confirm_margin=opts.thresholds.confirm_margin, seed=case.seed, dist=case.dist)
+            savable(d.identity.id, GemmSpec(layout=s.layout, m=s.m, n=s.n, k=s.k, tile=tuple(d.tile)), s.op, ids,
+                    tau=opts.thresholds.tau, confirm_margin=opts.thresholds.confirm_margin, seed=case.seed, dist=case.dist)
 
 
 def count_cases(opts: ScanOptions, devices: list[Device]) -> int:
