@@ -18,7 +18,7 @@ from aegis_cli.backends.cpu import simulated_env
 from aegis_cli.faults.spec import FaultPlan, parse_spec
 from aegis_cli.ops import numerics
 from aegis_cli.ops.case import check_seed
-from aegis_cli.ops.errors import AegisError, ConfigError, GoldenError
+from aegis_cli.ops.errors import ConfigError
 from aegis_cli.ops.verdict import Verdict, worst
 from aegis_cli.probes import (
     CASE_COUNTS,
@@ -37,7 +37,7 @@ from aegis_cli.probes import (
     workload_for,
 )
 from aegis_cli.probes.gemm_scan import planned_runs
-from aegis_cli.report import DeviceReport, Report, new_report
+from aegis_cli.report import DeviceReport, Report, device_failures, new_report
 from aegis_cli.vtask.capture import check_savable as savable
 from aegis_cli.vtask.model import GemmSpec
 
@@ -97,9 +97,8 @@ def scan_device(device: Device, opts: ScanOptions, fault: FaultPlan | None, prog
         progress(event, **info)
 
     ctx = ProbeContext(config=opts.probe_config(), fault=fault, progress=count)
-    ran = Verdict.HEALTHY
     tally = ctx.tally
-    try:
+    with device_failures(dr):
         for i, name in enumerate(opts.probes):
             if name in NODE_PROBES:
                 continue  # node probes run once over all devices (run_node_probes)
@@ -109,13 +108,7 @@ def scan_device(device: Device, opts: ScanOptions, fault: FaultPlan | None, prog
             if first is not None and tally.stop(first.case_id):  # fail-fast: the later probes are skipped
                 tally.skipped_probes += list(opts.probes[i + 1:])
                 break
-    except AegisError as exc:
-        if isinstance(exc, (ConfigError, GoldenError)):  # bad input, not the device: stop, exit 3
-            raise
-        dr.error, ran = str(exc), Verdict.ERROR
-    except Exception as exc:  # a driver or runtime failure during checks: the device is not trusted
-        dr.error, ran = f"{type(exc).__name__}: {exc}", Verdict.ERROR
-    dr.verdict = worst([ran, *(e.severity for e in dr.evidence)])
+    dr.judge()
     dr.workload = ctx.stats.pop("workload", "")
     dr.stats = ctx.stats.pop("gemm", None)
     dr.probe_stats = ctx.stats

@@ -44,12 +44,12 @@ from aegis_cli.checks.observed import compare_with_capture, result_bits_equal
 from aegis_cli.faults.spec import FaultPlan, recent_injections
 from aegis_cli.ops import numerics
 from aegis_cli.ops.case import rescaled, split_scale
-from aegis_cli.ops.errors import AegisError, BundleError, ConfigError
+from aegis_cli.ops.errors import BundleError, ConfigError
 from aegis_cli.ops.gemm import GemmResult
 from aegis_cli.ops.verdict import Evidence, Verdict, worst
 from aegis_cli.probes.gemm import ProbeStats, case_bytes, scaled, scaled_reference
 from aegis_cli.probes.gemm import clean_median as clean_median_of
-from aegis_cli.report import DeviceReport, Report
+from aegis_cli.report import DeviceReport, Report, device_failures
 from aegis_cli.vtask import attention
 from aegis_cli.vtask import model as vtask
 from aegis_cli.vtask.bundle import read_bundle
@@ -348,7 +348,7 @@ def replay_device(device: Device, bundles: list[vtask.Bundle], opts: ReplayOptio
     dr = DeviceReport(identity=device.identity, verdict=Verdict.ERROR, workload="replay")
     stats = ProbeStats()
     outcomes: list[dict] = []
-    try:
+    with device_failures(dr):
         for b in bundles:
             for vt in b.vtasks:
                 if vt.kind == "attention":  # vtask/attention.py
@@ -364,12 +364,6 @@ def replay_device(device: Device, bundles: list[vtask.Bundle], opts: ReplayOptio
                 outcomes.append(out)
                 progress("case", device=device.identity.id, case=vt.id)
         dr.verdict = worst([Verdict.HEALTHY, *(Verdict(o["severity"]) for o in outcomes)])
-    except AegisError as exc:
-        if isinstance(exc, ConfigError):
-            raise
-        dr.error = str(exc)
-    except Exception as exc:  # a driver or runtime failure during the replay: the device is not trusted
-        dr.error = f"{type(exc).__name__}: {exc}"
     dr.stats = stats
     counts = {k: sum(o["outcome"] == k for o in outcomes) for k in OUTCOMES}
     dr.probe_stats = {"replay": {"vtasks": len(outcomes), **counts, "repeat": opts.repeat,
