@@ -378,9 +378,13 @@ def load_bundles(paths: list[str], max_bytes: int | None = None) -> list[vtask.B
     if not paths:
         raise BundleError("no bundle given")
     limits = vtask.Limits.from_env(max_bytes)
-    bundles = [read_bundle(p, limits) for p in paths]
+    return replayable([read_bundle(p, limits) for p in paths], ", ".join(paths))
+
+
+def replayable(bundles: list[vtask.Bundle], label: str) -> list[vtask.Bundle]:
+    """``bundles`` if they hold a vTask between them; else BundleError naming ``label``."""
     if not any(b.vtasks for b in bundles):
-        raise bundle_error(", ".join(paths), "holds no vTasks, nothing to replay")
+        raise bundle_error(label, "holds no vTasks, nothing to replay")
     return bundles
 
 
