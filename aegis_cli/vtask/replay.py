@@ -102,10 +102,6 @@ def _op_id(vt: vtask.VTask, x: int, y: int) -> str:
     return rescaled(base, vt.scale[0] + x, vt.scale[1] + y)
 
 
-def _torch_device(dev: Device) -> str:
-    return "cpu" if dev.identity.backend == "cpu" else f"{dev.identity.backend}:{dev.identity.index}"
-
-
 @dataclass
 class _Fired:
     elements: int = 0
@@ -175,8 +171,7 @@ class _VTaskReplay:
     def run(self) -> dict:
         t0 = time.perf_counter()
         vt, dev = self.vt, self.dev
-        tdev = _torch_device(dev)
-        ops0 = vt.operands(tdev)
+        ops0 = vt.operands(dev.torch_device)
         tile = dev.tile
         m, n, k = ops0.mnk
         # τ in units of Σ|A||B| ("abs-product"): the checks divide by it, so no noise scale is computed
