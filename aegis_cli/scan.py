@@ -22,8 +22,6 @@ from aegis_cli.ops.errors import ConfigError
 from aegis_cli.ops.verdict import Verdict, worst
 from aegis_cli.probes import (
     CASE_COUNTS,
-    DEFAULT_IN_FULL,
-    DEFAULT_PROBES,
     DEFAULT_RERUNS,
     NODE_PROBES,
     PREFLIGHTS,
@@ -47,37 +45,26 @@ MAX_IN_FULL = 1000  # evidence in full per probe: beyond it, a report of a devic
 Progress = Callable[..., None]
 
 
-@dataclass
-class ScanOptions:
+@dataclass(frozen=True)
+class ScanOptions(ProbeConfig):
+    """A scan's options: the ProbeConfig its probes read (seed, re-runs, ``--case``, probes and
+    their options, thresholds, golden file, workload, fail-fast, evidence in full, keep_flagged)
+    and what the scan alone reads: devices, faults to inject, command line. With ``keep_flagged``
+    (--save-vtasks) the scan also refuses up front what could not be saved (check_savable)."""
+
     devices: str = "auto"
-    workload: str | None = None  # None: cpu-quick on CPUs, llama3-70b on GPUs
-    seed: int = 0
-    reruns: int = DEFAULT_RERUNS
     inject: str | None = None
-    case: str | None = None  # re-run exactly one case id from a report
-    probes: tuple[str, ...] = DEFAULT_PROBES
-    golden: str | None = None  # golden fingerprint file to compare against (probes that use it)
-    probe_options: dict[str, str] = field(default_factory=dict)  # "probe.key" → value (--probe-option)
-    thresholds: numerics.Thresholds = field(default_factory=numerics.Thresholds)
     command_line: list[str] = field(default_factory=list)
-    # keep each flagged GEMM run as observed, for --save-vtasks (DeviceReport.captured); the scan
-    # then also refuses up front what could not be saved (capture.check_savable)
-    keep_flagged: bool = False
-    fail_fast: bool = False  # stop each device at its first confirmed FAULTY (other devices go on)
-    # once a probe has confirmed FAULTY, the flagged cases it gives in full (the rest: counts)
-    evidence_in_full: int = DEFAULT_IN_FULL
 
     def __post_init__(self) -> None:
         check_seed(self.seed)
-        if not 1 <= self.evidence_in_full <= MAX_IN_FULL:
+        if self.evidence_in_full is None or not 1 <= self.evidence_in_full <= MAX_IN_FULL:
             raise ConfigError(f"evidence in full must lie in 1…{MAX_IN_FULL} cases per probe, got {self.evidence_in_full}")
 
     def probe_config(self) -> ProbeConfig:
-        """What the probes read of these options."""
-        return ProbeConfig(seed=self.seed, reruns=self.reruns, case=self.case, probes=tuple(self.probes),
-                           probe_options=dict(self.probe_options), thresholds=self.thresholds, golden=self.golden,
-                           workload=self.workload, keep_flagged=self.keep_flagged, fail_fast=self.fail_fast,
-                           evidence_in_full=self.evidence_in_full)
+        """What the probes read of these options, and nothing else (no devices, no faults)."""
+        given = {f.name: getattr(self, f.name) for f in dataclasses.fields(ProbeConfig)}
+        return ProbeConfig(**{**given, "probes": tuple(self.probes), "probe_options": dict(self.probe_options)})
 
 
 def _quiet(*_args, **_info) -> None:
