@@ -95,6 +95,20 @@ class ProbeContext:
         """The part after ``probe/`` of ``--case probe/PART/…`` (what to re-run), else None."""
         return CaseId.parse(self.config.case).part(probe) if self.config.case else None
 
+    def case_choice(self, probe: str, ids: dict[str, Any], device_id: str) -> Any:
+        """With a ``--case`` of ``probe``: what ``ids`` (each case id the probe gives on this
+        device → what it runs then) maps it to, exactly as the device names its cases; an id
+        that matched nothing (another shape, a typo) ran nothing and said HEALTHY, so ConfigError
+        names the cases instead. None without a ``--case`` of ``probe``."""
+        from aegis_cli.ops.errors import ConfigError
+
+        if self.case_part(probe) is None:
+            return None
+        if self.config.case not in ids:
+            raise ConfigError(f"case {self.config.case!r}: the {probe} probe has no such case on {device_id} "
+                              f"(its cases: {', '.join(ids)})")
+        return ids[self.config.case]
+
 
 def bounded(typ: type, lo: float, hi: float, auto: float | None = None) -> Callable[[str], object]:
     """An option type: ``typ`` in [lo, hi] (NaN refused), or exactly ``auto`` (the "by mode"
