@@ -12,15 +12,18 @@ import json
 import math
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Protocol
 
 from aegis_cli.backends.base import DeviceIdentity, node_name
 from aegis_cli.backends.loader import kernel_hashes
+from aegis_cli.ops.errors import AegisError, ConfigError, GoldenError
 from aegis_cli.ops.files import sanitize
 from aegis_cli.ops.provenance import tool_version, versions
-from aegis_cli.ops.verdict import Evidence, Verdict, overall_exit
+from aegis_cli.ops.verdict import Evidence, Verdict, overall_exit, worst
 
 if TYPE_CHECKING:
     from aegis_cli.ops.numerics import Thresholds
@@ -53,6 +56,10 @@ class DeviceReport:
     # aegis scan --soak: the burn-in's own section (soak/record.py; docs/report-format.md), else None
     soak: dict | None = None
 
+    def judge(self) -> None:
+        """Its verdict: the worst of its evidence, and ERROR at the least when the device failed."""
+        self.verdict = worst([Verdict.ERROR if self.error is not None else Verdict.HEALTHY, *(e.severity for e in self.evidence)])
+
     def to_dict(self, tau: float) -> dict:
         s = self.stats
         noise = None
@@ -75,6 +82,21 @@ class DeviceReport:
                         "gemm_tflops": round(s.flops / s.seconds / 1e12, 4) if s and s.seconds > 0 else None},
             **soak,
         }
+
+
+@contextmanager
+def device_failures(dr: DeviceReport) -> Iterator[None]:
+    """Around the checks of ``dr``'s device: a failure during them is the device's, said in
+    ``dr.error`` (``judge`` then gives ERROR, never HEALTHY; FAULTY evidence found so far is kept),
+    except bad input (ConfigError, GoldenError), which stops the command (exit 3)."""
+    try:
+        yield
+    except (ConfigError, GoldenError):
+        raise
+    except AegisError as exc:
+        dr.error = str(exc)
+    except Exception as exc:  # a driver or runtime failure during checks: the device is not trusted
+        dr.error = f"{type(exc).__name__}: {exc}"
 
 
 @dataclass

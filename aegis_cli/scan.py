@@ -18,12 +18,10 @@ from aegis_cli.backends.cpu import simulated_env
 from aegis_cli.faults.spec import FaultPlan, parse_spec
 from aegis_cli.ops import numerics
 from aegis_cli.ops.case import check_seed
-from aegis_cli.ops.errors import AegisError, ConfigError, GoldenError
+from aegis_cli.ops.errors import ConfigError
 from aegis_cli.ops.verdict import Verdict, worst
 from aegis_cli.probes import (
     CASE_COUNTS,
-    DEFAULT_IN_FULL,
-    DEFAULT_PROBES,
     DEFAULT_RERUNS,
     NODE_PROBES,
     PREFLIGHTS,
@@ -36,8 +34,8 @@ from aegis_cli.probes import (
     parse_probe_options,
     workload_for,
 )
-from aegis_cli.probes.gemm_scan import plan_cases
-from aegis_cli.report import DeviceReport, Report, new_report
+from aegis_cli.probes.gemm_scan import planned_runs
+from aegis_cli.report import DeviceReport, Report, device_failures, new_report
 from aegis_cli.vtask.capture import check_savable as savable
 from aegis_cli.vtask.model import GemmSpec
 
@@ -47,37 +45,26 @@ MAX_IN_FULL = 1000  # evidence in full per probe: beyond it, a report of a devic
 Progress = Callable[..., None]
 
 
-@dataclass
-class ScanOptions:
+@dataclass(frozen=True)
+class ScanOptions(ProbeConfig):
+    """A scan's options: the ProbeConfig its probes read (seed, re-runs, ``--case``, probes and
+    their options, thresholds, golden file, workload, fail-fast, evidence in full, keep_flagged)
+    and what the scan alone reads: devices, faults to inject, command line. With ``keep_flagged``
+    (--save-vtasks) the scan also refuses up front what could not be saved (check_savable)."""
+
     devices: str = "auto"
-    workload: str | None = None  # None: cpu-quick on CPUs, llama3-70b on GPUs
-    seed: int = 0
-    reruns: int = DEFAULT_RERUNS
     inject: str | None = None
-    case: str | None = None  # re-run exactly one case id from a report
-    probes: tuple[str, ...] = DEFAULT_PROBES
-    golden: str | None = None  # golden fingerprint file to compare against (probes that use it)
-    probe_options: dict[str, str] = field(default_factory=dict)  # "probe.key" → value (--probe-option)
-    thresholds: numerics.Thresholds = field(default_factory=numerics.Thresholds)
     command_line: list[str] = field(default_factory=list)
-    # keep each flagged GEMM run as observed, for --save-vtasks (DeviceReport.captured); the scan
-    # then also refuses up front what could not be saved (capture.check_savable)
-    keep_flagged: bool = False
-    fail_fast: bool = False  # stop each device at its first confirmed FAULTY (other devices go on)
-    # once a probe has confirmed FAULTY, the flagged cases it gives in full (the rest: counts)
-    evidence_in_full: int = DEFAULT_IN_FULL
 
     def __post_init__(self) -> None:
         check_seed(self.seed)
-        if not 1 <= self.evidence_in_full <= MAX_IN_FULL:
+        if self.evidence_in_full is None or not 1 <= self.evidence_in_full <= MAX_IN_FULL:
             raise ConfigError(f"evidence in full must lie in 1…{MAX_IN_FULL} cases per probe, got {self.evidence_in_full}")
 
     def probe_config(self) -> ProbeConfig:
-        """What the probes read of these options."""
-        return ProbeConfig(seed=self.seed, reruns=self.reruns, case=self.case, probes=tuple(self.probes),
-                           probe_options=dict(self.probe_options), thresholds=self.thresholds, golden=self.golden,
-                           workload=self.workload, keep_flagged=self.keep_flagged, fail_fast=self.fail_fast,
-                           evidence_in_full=self.evidence_in_full)
+        """What the probes read of these options, and nothing else (no devices, no faults)."""
+        given = {f.name: getattr(self, f.name) for f in dataclasses.fields(ProbeConfig)}
+        return ProbeConfig(**{**given, "probes": tuple(self.probes), "probe_options": dict(self.probe_options)})
 
 
 def _quiet(*_args, **_info) -> None:
@@ -89,10 +76,16 @@ def scan_device(device: Device, opts: ScanOptions, fault: FaultPlan | None, prog
     (FAULTY when an earlier probe already confirmed corruption: its evidence is kept)."""
     t0 = time.time()
     dr = DeviceReport(identity=device.identity, verdict=Verdict.ERROR)
-    ctx = ProbeContext(config=opts.probe_config(), fault=fault, progress=progress)
-    ran = Verdict.HEALTHY
+    total, counted = count_cases(opts, [device]), 0  # progress("case") events due from this device, and sent
+
+    def count(event: str, **info) -> None:
+        nonlocal counted
+        counted += event == "case"
+        progress(event, **info)
+
+    ctx = ProbeContext(config=opts.probe_config(), fault=fault, progress=count)
     tally = ctx.tally
-    try:
+    with device_failures(dr):
         for i, name in enumerate(opts.probes):
             if name in NODE_PROBES:
                 continue  # node probes run once over all devices (run_node_probes)
@@ -101,24 +94,16 @@ def scan_device(device: Device, opts: ScanOptions, fault: FaultPlan | None, prog
             first = next((e for e in found if e.severity is Verdict.FAULTY), None)
             if first is not None and tally.stop(first.case_id):  # fail-fast: the later probes are skipped
                 tally.skipped_probes += list(opts.probes[i + 1:])
-                for later in opts.probes[i + 1:]:  # their cases still count as progress, so the total adds up
-                    count = CASE_COUNTS[later]([device], ctx.config) if later in CASE_COUNTS else 0  # node probes: none
-                    for _ in range(count):
-                        progress("case", device=device.identity.id, case=f"{later}/skipped")
                 break
-    except AegisError as exc:
-        if isinstance(exc, (ConfigError, GoldenError)):  # bad input, not the device: stop, exit 3
-            raise
-        dr.error, ran = str(exc), Verdict.ERROR
-    except Exception as exc:  # a driver or runtime failure during checks: the device is not trusted
-        dr.error, ran = f"{type(exc).__name__}: {exc}", Verdict.ERROR
-    dr.verdict = worst([ran, *(e.severity for e in dr.evidence)])
+    dr.judge()
     dr.workload = ctx.stats.pop("workload", "")
     dr.stats = ctx.stats.pop("gemm", None)
     dr.probe_stats = ctx.stats
     dr.captured = ctx.captured
     dr.tally = tally
     dr.seconds = time.time() - t0
+    for _ in range(total - counted):  # the cases fail-fast skipped or a failure left unrun: the total adds up
+        progress("case", device=device.identity.id, case="skipped")
     progress("device_done", device=device.identity.id, verdict=dr.verdict.value)
     return dr
 
@@ -168,17 +153,16 @@ def preflight(opts: ScanOptions, devices: list[Device]) -> None:
 
 
 def check_savable(opts: ScanOptions, devices: list[Device]) -> None:
-    """Refuse, before any work, GEMM cases whose vTasks no bundle could hold (capture.check_savable)."""
+    """Refuse, before any work, GEMM cases whose vTasks no bundle could hold (capture.check_savable):
+    those the gemm probe will run, at the scales it runs them (``gemm.shift``, ``--case``)."""
     config = opts.probe_config()
     if "gemm" not in opts.probes:  # attention cases are saved whatever their shape (vtask/attention.py)
         return
     for d in devices:
-        wl = workload_for(config, d)
-        for case in plan_cases(wl, opts.seed, opts.case):
+        for case, ids in planned_runs(workload_for(config, d), config):
             s = case.shape
-            savable(d.identity.id, GemmSpec(layout=s.layout, m=s.m, n=s.n, k=s.k, tile=tuple(d.tile)), s.op,
-                    [case.case_id(ea, eb) for ea, eb in wl.scan.scales], tau=opts.thresholds.tau,
-                    confirm_margin=opts.thresholds.confirm_margin, seed=case.seed, dist=case.dist)
+            savable(d.identity.id, GemmSpec(layout=s.layout, m=s.m, n=s.n, k=s.k, tile=tuple(d.tile)), s.op, ids,
+                    tau=opts.thresholds.tau, confirm_margin=opts.thresholds.confirm_margin, seed=case.seed, dist=case.dist)
 
 
 def count_cases(opts: ScanOptions, devices: list[Device]) -> int:

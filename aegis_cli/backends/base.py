@@ -71,6 +71,7 @@ class Device(abc.ABC):
 
     identity: DeviceIdentity
     tile: tuple[int, int]  # checksum tile (tm, tn) of this device's checked GEMM
+    torch_device: torch.device | str = "cpu"  # where its tensors live, as torch names it (CUDA: its own)
     # whether each output and checksum is summed in an order that does not depend on the GEMM's
     # M and N (our CUDA kernels: per tile, k in order), so a sub-GEMM repeats the full one's bits
     shape_independent_sums: bool = True

@@ -364,15 +364,17 @@ class FaultPlan:
 def recent_injections(plan: FaultPlan | None, n: int = 4, case: str | None = None) -> list[dict]:
     """The last ``n`` injection records of ``plan`` (none without a plan), for evidence. With
     ``case``, only those of its shape group at any scale (a pow2 check compares with the base
-    scale's run): the plan's last records may be another case's, which the evidence would name."""
+    scale's run) and of either pass of it (an attention case launches ``CASE:fwd`` and
+    ``CASE:bwd``): the plan's last records may be another case's, which the evidence would name."""
     if plan is None:
         return []
     site = op_site(case) if case is not None else None
+    sites = (site, f"{site}:fwd", f"{site}:bwd")  # a GEMM case's launches, an attention case's passes
     out = []
     for r in reversed(plan.injected):  # newest first: the case's own records are the latest
         if len(out) == n:
             break
-        if site is None or op_site(r["op"]) == site:
+        if site is None or op_site(r["op"]) in sites:
             out.append(r)
     return out[::-1]
 

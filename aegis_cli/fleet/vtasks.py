@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import stat
 from pathlib import Path
 
 from aegis_cli.fleet.config import SweepConfig
@@ -32,33 +31,22 @@ def bundle_paths(directory: str) -> tuple[list[Path], int]:
     return [Path(directory) / n for n in names[:MAX_BUNDLES]], max(0, len(names) - MAX_BUNDLES)
 
 
-def _sha256(path: Path, max_bytes: int) -> str | None:
-    """The file's SHA-256, or None when it is no regular file within the bundle size limit (never
-    opened then: a FIFO would block, a huge file would take the device's time)."""
-    try:
-        st = os.lstat(path)
-        if not stat.S_ISREG(st.st_mode) or st.st_size > max_bytes:
-            return None
-        h = hashlib.sha256()
-        with open(path, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
-        return h.hexdigest()
-    except OSError:
-        return None
-
-
 def replay_one(device, path: Path) -> dict:
-    """One bundle on ``device``: its outcome entry. Never raises for the bundle's sake."""
+    """One bundle on ``device``: its outcome entry. Never raises for the bundle's sake. The file
+    is read once: its SHA-256 is that of the bytes replayed (an entry that fails to parse has
+    it too, when the file could be read)."""
     from aegis_cli.vtask import model
-    from aegis_cli.vtask.replay import ReplayOptions, check_memory, load_bundles, replay_device
+    from aegis_cli.vtask.bundle import parse_bundle, read_bytes
+    from aegis_cli.vtask.replay import ReplayOptions, check_memory, replay_device, replayable
 
     entry: dict = {"bundle": path.name, "sha256": None}
     try:
-        entry["sha256"] = _sha256(path, model.Limits.from_env().max_bytes)
         if path.is_symlink():  # the directory is a drop box: a link could point the sweep at any file
             raise BundleError(f"{path}: is a symbolic link, not a bundle file")
-        bundles = load_bundles([str(path)])
+        limits = model.Limits.from_env()
+        data = read_bytes(path, limits)
+        entry["sha256"] = hashlib.sha256(data).hexdigest()
+        bundles = replayable([parse_bundle(data, str(path), limits)], str(path))
         check_memory(bundles, [device])
         dr = replay_device(device, bundles, ReplayOptions(bundles=[str(path)], devices=device.identity.id), None,
                            lambda *a, **k: None)

@@ -20,7 +20,8 @@ FAULTY, it confirms later cases cheaply and gives only the first few in full; wi
 it stops at that first confirmed FAULTY. It may register a ``preflight(devices,
 ctx)`` that refuses, before any probe runs, what it could not do (ConfigError: too little
 memory, a case it never gives, a golden file without this device), and a ``count_cases(devices,
-config)`` giving how many ``progress("case")`` events it will send (the scan's progress total).
+config)`` giving how many ``progress("case")`` events it will send (the scan's progress total;
+when a device is done, the scan sends those that fail-fast or a failure left unsent).
 ``workload_for`` names the workload a device runs (the gemm and attention probes and the
 burn-in share it), so no probe imports another.
 """
@@ -93,6 +94,20 @@ class ProbeContext:
     def case_part(self, probe: str) -> str | None:
         """The part after ``probe/`` of ``--case probe/PART/…`` (what to re-run), else None."""
         return CaseId.parse(self.config.case).part(probe) if self.config.case else None
+
+    def case_choice(self, probe: str, ids: dict[str, Any], device_id: str) -> Any:
+        """With a ``--case`` of ``probe``: what ``ids`` (each case id the probe gives on this
+        device → what it runs then) maps it to, exactly as the device names its cases; an id
+        that matched nothing (another shape, a typo) ran nothing and said HEALTHY, so ConfigError
+        names the cases instead. None without a ``--case`` of ``probe``."""
+        from aegis_cli.ops.errors import ConfigError
+
+        if self.case_part(probe) is None:
+            return None
+        if self.config.case not in ids:
+            raise ConfigError(f"case {self.config.case!r}: the {probe} probe has no such case on {device_id} "
+                              f"(its cases: {', '.join(ids)})")
+        return ids[self.config.case]
 
 
 def bounded(typ: type, lo: float, hi: float, auto: float | None = None) -> Callable[[str], object]:

@@ -23,10 +23,10 @@ import torch
 from aegis_cli.backends.base import Device, memory_shortfall
 from aegis_cli.checks import attention as checks
 from aegis_cli.checks import judge
-from aegis_cli.faults.spec import FaultPlan
+from aegis_cli.faults.spec import FaultPlan, recent_injections
 from aegis_cli.ops import attention_sums as sums
 from aegis_cli.ops.attention import BLOCK, AttentionOperands, AttentionShape, reference
-from aegis_cli.ops.case import CaseId, case_seed, op_site, scale_token
+from aegis_cli.ops.case import CaseId, case_seed, scale_token
 from aegis_cli.ops.errors import ConfigError
 from aegis_cli.ops.verdict import Evidence, Verdict
 from aegis_cli.ops.workloads import Workload
@@ -134,7 +134,7 @@ class AttentionProbe:
         self.on_case = on_case or (lambda _cid: None)
         # stop(cid): whether the device stops at the FAULTY confirmed in case ``cid`` (fail-fast, Tally.stop)
         self.stop = stop or (lambda _cid: False)
-        self.skipped: list[str] = []  # case ids fail-fast left unrun (each counted as progress)
+        self.skipped: list[str] = []  # case ids fail-fast left unrun
         self.failed_runs = 0  # runs (forward and backward) with any signal
         self.stats = Stats()
 
@@ -181,10 +181,8 @@ class AttentionProbe:
         return evidence
 
     def skip(self, case_ids: list[str]) -> None:
-        """Cases fail-fast leaves unrun: named in the report, counted in the progress total."""
+        """Cases fail-fast leaves unrun, named in the report (the scan counts them as progress)."""
         self.skipped += case_ids
-        for cid in case_ids:
-            self.on_case(cid)
 
     def _note(self, checked: checks.Checked) -> None:
         for name, v in checked.clean_max.items():
@@ -222,20 +220,11 @@ class AttentionProbe:
                        margin=judge.margin(sig.max_value, tau) if tau else None, elements=sig.elements, samples=samples,
                        tiles=[list(b) for b in blocks][:16], reruns=self.reruns, reproduced=reproduced,
                        distinct_outputs=distinct, kernel=f"{fwd.kernel}/{bwd.kernel}",
-                       injected=_injections(self.fault, cid))
+                       injected=recent_injections(self.fault, case=cid))
         where = f"{sig.tensor} " + ", ".join(f"{k}={v}" for k, v in samples[0].items() if k in _NAMES) if samples else ""
         ev_.summary = (f"{sig.check}: {sig.elements} value(s) flagged at V·2^{ev}, dO·2^{edo} ({where}); "
                        f"failed {reproduced + 1} of {self.reruns + 1} runs; {j.why}")
         return ev_
-
-
-def _injections(plan: FaultPlan | None, cid: str, n: int = 4) -> list[dict]:
-    """The last ``n`` injection records of this case's shape group, forward and backward passes
-    (launch ops ``CASE:fwd``, ``CASE:bwd``) at any scale."""
-    if plan is None:
-        return []
-    site = op_site(cid)
-    return [r for r in plan.injected if op_site(r["op"]).partition(":")[0] == site][-n:]
 
 
 _NAMES = ("head", "kv_head", "query_block", "key_block", "column")

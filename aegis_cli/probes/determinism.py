@@ -27,7 +27,6 @@ from aegis_cli.backends.base import Device
 from aegis_cli.backends.fingerprints import device_fingerprint
 from aegis_cli.faults.spec import recent_injections
 from aegis_cli.ops.case import CaseId
-from aegis_cli.ops.errors import ConfigError
 from aegis_cli.ops.verdict import Evidence, Verdict
 from aegis_cli.probes import ProbeContext, bounded, quick_or_full, register
 from aegis_cli.probes.computations import (
@@ -148,15 +147,10 @@ def determinism_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     # torch's CPU kernels have no separate deterministic mode: sdpa_bwd_det repeats sdpa_bwd there
     only = [n.strip() for n in ctx.option("determinism", "only").split(",") if n.strip()] or [
         n for n in COMPUTATIONS if not (cpu_quick and n == "sdpa_bwd_det")]
-    if ctx.case_part("determinism") is not None:
-        # --case determinism/NAME/SHAPE, exactly as this device names its cases: an id that matched
-        # nothing (another shape, a typo) ran nothing and said HEALTHY
-        sizes = sizes_for(device)
-        ids = {case_id(n, sizes): n for n in COMPUTATIONS}
-        if ctx.config.case not in ids:
-            raise ConfigError(f"case {ctx.config.case!r}: the determinism probe has no such case on {device.identity.id} "
-                              f"(its cases: {', '.join(ids)})")
-        only = [ids[ctx.config.case]]
+    sizes = sizes_for(device)
+    chosen = ctx.case_choice("determinism", {case_id(n, sizes): n for n in COMPUTATIONS}, device.identity.id)
+    if chosen is not None:  # --case determinism/NAME/SHAPE
+        only = [chosen]
     evidence: list[Evidence] = []
     stats: dict[str, dict] = {}
     tally = ctx.tally.probe("determinism")

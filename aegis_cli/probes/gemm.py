@@ -246,10 +246,8 @@ class GemmProbe:
         return any(e.severity is Verdict.FAULTY for e in evidence) and self.tally.stop(cid)
 
     def skip(self, case_ids: list[str]) -> None:
-        """Cases fail-fast leaves unrun: named in the report, counted in the progress total."""
-        for cid in case_ids:
-            self.counts.skipped.append(cid)
-            self.on_case(cid)
+        """Cases fail-fast leaves unrun, named in the report (the scan counts them as progress)."""
+        self.counts.skipped += case_ids
 
     def _reruns_now(self) -> int:
         """Re-runs of a flagged case: all of them until the probe has confirmed FAULTY; then one

@@ -52,6 +52,17 @@ def case_scales(base: list[list[int]], case: str | None) -> list[list[int]]:
     return scales
 
 
+def planned_runs(wl: workloads.Workload, config: ProbeConfig) -> list[tuple[GemmCase, list[str]]]:
+    """Each case the probe runs, with the case ids it runs it at: every scale (moved by
+    ``gemm.shift``), or with a ``--case`` that case and the base scale it is checked against."""
+    scales = case_scales(scales_for(wl, config), config.case)
+    out = []
+    for c in plan_cases(wl, config.seed, config.case):
+        ids = [c.case_id(ea, eb) for ea, eb in scales]
+        out.append((c, ids if config.case is None else [i for i in ids if i in (config.case, c.case_id(0, 0))]))
+    return out
+
+
 def preflight(devices: list[Device], ctx: ProbeContext) -> None:
     """Refuse, before any work, a GEMM case that could not fit in a device's memory: the OOM
     killer would end the scan with no report and no exit code of ours, and a CUDA out-of-memory
@@ -73,14 +84,7 @@ def preflight(devices: list[Device], ctx: ProbeContext) -> None:
 
 def count_cases(devices: list[Device], config: ProbeConfig) -> int:
     """The cases the probe will run (one progress "case" each) over ``devices``."""
-    total = 0
-    for d in devices:
-        wl = workload_for(config, d)
-        # a --case at a scale also runs the base scale it is checked against
-        scales = scales_for(wl, config)
-        n_scales = (1 if CaseId.parse(config.case).scale == (0, 0) else 2) if config.case else len(scales)
-        total += len(plan_cases(wl, config.seed, config.case)) * n_scales
-    return total
+    return sum(len(ids) for d in devices for _, ids in planned_runs(workload_for(config, d), config))
 
 
 @register("gemm", OPTIONS, preflight=preflight, count_cases=count_cases)
@@ -96,7 +100,7 @@ def gemm_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     cases = plan_cases(wl, config.seed, config.case)
     for i, case in enumerate(cases):
         evidence += probe.run(case, scales, only=config.case)
-        if ctx.tally.stopped:  # fail-fast: the cases not run are named, and counted as progress
+        if ctx.tally.stopped:  # fail-fast: the cases not run are named (the scan counts them as progress)
             probe.skip([c.case_id(ea, eb) for c in cases[i + 1:] for ea, eb in scales])
             break
     ctx.stats["gemm"] = probe.stats

@@ -164,15 +164,8 @@ def pow2_probe(device: Device, ctx: ProbeContext) -> list[Evidence]:
     step = ctx.option("pow2", "step") or (4 if mode == "full" else (56 if device.identity.backend == "cpu" else 16))
     off = tuple(o % step for o in ctx.option("pow2", "offset"))
     evidence, stats = [], {}
-    impls = IMPLS
-    if ctx.case_part("pow2") is not None:
-        # --case pow2/IMPL/MxNxK, exactly as this device names its cases: another shape or a
-        # trailing typo ran the sweep of IMPL anyway, or nothing, and said HEALTHY
-        ids = {case_id(device, impl): impl for impl in IMPLS}
-        if ctx.config.case not in ids:
-            raise ConfigError(f"case {ctx.config.case!r}: the pow2 probe has no such case on {device.identity.id} "
-                              f"(its cases: {', '.join(ids)})")
-        impls = (ids[ctx.config.case],)
+    chosen = ctx.case_choice("pow2", {case_id(device, impl): impl for impl in IMPLS}, device.identity.id)
+    impls = IMPLS if chosen is None else (chosen,)  # --case pow2/IMPL/MxNxK
     tally = ctx.tally.probe("pow2")
     for impl in impls:
         st, ev = sweep(device, impl, step, ctx, off)

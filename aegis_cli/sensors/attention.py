@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from aegis_cli.backends.base import Device
 from aegis_cli.checks import attention as checks
-from aegis_cli.faults.spec import FaultPlan
+from aegis_cli.faults.spec import FaultPlan, recent_injections
 from aegis_cli.ops import attention_sums as sums
 from aegis_cli.ops.attention import BLOCK, AttentionBackward, AttentionForward, AttentionOperands, AttentionShape, reference
 from aegis_cli.ops.errors import ConfigError
@@ -182,11 +182,6 @@ class AttentionRouter:
             return CheckedAttentionFunction.apply(query, key, value, call)
 
 
-def _injections(plan: FaultPlan | None, site: str, n: int = 4) -> list[dict]:
-    """The last ``n`` injection records of this call's passes (``SITE:fwd``, ``SITE:bwd``)."""
-    return [r for r in plan.injected if r["op"].partition(":")[0] == site][-n:] if plan is not None else []
-
-
 @dataclass
 class AttentionOutcome:
     severity: Verdict
@@ -223,7 +218,7 @@ def verify_attention(ctx: AttentionContext, reruns: int, confirm_margin: float) 
                       threshold=tau, max_value=sig.max_value, elements=sig.elements,
                       samples=[sig.position(tuple(p), BLOCK) for p in sig.where[:MAX_SAMPLES].tolist()],
                       reruns=reruns, reproduced=seen[sig.check], distinct_outputs=len(prints),
-                      kernel=f"{ctx.fwd.kernel}/{ctx.bwd.kernel}", injected=_injections(ctx.fault, ctx.site))
+                      kernel=f"{ctx.fwd.kernel}/{ctx.bwd.kernel}", injected=recent_injections(ctx.fault, case=ctx.site))
         ev.summary = (f"{sig.check}: {sig.elements} value(s) flagged in training ({sig.tensor}); failed "
                       f"{seen[sig.check] + 1} of {reruns + 1} runs; {j.why}")
         evidence.append(ev)

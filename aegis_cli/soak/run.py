@@ -30,12 +30,12 @@ from aegis_cli.checks import screen
 from aegis_cli.faults.spec import FaultPlan
 from aegis_cli.ops import numerics
 from aegis_cli.ops.case import check_seed
-from aegis_cli.ops.errors import AegisError, ConfigError, DeviceError, GoldenError
+from aegis_cli.ops.errors import ConfigError, DeviceError
 from aegis_cli.ops.gemm import GemmOperands, GemmResult, ReferenceChecksums
 from aegis_cli.ops.verdict import Evidence, Verdict, worst
 from aegis_cli.probes import DEFAULT_RERUNS, ProbeConfig, check_reruns, workload_for
 from aegis_cli.probes.gemm import GemmProbe, ProbeStats, case_bytes, clean_median, scaled, scaled_reference
-from aegis_cli.report import DeviceReport, Report, new_report
+from aegis_cli.report import DeviceReport, Report, device_failures, new_report
 from aegis_cli.soak.record import SoakRecord
 from aegis_cli.soak.schedule import FINGERPRINT_EVERY, REPEATS, SCALES, SET_FLOPS, SetPlan, fingerprinted, pow2, set_case, set_plan
 
@@ -353,20 +353,13 @@ def soak_device(device: Device, opts: SoakOptions, fault: FaultPlan | None, prog
     t0 = time.time()
     dr = DeviceReport(identity=device.identity, verdict=Verdict.ERROR)
     soak = None
-    ran = Verdict.HEALTHY
-    try:
+    with device_failures(dr):
         soak = _Soak(device, opts, fault, progress)
         soak.run()
-    except AegisError as exc:
-        if isinstance(exc, (ConfigError, GoldenError)):
-            raise
-        dr.error, ran = str(exc), Verdict.ERROR
-    except Exception as exc:  # a driver or runtime failure during the burn-in: the device is not trusted
-        dr.error, ran = f"{type(exc).__name__}: {exc}", Verdict.ERROR
     if soak is not None:
         dr.evidence = soak.rec.annotate(soak.evidence)
         dr.workload, dr.stats, dr.soak = soak.wl.name, soak.stats, soak.rec.to_dict()
-    dr.verdict = worst([ran, *(e.severity for e in dr.evidence)])
+    dr.judge()
     dr.seconds = time.time() - t0
     progress("device_done", device=device.identity.id, verdict=dr.verdict.value)
     return dr

@@ -68,8 +68,7 @@ def replay_bytes(vt: VTask) -> int:
 def replay(device: Device, vt: VTask, repeat: int, fault: FaultPlan | None, bundle: str) -> tuple[dict, Evidence | None]:
     """Replay one attention vTask ``repeat`` times; (outcome for the report, evidence or None)."""
     a = vt.attention
-    on = lambda r: vt.full(r).to("cpu" if device.identity.backend == "cpu" else f"cuda:{device.identity.index}")
-    ops = AttentionOperands(*(on(r) for r in ATTENTION_INPUTS), a.causal)
+    ops = AttentionOperands(*(vt.full(r).to(device.torch_device) for r in ATTENTION_INPUTS), a.causal)
     ref = reference(ops, a.scale)
     th = sums.AttentionThresholds()
     expected = None

@@ -43,7 +43,7 @@ from aegis_cli.vtask.model import (
 
 
 # -- reading ---------------------------------------------------------------------------------
-def _parse(data: bytes, label: str, limits: Limits) -> Bundle:
+def parse_bundle(data: bytes, label: str, limits: Limits) -> Bundle:
     """Validate a whole bundle held in memory, then load its tensors with safetensors."""
     ck = Check(label)
     size = len(data)
@@ -197,8 +197,14 @@ def _parse(data: bytes, label: str, limits: Limits) -> Bundle:
 def read_bundle(path: str | os.PathLike, limits: Limits | None = None) -> Bundle:
     """Read and validate a bundle; BundleError (naming the file) on any problem."""
     limits = limits or Limits.from_env()
-    label = str(path)
-    ck = Check(label)
+    return parse_bundle(read_bytes(path, limits), str(path), limits)
+
+
+def read_bytes(path: str | os.PathLike, limits: Limits) -> bytes:
+    """A bundle file's bytes, unchecked (``parse_bundle`` checks them): BundleError for a file
+    that is missing, no regular file, over the size limit or unreadable (never opened then: a
+    FIFO would block, a huge file would take the device's time)."""
+    ck = Check(str(path))
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -218,7 +224,7 @@ def read_bundle(path: str | os.PathLike, limits: Limits | None = None) -> Bundle
         raise ck.fail(f"cannot read ({exc.strerror})") from None
     if len(data) > st.st_size:  # BundleWriter renames a finished file into place; it never grows
         raise ck.fail(f"file grew past its {st.st_size} bytes while being read (still being written?)")
-    return _parse(data, label, limits)
+    return data
 
 
 # -- writing ---------------------------------------------------------------------------------
@@ -306,7 +312,7 @@ class BundleWriter:
             raise Check(str(self.path)).fail(
                 f"its {len(self._vtasks)} vTasks need a {hlen}-byte header, over the {limits.max_header} bytes readers "
                 "accept; save fewer vTasks per bundle")
-        _parse(data, str(self.path), limits)
+        parse_bundle(data, str(self.path), limits)
         if self.path.is_dir():
             raise BundleError(f"bundle {self.path}: is a directory")
         try:

@@ -44,12 +44,12 @@ from aegis_cli.checks.observed import compare_with_capture, result_bits_equal
 from aegis_cli.faults.spec import FaultPlan, recent_injections
 from aegis_cli.ops import numerics
 from aegis_cli.ops.case import rescaled, split_scale
-from aegis_cli.ops.errors import AegisError, BundleError, ConfigError
+from aegis_cli.ops.errors import BundleError, ConfigError
 from aegis_cli.ops.gemm import GemmResult
 from aegis_cli.ops.verdict import Evidence, Verdict, worst
 from aegis_cli.probes.gemm import ProbeStats, case_bytes, scaled, scaled_reference
 from aegis_cli.probes.gemm import clean_median as clean_median_of
-from aegis_cli.report import DeviceReport, Report
+from aegis_cli.report import DeviceReport, Report, device_failures
 from aegis_cli.vtask import attention
 from aegis_cli.vtask import model as vtask
 from aegis_cli.vtask.bundle import read_bundle
@@ -100,10 +100,6 @@ def _op_id(vt: vtask.VTask, x: int, y: int) -> str:
     if (x, y) == (0, 0) and split_scale(base)[1] is None:
         return base
     return rescaled(base, vt.scale[0] + x, vt.scale[1] + y)
-
-
-def _torch_device(dev: Device) -> str:
-    return "cpu" if dev.identity.backend == "cpu" else f"{dev.identity.backend}:{dev.identity.index}"
 
 
 @dataclass
@@ -175,8 +171,7 @@ class _VTaskReplay:
     def run(self) -> dict:
         t0 = time.perf_counter()
         vt, dev = self.vt, self.dev
-        tdev = _torch_device(dev)
-        ops0 = vt.operands(tdev)
+        ops0 = vt.operands(dev.torch_device)
         tile = dev.tile
         m, n, k = ops0.mnk
         # τ in units of Σ|A||B| ("abs-product"): the checks divide by it, so no noise scale is computed
@@ -348,7 +343,7 @@ def replay_device(device: Device, bundles: list[vtask.Bundle], opts: ReplayOptio
     dr = DeviceReport(identity=device.identity, verdict=Verdict.ERROR, workload="replay")
     stats = ProbeStats()
     outcomes: list[dict] = []
-    try:
+    with device_failures(dr):
         for b in bundles:
             for vt in b.vtasks:
                 if vt.kind == "attention":  # vtask/attention.py
@@ -364,12 +359,6 @@ def replay_device(device: Device, bundles: list[vtask.Bundle], opts: ReplayOptio
                 outcomes.append(out)
                 progress("case", device=device.identity.id, case=vt.id)
         dr.verdict = worst([Verdict.HEALTHY, *(Verdict(o["severity"]) for o in outcomes)])
-    except AegisError as exc:
-        if isinstance(exc, ConfigError):
-            raise
-        dr.error = str(exc)
-    except Exception as exc:  # a driver or runtime failure during the replay: the device is not trusted
-        dr.error = f"{type(exc).__name__}: {exc}"
     dr.stats = stats
     counts = {k: sum(o["outcome"] == k for o in outcomes) for k in OUTCOMES}
     dr.probe_stats = {"replay": {"vtasks": len(outcomes), **counts, "repeat": opts.repeat,
@@ -384,9 +373,13 @@ def load_bundles(paths: list[str], max_bytes: int | None = None) -> list[vtask.B
     if not paths:
         raise BundleError("no bundle given")
     limits = vtask.Limits.from_env(max_bytes)
-    bundles = [read_bundle(p, limits) for p in paths]
+    return replayable([read_bundle(p, limits) for p in paths], ", ".join(paths))
+
+
+def replayable(bundles: list[vtask.Bundle], label: str) -> list[vtask.Bundle]:
+    """``bundles`` if they hold a vTask between them; else BundleError naming ``label``."""
     if not any(b.vtasks for b in bundles):
-        raise bundle_error(", ".join(paths), "holds no vTasks, nothing to replay")
+        raise bundle_error(label, "holds no vTasks, nothing to replay")
     return bundles
 
 

@@ -195,3 +195,21 @@ def test_cuda_tile_faults_the_kernels_cannot_take_together_are_refused(spec, wha
     acc = kernel_params.acc_faults(FaultPlan.parse(same + "; tile:mode=skipk,kstep=1,tile=2.0; tile:mode=skipk,kstep=3,tile=2.1"), ctx, ops, (2, 2))
     params, _keep = kernel_params.inject_params(acc, m, n, (64, 128), torch.device("cpu"))
     assert (params.sm_target, params.sm_mode, params.tile_value, params.kstep) == (3, kernel_params.TILE_CODES["zero"], 2.0, 1)
+
+
+def test_recent_injections_names_the_case_at_any_scale_and_either_pass():
+    """One rule for every producer of evidence: a GEMM case's records at any of its scales, an
+    attention case's forward and backward passes (``CASE:fwd``, ``CASE:bwd``), no one else's."""
+    from aegis_cli.faults.spec import recent_injections
+
+    plan = FaultPlan.parse("bitflip:bit=exp")
+    ops = ["w/qkv/fwd/normal/8x8x8/s+0+0", "attention/normal/b1h8k2s192d32c/s+0+0:fwd", "w/mlp/fwd/normal/8x8x8/s+0+0",
+           "attention/normal/b1h8k2s192d32c/s+8-8:bwd", "attention/uniform/b1h8k2s192d32c/s+0+0:fwd",
+           "w/qkv/fwd/normal/8x8x8/s-8+8", "train/sdpa#1/b1h8k2s192d32c:fwd", "train/sdpa#1/b1h8k2s192d32c:bwd"]
+    plan.injected += [{"op": op} for op in ops]
+    ops_of = lambda **k: [r["op"] for r in recent_injections(plan, **k)]
+    assert ops_of(case="attention/normal/b1h8k2s192d32c/s-8+8") == [ops[1], ops[3]]
+    assert ops_of(case="w/qkv/fwd/normal/8x8x8/s+16+16") == [ops[0], ops[5]]
+    assert ops_of(case="train/sdpa#1/b1h8k2s192d32c") == ops[6:]  # a training call's site has no scale
+    assert ops_of(case="train/sdpa#1/b1h8k2s192d32c", n=1) == ops[7:]
+    assert ops_of() == ops[-4:] and recent_injections(None, case=ops[0]) == []

@@ -91,3 +91,28 @@ def test_replay_hang_hook_is_checked():
     assert parse_spec("hang:seconds=1,when=replay", worker=True)[0].params["when"] == "replay"
     with pytest.raises(InjectSpecError, match="when must be scan or replay"):
         parse_spec("hang:seconds=1,when=later", worker=True)
+
+
+@pytest.mark.parametrize("golden", ["bundle-v2.aegis", None])
+def test_each_bundle_is_read_once(golden, tmp_path, monkeypatch):
+    """It was read twice, for its hash and to replay it: a bundle replaced in between was
+    replayed under the other file's hash. An entry that fails to parse keeps the hash."""
+    import builtins
+    from pathlib import Path
+
+    from aegis_cli.backends.cpu import CpuDevice
+    from aegis_cli.fleet.vtasks import replay_one
+
+    path = tmp_path / "b.safetensors"
+    data = (Path(__file__).parents[1] / "golden" / golden).read_bytes() if golden else b"\x10" + bytes(40)
+    path.write_bytes(data)
+    opened, real_open = [], builtins.open
+
+    def counted_open(f, *a, **k):
+        opened.append(str(f))
+        return real_open(f, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", counted_open)
+    entry = replay_one(CpuDevice(), path)
+    assert opened.count(str(path)) == 1 and entry["sha256"] == hashlib.sha256(data).hexdigest()
+    assert entry["outcome"] == ("not_reproduced" if golden else "error") and (entry.get("vtasks", 0) > 0) == bool(golden)

@@ -64,6 +64,30 @@ def test_fail_fast_with_a_case_skips_nothing_it_was_not_asked_for():
     assert next(i["total"] for e, i in events if e == "start") == sum(e == "case" for e, _ in events) == 2
 
 
+def test_a_device_that_fails_half_way_still_completes_the_progress_total(monkeypatch):
+    """The cases a failure leaves unrun count as progress too, when the device is done: the bar
+    of a scan whose first device fails does not stop short."""
+    from aegis_cli.backends.cpu import CpuDevice
+    from aegis_cli.ops.errors import DeviceError
+
+    real, launches = CpuDevice.checked_gemm, []
+
+    def fails_second(self, *a, **k):
+        launches.append(1)
+        if len(launches) == 2:
+            raise DeviceError("cpu:0: launch failed")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(CpuDevice, "checked_gemm", fails_second)
+    events: list[tuple[str, dict]] = []
+    rep = run_scan(ScanOptions(devices="cpu:0", workload=TINY, probes=("gemm", "attention")),
+                   progress=lambda event, **info: events.append((event, info)))
+    assert rep.devices[0].verdict is Verdict.ERROR and "launch failed" in rep.devices[0].error
+    cases = [i["case"] for e, i in events if e == "case"]
+    assert next(i["total"] for e, i in events if e == "start") == len(cases) and cases[-1] == "skipped"
+    assert [e for e, _ in events][-1] == "device_done"
+
+
 def test_fail_fast_in_the_table(capsys):
     code, out, _ = run_cli(capsys, "scan", "--fail-fast", "--workload", TINY, "--inject", FAULT)
     assert code == 2 and "--fail-fast: stopped at tiny/" in out and "skipped" in out

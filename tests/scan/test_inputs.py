@@ -176,6 +176,35 @@ def test_memory_buffer_larger_than_available_is_refused_before_any_work(capsys, 
     assert code == ExitCode.HEALTHY
 
 
+# -- L: --save-vtasks checks the cases that will run --------------------------------------------
+@pytest.mark.parametrize("extra", [("--probe-option", "gemm.shift=-2,2"), ("--case", "/mlp_down/fwd/normal/160x256x512/s-10+10")])
+def test_save_vtasks_checks_the_scales_that_will_run(extra, tmp_path, monkeypatch, capsys):
+    """It checked the workload's own scales: ids at a scale moved by gemm.shift, or at a --case's
+    scale outside the grid, that no bundle could hold were found only when saving, after the scan."""
+    from pathlib import Path
+
+    from aegis_cli.vtask.capture import LONGEST_CHECK
+    from tests.helpers import TINY
+
+    # the longest vTask id at tiny's scales (s-8+8) is 256 characters, the most a bundle holds;
+    # at s-10+10 it is two more
+    name = "w" * (256 - len(f"cpu:0//mlp_down/fwd/normal/160x256x512/s-8+8/{LONGEST_CHECK}"))
+    (tmp_path / "wl.yaml").write_text(Path(TINY).read_text().replace("name: tiny", f"name: {name}"))
+    started: list[str] = []
+
+    def no_scan(device, *_a):
+        started.append(device.identity.id)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(scan_mod, "scan_device", no_scan)
+    scan = ["scan", "-q", "--device", "cpu", "--probes", "gemm", "--workload", str(tmp_path / "wl.yaml"), "--save-vtasks",
+            str(tmp_path / "b.aegis"), "--format", "json"]
+    code, out, err = run_cli(capsys, *scan, extra[0], name + extra[1] if extra[0] == "--case" else extra[1])
+    assert "gives vTask ids like" in _one_error_line(code, out, err) and not started
+    run_cli(capsys, *scan)
+    assert started == ["cpu:0"]  # at the workload's own scales its ids fit: the scan starts
+
+
 # -- C, D: output targets and modes ------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["symlink", "fifo"])
 def test_output_over_a_symlink_or_special_file_is_refused(capsys, monkeypatch, tmp_path, kind):
