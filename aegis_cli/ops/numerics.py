@@ -75,13 +75,22 @@ def sum_row_tiles(x: torch.Tensor, tm: int) -> torch.Tensor:
     return sum_col_tiles(x.t(), tm).t()
 
 
-def reference_checksums(ops: GemmOperands, tile: tuple[int, int], noise: NoiseModel | None = None) -> ReferenceChecksums:
+def reference_checksums(ops: GemmOperands, tile: tuple[int, int], noise: NoiseModel | None = None, *,
+                        lean: bool = False, cols: bool = True) -> ReferenceChecksums:
     """fp64 row/column checksum references, their magnitudes s and, given a device's ``noise``
     model, the noise scale σ of each sum (NoiseModel.scale), from the stored operands.
 
     Cost O(K·(M+N)·tiles), far below the GEMM; runs on the operands' device in fp64,
     a path the bf16 matrix unit never touches.
+
+    ``lean`` (the in-training sensors, one check per sampled launch): the checksums still in fp64,
+    but through slices of the large operand (never a whole fp64 copy of it), and s and σ, which
+    only scale the differences, from one low-precision product each (``_lean_side``); ``cols=False``
+    leaves the column part empty (forward and dgrad compare rows only). The scan's path is the
+    default one.
     """
+    if lean:
+        return _lean_reference(ops, tile, noise, cols)
     tm, tn = tile
     a = ops.a_mk.to(torch.float64, copy=True)  # (M, K)
     b = ops.b_kn.to(torch.float64, copy=True)  # (K, N)
@@ -96,8 +105,75 @@ def reference_checksums(ops: GemmOperands, tile: tuple[int, int], noise: NoiseMo
         k = ops.mnk[2]
         row_noise = noise.scale((a @ sum_col_tiles(b, tn)).sqrt_(), row_scale, k)
         col_noise = noise.scale((sum_row_tiles(a, tm) @ b).sqrt_(), col_scale, k)
+    ref = ReferenceChecksums(row=row, col=col, row_scale=row_scale, col_scale=col_scale,
+                             floor=subnormal_slack(ops.mnk[2], max(tm, tn)), row_noise=row_noise, col_noise=col_noise)
+    return ref if cols else _rows_only(ref.row, ref.row_scale, ref.row_noise, ops.mnk, tn)
+
+
+def _rows_only(row: torch.Tensor, row_scale: torch.Tensor, row_noise: torch.Tensor | None, mnk: tuple[int, int, int],
+               tn: int) -> ReferenceChecksums:
+    """Row references alone: empty column fields, the floor of the row sums."""
+    empty = row.new_zeros((0, mnk[1]))
+    return ReferenceChecksums(row=row, col=empty, row_scale=row_scale, col_scale=empty, floor=subnormal_slack(mnk[2], tn),
+                              row_noise=row_noise, col_noise=None if row_noise is None else empty)
+
+
+LEAN_SLICE = 1 << 22  # elements of the large operand copied to fp64 at a time by the lean reference (32 MiB)
+
+
+def _pow2_exponent(x: torch.Tensor) -> torch.Tensor:
+    """The binary exponent e with x = f·2^e, ½ ≤ f < 1 (0 for zero or non-finite x), as fp64."""
+    return torch.frexp(torch.nan_to_num(x.double(), nan=0.0, posinf=0.0)).exponent.double()
+
+
+def _lean_side(left: torch.Tensor, right: torch.Tensor, t: int,
+               low: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row checksums of left (R, K) · right (K, N) over tiles of ``t`` columns: (sums, s, ρ), each
+    (R, ceil(N/t)) fp64.
+
+    sums: Σ_k left_ik·(Σ_{j∈t} right_kj) with the tile sums of ``right`` in fp64 (exact for bf16)
+    and ``left`` copied to fp64 a slice of LEAN_SLICE elements at a time: exact products, fp64
+    accumulation: an error of order K·2⁻⁵³·s ≤ K·2⁻⁵³·√(128K)·ρ, under 10⁻⁴ of the sensors' σ.
+    s = Σ|left||right| and ρ = sqrt(Σ left²·Σ right²) only scale differences: they come from one
+    ``low`` product each (default bf16 on CUDA, the matrix unit; fp32 on a CPU, whose bf16 products
+    are slow), within about 1% (bf16 rounds each input and the result by ≤ 2⁻⁹, and every term
+    is positive). Before rounding, each row of
+    ``left`` and each column of the tile statistics is scaled exactly by a power of two to a
+    maximum in [½, 1), so squares cannot overflow, and only terms some 10¹⁹ below their row's
+    largest can underflow. NaN or Inf in an operand makes its sums' s non-finite."""
+    r, k = left.shape
+    n = right.shape[1]
+    nt = n_tiles(n, t)
+    x = right if nt * t == n else torch.nn.functional.pad(right, (0, nt * t - n))
+    x3 = x.reshape(k, nt, t)
+    rt = x3.sum(-1, dtype=torch.float64)  # (K, nt), exact: bf16 values summed in fp64
+    rt_abs = torch.linalg.vector_norm(x3, 1, dim=-1, dtype=torch.float64)
+    rt_sq = torch.linalg.vector_norm(x3, 2, dim=-1, dtype=torch.float64).square_()
+    step = max(1, LEAN_SLICE // max(k, 1))
+    sums = torch.cat([left[i:i + step].double() @ rt for i in range(0, r, step)]) if r else rt.new_zeros((0, nt))
+    low = low or (torch.bfloat16 if left.is_cuda else torch.float32)
+    e_row = _pow2_exponent(torch.linalg.vector_norm(left, float("inf"), dim=1, dtype=torch.float32))  # (R,)
+    left_n = left.to(low) * torch.exp2(-e_row).to(low)[:, None]  # exact: powers of two
+    e_abs, e_sq = _pow2_exponent(rt_abs.amax(0)), _pow2_exponent(rt_sq.amax(0))  # (nt,)
+    s = (left_n.abs() @ (rt_abs * torch.exp2(-e_abs)).to(low)).double()
+    rho2 = (left_n.square_() @ (rt_sq * torch.exp2(-e_sq)).to(low)).double()
+    s.mul_(torch.exp2(e_row[:, None] + e_abs))
+    rho = rho2.mul_(torch.exp2(2 * e_row[:, None] + e_sq)).sqrt_()
+    return sums, s, rho
+
+
+def _lean_reference(ops: GemmOperands, tile: tuple[int, int], noise: NoiseModel | None, cols: bool) -> ReferenceChecksums:
+    """reference_checksums(lean=True): rows as A·(tile sums of B), columns as (Bᵀ·(tile sums of Aᵀ))ᵀ."""
+    tm, tn = tile
+    k = ops.mnk[2]
+    row, row_scale, row_rho = _lean_side(ops.a_mk, ops.b_kn, tn)
+    row_noise = None if noise is None else noise.scale(row_rho, row_scale, k)
+    if not cols:
+        return _rows_only(row, row_scale, row_noise, ops.mnk, tn)
+    col, col_scale, col_rho = (x.t() for x in _lean_side(ops.b_kn.t(), ops.a_mk.t(), tm))
+    col_noise = None if noise is None else noise.scale(col_rho, col_scale, k)
     return ReferenceChecksums(row=row, col=col, row_scale=row_scale, col_scale=col_scale,
-                              floor=subnormal_slack(ops.mnk[2], max(tm, tn)), row_noise=row_noise, col_noise=col_noise)
+                              floor=subnormal_slack(k, max(tm, tn)), row_noise=row_noise, col_noise=col_noise)
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,7 @@ class SensorHandle:
         self.listeners: list[Callable[[SensorEvent], Action | None]] = [config.on_event] if config.on_event else []
         self.step_index = 0
         self.sensing = True  # off while the verifier re-runs work
+        self._pinned = 0  # > 0 inside a fingerprinted region: every GEMM on the checked kernel (sense.run_gemm)
         self.nondeterministic: set[str] = set()  # regions whose recompute cannot be compared bit for bit
         self.action = Action.CONTINUE  # the strongest action asked for since the last step()
         self._names = {id(m): name or "model" for name, m in model.named_modules()}
@@ -111,6 +112,21 @@ class SensorHandle:
     def next_region(self) -> int:
         self._regions += 1
         return self._regions - 1
+
+    @property
+    def pinned(self) -> bool:
+        """Whether GEMMs must run the checked kernel whatever the coin says (a fingerprinted region)."""
+        return self._pinned > 0
+
+    @contextlib.contextmanager
+    def pin(self):
+        """Inside: every instrumented GEMM runs the checked kernel, sampled or not, so a region's
+        forward, recompute and re-runs compute the same bits whatever was sampled."""
+        self._pinned += 1
+        try:
+            yield
+        finally:
+            self._pinned -= 1
 
     def add_sense_time(self, seconds: float) -> None:
         self._sense_step += seconds

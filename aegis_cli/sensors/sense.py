@@ -1,21 +1,25 @@
-"""The GEMM sensor (docs/sensors.md §2): every instrumented launch runs the device's checked GEMM
-(fused fp32-accumulator checksums); a sampled launch compares those checksums with fp64 references
-read from its operands, by the scan's own check (checks/gemm.py ``checksum_signal``), and pushes a
-suspicion when one is over τ.
+"""The GEMM sensor (docs/sensors.md §2): each launch of an instrumented GEMM first asks the
+controller whether it is sampled. A sampled launch runs the device's checked GEMM (fused
+fp32-accumulator checksums) and compares those checksums with fp64 references read from its
+operands (``numerics.reference_checksums(lean=True)``), by the scan's own check (checks/gemm.py
+``checksum_signal``), and pushes a suspicion when one is over τ; its result is the one it checked.
+A launch that is not sampled runs torch's own GEMM of the same bf16 operands (cuBLAS on CUDA; on
+the CPU path the very product the CPU checked GEMM forms, so there the bits do not depend on
+sampling): it pays for nothing it does not use.
 
 Forward and dgrad compare row checksums, wgrad rows and columns (the AEGIS paper's vTask packing:
 a row check needs the flagged rows of A and all of B; wgrad's B, the activations, is the large
-operand, and its column checks localise a fault to the flagged columns of dW). ``sensor_reference``
-computes the same fp64 references as ``numerics.reference_checksums`` (the verifier uses that one),
-only those the check compares: the tile sums of the bf16 operands are accumulated in fp64 straight
-from bf16 (no fp64 copy of the operand they sum), and the fp64 copy of the other operand is made
-once and turned into its absolute values in place for the scale.
+operand, and its column checks localise a fault to the flagged columns of dW).
 
-On CUDA a launch that is not sampled is only enqueued (``CudaDevice.prepare`` and ``run``): no host
-synchronisation per GEMM. The launch itself is checked when it is enqueued; a fault while a kernel
-runs surfaces at the next synchronisation, at the latest the step boundary's (SensorHandle.step).
-A sampled launch synchronises before its clock starts, so the cost it charges is its own, and reads
-one number back. Self-tests (a fault plan) run through ``Device.checked_gemm`` as a scan does.
+Every launch runs the checked GEMM, sampled or not, where bits must not depend on the coin: under
+a self-test's fault plan (the fault acts there, as a broken unit would on every launch) and inside
+a fingerprinted checkpoint region (``SensorHandle.pinned``: its forward, its recompute and the
+verifier's re-runs must compute the same bits).
+
+On CUDA a checked launch is only enqueued (``CudaDevice.prepare`` and ``run``); a fault while a
+kernel runs surfaces at the next synchronisation, at the latest the step boundary's
+(SensorHandle.step). A sampled launch synchronises before its clock starts, so the cost it charges
+is its own, and reads one number back. Self-tests run through ``Device.checked_gemm`` as a scan does.
 """
 
 from __future__ import annotations
@@ -24,14 +28,13 @@ import dataclasses
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from aegis_cli.backends.base import Device
 from aegis_cli.backends.cuda import CudaDevice
 from aegis_cli.checks import gemm as checks
 from aegis_cli.faults.spec import FaultPlan
 from aegis_cli.ops import numerics
-from aegis_cli.ops.gemm import GemmOperands, GemmResult, Layout, ReferenceChecksums
+from aegis_cli.ops.gemm import GemmOperands, GemmResult, Layout
 from aegis_cli.sensors.queue import nbytes
 
 
@@ -60,53 +63,13 @@ def op_id(layer: str, layout: Layout, m: int, n: int, k: int) -> str:
     return f"train/{layer}/{layout.value}/{m}x{n}x{k}"
 
 
-def _tile_sums(x: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(R, N) bf16 → the fp64 sums of x, of |x| and of x² over each tile of ``t`` columns
-    (zero-padded), accumulated in fp64 from the bf16 values (each is exact in fp64)."""
-    r, n = x.shape
-    nt = -(-n // t)
-    if nt * t != n:
-        x = F.pad(x, (0, nt * t - n))
-    x3 = x.reshape(r, nt, t)
-    return (x3.sum(-1, dtype=torch.float64), x3.abs().sum(-1, dtype=torch.float64),
-            x3.double().square_().sum(-1))
-
-
-def sensor_reference(ops: GemmOperands, tile: tuple[int, int], cols: bool,
-                     noise: numerics.NoiseModel | None = None) -> ReferenceChecksums:
-    """fp64 references of the row checksums (and of the column checksums when ``cols``) at the
-    checksum ``tile``, with their scales s and, given the device's ``noise`` model, their noise
-    scales σ: ``numerics.reference_checksums`` computed with less memory traffic, and without the
-    column part when it is not compared (its fields are then empty)."""
-    tm, tn = tile
-    _, n, k = ops.mnk
-    bt, bt_abs, bt_sq = _tile_sums(ops.b_kn, tn)  # (K, nt_n)
-    a = ops.a_mk.to(torch.float64, copy=True)  # (M, K); a copy: abs_ and square_ below
-    row = a @ bt
-    row_scale = a.abs_() @ bt_abs
-    row_noise = None if noise is None else noise.scale((a.square_() @ bt_sq).sqrt_(), row_scale, k)
-    del a
-    if not cols:
-        empty = row.new_zeros((0, n))
-        return ReferenceChecksums(row=row, col=empty, row_scale=row_scale, col_scale=empty,
-                                  floor=numerics.subnormal_slack(k, tn), row_noise=row_noise,
-                                  col_noise=None if noise is None else empty)
-    at, at_abs, at_sq = _tile_sums(ops.a_mk.t(), tm)  # (K, nt_m)
-    b = ops.b_kn.to(torch.float64, copy=True)  # (K, N)
-    col = at.t() @ b
-    col_scale = at_abs.t() @ b.abs_()
-    col_noise = None if noise is None else noise.scale((at_sq.t() @ b.square_()).sqrt_(), col_scale, k)
-    return ReferenceChecksums(row=row, col=col, row_scale=row_scale, col_scale=col_scale,
-                              floor=numerics.subnormal_slack(k, max(tm, tn)), row_noise=row_noise, col_noise=col_noise)
-
-
 def compare(ops: GemmOperands, res: GemmResult, tau: float,
             noise: numerics.NoiseModel | None = None) -> tuple[list[checks.Signal], float, bool]:
     """The sensor's comparison: (signals over τ, the largest normalised difference, whether the
     inputs were finite). Differences are in units of the device's ``noise`` scale, as the scan's
     (ReferenceChecksums.noise). Non-finite inputs have no reference to compare with: nothing is flagged."""
     both = ops.layout is Layout.WGRAD
-    ref = sensor_reference(ops, res.tile, cols=both, noise=noise)
+    ref = numerics.reference_checksums(ops, res.tile, noise, lean=True, cols=both)
     row_unit, col_unit = ref.noise()
     d_row = numerics.normalised_diff(res.row_sums, ref.row, row_unit, ref.floor)
     parts = [("gemm.row_checksum", d_row, res.row_sums, ref.row)]
@@ -165,21 +128,35 @@ def launch(device: Device, ops: GemmOperands, fault: FaultPlan | None, site: str
     return device.checked_gemm(ops, fault, op=site)
 
 
+def plain_gemm(device: Device, ops: GemmOperands) -> torch.Tensor:
+    """C of an unsampled launch, bf16: torch's GEMM of the bf16 operands (cuBLAS on CUDA, fp32
+    accumulation); on the CPU path the product ``CpuDevice.checked_gemm`` forms, bit for bit."""
+    if device.identity.backend == "cpu":
+        return (ops.a_mk.float() @ ops.b_kn.float()).to(torch.bfloat16)
+    return ops.a_mk @ ops.b_kn
+
+
 def run_gemm(h, layer: str, layout: Layout, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """One instrumented GEMM: the device's checked GEMM of bf16 ``a`` and ``b`` (stored per
-    ``layout``), sensed when sampled; returns C (bf16) on ``a``'s device."""
+    """One instrumented GEMM of bf16 ``a`` and ``b`` (stored per ``layout``): the controller decides
+    first; sampled, the device's checked GEMM and its comparison; else torch's GEMM (``plain_gemm``),
+    unless the bits must not depend on sampling (a fault plan, a pinned region). Returns C (bf16)
+    on ``a``'s device."""
     device = h.device_for(a)
     home = a.device
     ops = GemmOperands(a, b, layout)
     if device.identity.backend == "cpu" and home.type != "cpu":  # the reference path for tensors that live elsewhere
         ops = GemmOperands(a.cpu(), b.cpu(), layout)
-    m, n, k = ops.mnk
-    site = op_id(layer, layout, m, n, k)
-    with torch.autocast(home.type, enabled=False):  # the checked GEMM's own precision, never autocast's
-        res = launch(device, ops, h.fault_for(device), site)
-        h.stats.launches += 1
-        key = f"{layer}/{layout.value}"
-        if h.sensing and h.controller.want(key):
+    key = f"{layer}/{layout.value}"
+    sampled = h.sensing and h.controller.want(key)
+    fault = h.fault_for(device)
+    h.stats.launches += 1
+    with torch.autocast(home.type, enabled=False):  # the GEMM's own precision, never autocast's
+        if not sampled and fault is None and not h.pinned:
+            return plain_gemm(device, ops).to(home)
+        m, n, k = ops.mnk
+        site = op_id(layer, layout, m, n, k)
+        res = launch(device, ops, fault, site)
+        if sampled:
             with h.sensing_time(device, key):
                 sense(h, device, layer, ops, res, site, key)
     return res.c.to(home)

@@ -44,13 +44,17 @@ def test_every_operator_is_checked_within_the_coverage_window():
     assert checked_at == [4, 9, 14, 19]  # never sampled, so forced once per 5 steps
 
 
-def test_a_cleared_spike_raises_tau_which_decays_back(caplog):
+def test_a_cleared_spike_raises_tau_which_decays_back_per_check(caplog):
     c = controller()
     with caplog.at_level(logging.INFO, logger="aegis.sensors"):
         assert c.spike("op", 5e-6, 1e-6) == pytest.approx(1e-5)  # headroom 2 × the spike
         assert c.spike("op", 2e-6, 1e-6) is None  # already above it
         assert c.spike("op", 1.0, 1e-6) == pytest.approx(1e-4)  # capped at max_raise × the floor
-        for _ in range(8):
+        for _ in range(20):  # steps without a check of the operator leave its raise where it is
+            c.end_step(1.0)
+        assert c.tau("op", 1e-6) == pytest.approx(1e-4)
+        for _ in range(8):  # each check decays it (0.5 per check here)
+            c.spent("op", 1e-3)
             c.end_step(1.0)
     assert c.tau("op", 1e-6) == 1e-6
     assert "raised from 1e-06 to 1e-05" in caplog.text and "back at its floor" in caplog.text
