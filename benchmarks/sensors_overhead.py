@@ -64,7 +64,7 @@ def configs(args) -> dict[str, SensorConfig | None]:
         "plain": None,
         "unsampled": SensorConfig(**never),
         "kernels": SensorConfig(**never),  # run pinned (Bench.window)
-        "every": SensorConfig(sample_prob=1.0, overhead_budget=None, queue_size=64, seed=args.seed),
+        "every": SensorConfig(sample_prob=1.0, overhead_budget=None, queue_size=16, seed=args.seed),
         "sampled": SensorConfig(sample_prob=args.sample_prob, overhead_budget=None, coverage_steps=100, seed=args.seed),
     }
 
@@ -191,7 +191,7 @@ def noise_study(bench, steps: int, counter: itertools.count) -> dict:
 
     sense.sense = spy
     try:
-        w = bench.window("every", SensorConfig(sample_prob=1.0, overhead_budget=None, queue_size=4096, queue_bytes=1 << 34,
+        w = bench.window("every", SensorConfig(sample_prob=1.0, overhead_budget=None, queue_size=16,
                                                min_verify=0, verify_budget=0.0), steps, counter)
     finally:
         sense.sense = real
