@@ -83,11 +83,10 @@ def reference_checksums(ops: GemmOperands, tile: tuple[int, int], noise: NoiseMo
     Cost O(K·(M+N)·tiles), far below the GEMM; runs on the operands' device in fp64,
     a path the bf16 matrix unit never touches.
 
-    ``lean`` (the in-training sensors, one check per sampled launch): the checksums still in fp64,
-    but through slices of the large operand (never a whole fp64 copy of it), and s and σ, which
-    only scale the differences, from one low-precision product each (``_lean_side``); ``cols=False``
-    leaves the column part empty (forward and dgrad compare rows only). The scan's path is the
-    default one.
+    ``lean`` (the in-training sensors, one check per sampled launch): the same values, from one read
+    of each operand and fp64 slices of the large one (``_lean_side``), never a whole fp64 copy of
+    it; ``cols=False`` leaves the column part empty (forward and dgrad compare rows only). The
+    scan's path is the default one, unchanged.
     """
     if lean:
         return _lean_reference(ops, tile, noise, cols)
@@ -118,29 +117,19 @@ def _rows_only(row: torch.Tensor, row_scale: torch.Tensor, row_noise: torch.Tens
                               row_noise=row_noise, col_noise=None if row_noise is None else empty)
 
 
-LEAN_SLICE = 1 << 22  # elements of the large operand copied to fp64 at a time by the lean reference (32 MiB)
+LEAN_SLICE = 1 << 22  # elements of the large operand in fp64 at a time (32 MiB: it stays in a GPU's L2 cache)
 
 
-def _pow2_exponent(x: torch.Tensor) -> torch.Tensor:
-    """The binary exponent e with x = f·2^e, ½ ≤ f < 1 (0 for zero or non-finite x), as fp64."""
-    return torch.frexp(torch.nan_to_num(x.double(), nan=0.0, posinf=0.0)).exponent.double()
-
-
-def _lean_side(left: torch.Tensor, right: torch.Tensor, t: int,
-               low: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _lean_side(left: torch.Tensor, right: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Row checksums of left (R, K) · right (K, N) over tiles of ``t`` columns: (sums, s, ρ), each
-    (R, ceil(N/t)) fp64.
+    (R, ceil(N/t)) fp64, the values of the scan's reference.
 
-    sums: Σ_k left_ik·(Σ_{j∈t} right_kj) with the tile sums of ``right`` in fp64 (exact for bf16)
-    and ``left`` copied to fp64 a slice of LEAN_SLICE elements at a time: exact products, fp64
-    accumulation: an error of order K·2⁻⁵³·s ≤ K·2⁻⁵³·√(128K)·ρ, under 10⁻⁴ of the sensors' σ.
-    s = Σ|left||right| and ρ = sqrt(Σ left²·Σ right²) only scale differences: they come from one
-    ``low`` product each (default bf16 on CUDA, the matrix unit; fp32 on a CPU, whose bf16 products
-    are slow), within about 1% (bf16 rounds each input and the result by ≤ 2⁻⁹, and every term
-    is positive). Before rounding, each row of
-    ``left`` and each column of the tile statistics is scaled exactly by a power of two to a
-    maximum in [½, 1), so squares cannot overflow, and only terms some 10¹⁹ below their row's
-    largest can underflow. NaN or Inf in an operand makes its sums' s non-finite."""
+    The tile statistics of ``right`` (Σ, Σ|·|, Σ·²) are reductions read straight from its bf16
+    values into fp64 (no copy); ``left`` is copied to fp64 one slice of LEAN_SLICE elements at a
+    time, and each slice gives its sums, then (in place) its |·| and ·² give s and ρ²: the large
+    operand is read from memory once, and its fp64 copy never exceeds one slice, which on a GPU
+    stays in L2 for the three fp64 products. Exact products, fp64 accumulation: an error of order
+    K·2⁻⁵³·s ≤ K·2⁻⁵³·√(128K)·ρ, under 10⁻⁴ of any σ the sensors use."""
     r, k = left.shape
     n = right.shape[1]
     nt = n_tiles(n, t)
@@ -149,17 +138,16 @@ def _lean_side(left: torch.Tensor, right: torch.Tensor, t: int,
     rt = x3.sum(-1, dtype=torch.float64)  # (K, nt), exact: bf16 values summed in fp64
     rt_abs = torch.linalg.vector_norm(x3, 1, dim=-1, dtype=torch.float64)
     rt_sq = torch.linalg.vector_norm(x3, 2, dim=-1, dtype=torch.float64).square_()
+    sums, s, rho2 = [], [], []
     step = max(1, LEAN_SLICE // max(k, 1))
-    sums = torch.cat([left[i:i + step].double() @ rt for i in range(0, r, step)]) if r else rt.new_zeros((0, nt))
-    low = low or (torch.bfloat16 if left.is_cuda else torch.float32)
-    e_row = _pow2_exponent(torch.linalg.vector_norm(left, float("inf"), dim=1, dtype=torch.float32))  # (R,)
-    left_n = left.to(low) * torch.exp2(-e_row).to(low)[:, None]  # exact: powers of two
-    e_abs, e_sq = _pow2_exponent(rt_abs.amax(0)), _pow2_exponent(rt_sq.amax(0))  # (nt,)
-    s = (left_n.abs() @ (rt_abs * torch.exp2(-e_abs)).to(low)).double()
-    rho2 = (left_n.square_() @ (rt_sq * torch.exp2(-e_sq)).to(low)).double()
-    s.mul_(torch.exp2(e_row[:, None] + e_abs))
-    rho = rho2.mul_(torch.exp2(2 * e_row[:, None] + e_sq)).sqrt_()
-    return sums, s, rho
+    for i in range(0, r, step):
+        a = left[i:i + step].double()
+        sums.append(a @ rt)
+        s.append(a.abs_() @ rt_abs)
+        rho2.append(a.square_() @ rt_sq)
+    if not sums:
+        return (rt.new_zeros((0, nt)),) * 3
+    return torch.cat(sums), torch.cat(s), torch.cat(rho2).sqrt_()
 
 
 def _lean_reference(ops: GemmOperands, tile: tuple[int, int], noise: NoiseModel | None, cols: bool) -> ReferenceChecksums:

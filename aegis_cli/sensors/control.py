@@ -62,12 +62,14 @@ class Controller:
         st = self._op(op)
         st.launches += 1
         due = st.checks == 0 and st.idle_steps >= self.coverage - 1
-        return due or st.prob >= 1.0 or self.coin.random() < st.prob
+        if due or st.prob >= 1.0 or self.coin.random() < st.prob:
+            st.checks += 1  # counted now: its cost may be known only at the step boundary (spent)
+            return True
+        return False
 
     def spent(self, op: str, seconds: float) -> None:
-        """A check of ``op`` done in ``seconds``: its cost, and one step of its τ's decay."""
+        """A check of ``op`` (``want`` said yes) done in ``seconds``: its cost, and one step of its τ's decay."""
         st = self._op(op)
-        st.checks += 1
         st.cost_s = seconds if st.cost_s is None else 0.8 * st.cost_s + 0.2 * seconds
         if st.raise_ > 1.0:  # per check of this operator, not per step: sampled once per 100 steps, a
             st.raise_ = max(1.0, st.raise_ * self.decay)  # raise decaying per step would be gone before its next check
