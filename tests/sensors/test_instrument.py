@@ -220,3 +220,27 @@ def test_fingerprinted_regions_pin_every_gemm_to_the_checked_kernel(monkeypatch)
     uninstrument(model)
     assert h.stats.fingerprinted == MICRO.layers and h.stats.checked == 3 * 9 and h.stats.raised == 0
     assert len(pinned) == 3 * 9 + 4 * MICRO.layers and not plain
+
+
+def test_a_layer_with_nothing_sampled_runs_torchs_own_linear(monkeypatch):
+    """Where the layer computes in bf16 on a GPU the sensors run on (``_Site.fast``, forced here on
+    the CPU), its three launches are drawn at the forward: with none sampled it is torch's Linear,
+    bit for bit the uninstrumented model, each launch still counted; sampled, the checked path."""
+    from aegis_cli.sensors import linear
+
+    monkeypatch.setattr(linear._Site, "fast", lambda self, x, w, b: True)
+    model = gpt().to(torch.bfloat16)
+    x, y = next(batches())
+    want_loss, want_grads = loss_and_grads(model, x, y)
+    h = instrument(model, SensorConfig(sample_prob=0.0, overhead_budget=None, coverage_steps=10**9))
+    loss, g = loss_and_grads(model, x, y)
+    h.step()
+    uninstrument(model)
+    assert torch.equal(loss.view(torch.int32), want_loss.view(torch.int32))
+    assert all(torch.equal(g[n].view(torch.int16), want_grads[n].view(torch.int16)) for n in g)
+    assert h.stats.launches == 3 * 9 and h.stats.checked == 0
+    h = instrument(model, EVERY)
+    loss_and_grads(model, x, y)
+    h.step()
+    uninstrument(model)
+    assert h.stats.launches == h.stats.checked == 3 * 9 and h.stats.raised == 0

@@ -75,3 +75,29 @@ def test_lean_reference_keeps_tiny_and_huge_rows_and_flags_nonfinite(monkeypatch
     bad[3, 7] = float("inf")
     lean = numerics.reference_checksums(GemmOperands(bad, ops.b, ops.layout), (64, 128), _noise(300), lean=True, cols=False)
     assert torch.isfinite(lean.row_scale[:2]).all() and not torch.isfinite(lean.row_scale[2:]).any()
+
+
+def test_sensor_noise_adds_the_bias_term_and_bounds_wgrad():
+    """On a truncating device the sensors' σ is the scan's plus BIAS·K·2⁻²⁴·Σ|c| (forward, dgrad),
+    never above the accumulation bound's, and WGRAD_BOUND × that bound for wgrad; elsewhere the scan's."""
+    from aegis_cli.backends.cpu import CpuDevice
+    from aegis_cli.sensors import sense
+
+    k = 300
+    noise = _noise(k)
+    per_s = noise.cap / numerics.DEFAULT_TAU
+    for layout in Layout:
+        ops = _ops(layout, 70, 200, k, "uniform", 5)
+        res = CpuDevice().checked_gemm(ops)
+        res = type(res)(**{**res.__dict__, "tile": (64, 128)})
+        ref = numerics.reference_checksums(ops, (64, 128), noise, lean=True)
+        assert all(a is b for a, b in zip(sense.sensor_noise(ops, res, ref, noise, False), ref.noise(), strict=True))
+        row, col = sense.sensor_noise(ops, res, ref, noise, True)
+        if layout is Layout.WGRAD:
+            assert torch.equal(row, ref.row_scale * (sense.WGRAD_BOUND * per_s))
+            assert torch.equal(col, ref.col_scale * (sense.WGRAD_BOUND * per_s))
+            continue
+        c_abs = numerics.sum_col_tiles(res.c.double().abs(), 128)
+        want = torch.minimum(ref.row_noise + c_abs * (sense.BIAS * k * 2.0**-24), ref.row_scale * per_s)
+        assert torch.allclose(row, want, rtol=1e-12, atol=0) and col is ref.col_noise
+        assert (row >= ref.row_noise).all() and (row <= ref.row_scale * per_s * (1 + 1e-12)).all()
