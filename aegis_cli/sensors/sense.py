@@ -16,10 +16,10 @@ a self-test's fault plan (the fault acts there, as a broken unit would on every 
 a fingerprinted checkpoint region (``SensorHandle.pinned``: its forward, its recompute and the
 verifier's re-runs must compute the same bits).
 
-On CUDA a checked launch is only enqueued (``CudaDevice.prepare`` and ``run``); a fault while a
-kernel runs surfaces at the next synchronisation, at the latest the step boundary's
-(SensorHandle.step). A sampled launch synchronises before its clock starts, so the cost it charges
-is its own, and reads one number back. Self-tests run through ``Device.checked_gemm`` as a scan does.
+On CUDA a checked launch is only enqueued (``CudaDevice.prepare`` and ``run``), and so is its
+comparison (``sense``), timed by CUDA events: ``resolve`` reads every comparison of the step at the
+step boundary with one synchronisation (a fault while a kernel runs surfaces there too).
+Self-tests run through ``Device.checked_gemm`` as a scan does.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def op_id(layer: str, layout: Layout, m: int, n: int, k: int) -> str:
 # zero-mean random inputs) underestimates a truncating accumulator on training tensors, whose
 # products share signs (post-GELU activations, a feature's mean over tokens): the chopped bits
 # follow the partial sums, not ρ. Measured on the H200 over real steps of the example's 1.18B GPT
-# (benchmarks/RESULTS.md, session 11): forward and dgrad reach |Δ| = 0.018·K·2⁻²⁴·Σ|c| (Σ|c| over
+# (benchmarks/RESULTS.md, session 11): forward and dgrad reach |Δ| = 0.023·K·2⁻²⁴·Σ|c| (Σ|c| over
 # the checksum's outputs), so BIAS = 1/32 puts the largest clean value at 0.57 σ; wgrad sums over
 # tokens, whose partial sums grow and cancel (Σ|c| says nothing of them), and reaches 0.88 of the
 # device's accumulation bound (Device.accumulation_bound·s, one chopped ulp per 16-deep step): its σ

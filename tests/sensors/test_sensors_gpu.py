@@ -4,8 +4,7 @@ within bf16 tolerance, runs repeat bit for bit, 200 clean steps confirm nothing,
 accumulator fault (the kernels' AEGIS_INJECT build) is caught, confirmed, saved and replayed by
 ``aegis replay`` (reproduced with the injection, not without), a flip in a checkpointed activation
 is caught, and the training-state guard recovers bit-exactly. The sensor's reference (sense.py)
-is checked against the full fp64 reference here on CUDA (its bf16 products), and on the CPU in
-test_reference.py."""
+is checked against the full fp64 reference here on CUDA, and on the CPU in test_reference.py."""
 
 from __future__ import annotations
 
@@ -71,8 +70,8 @@ def _ops(device: str, layout: Layout, m: int, n: int, k: int, seed: int) -> Gemm
 
 @gpu
 def test_lean_reference_on_cuda_is_within_a_twentieth_of_sigma():
-    """The sensors' reference on CUDA (fp64 checksums through slices, s and ρ from bf16 products on
-    the matrix unit) against the full fp64 reference: checksums within 0.05 σ, s and σ within 3%."""
+    """The sensors' reference on CUDA (one read of each operand, fp64 slices of the large one) against
+    the full fp64 reference: checksums within 0.05 σ, s and σ within 3%."""
     from aegis_cli.backends.cuda import CudaDevice
 
     dev = CudaDevice(0)
