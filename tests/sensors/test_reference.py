@@ -60,7 +60,7 @@ def test_lean_reference_fields_and_rows_only():
 def test_lean_reference_keeps_tiny_and_huge_rows_and_flags_nonfinite(monkeypatch):
     """Rows near the bottom or the top of the range keep their s and ρ (fp64); NaN/Inf make s
     non-finite (the sensors skip them); slices of the large operand give the same values."""
-    monkeypatch.setattr(numerics, "LEAN_SLICE", 600)  # two rows of K = 300 per slice
+    monkeypatch.setattr(numerics, "LEAN_SLICE", 400)  # 4 rows: 100 of K = 300 per slice
     ops = _ops(Layout.FWD, 4, 256, 300, "normal", 7)
     a = ops.a.float()
     a[0] *= 2.0**-100
