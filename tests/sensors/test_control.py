@@ -136,3 +136,33 @@ def test_a_callback_decides_the_action_and_none_means_no_opinion():
     model(inputs()).square().mean().backward()
     assert h.step() is Action.STOP
     uninstrument(model)
+
+
+def test_enqueued_comparisons_are_read_at_the_boundary_and_changed_operands_are_unverified():
+    """sense.resolve, as the step boundary runs it on CUDA (comparisons enqueued during the step):
+    a flag whose tensors are unchanged becomes a suspicion holding copies; one whose operand was
+    changed in place since the check cannot be copied as checked and is counted unverified."""
+    from aegis_cli.backends.cpu import CpuDevice
+    from aegis_cli.ops.gemm import GemmOperands, Layout
+    from aegis_cli.sensors import sense
+
+    model = mlp()
+    h = instrument(model, SensorConfig(overhead_budget=None, thresholds=Thresholds(tau=1e-9), min_verify=0, verify_budget=0.0))
+    dev = CpuDevice()
+    g = torch.Generator().manual_seed(4)
+    pend = []
+    for i in range(2):
+        ops = GemmOperands(torch.randn(8, 32, generator=g).to(torch.bfloat16), torch.randn(16, 32, generator=g).to(torch.bfloat16),
+                           Layout.FWD)
+        res = dev.checked_gemm(ops)
+        parts, summary = sense.enqueue(ops, res, dev.noise_model(32), False)
+        pend.append(sense.Pending(f"l{i}", f"train/l{i}/fwd/8x16x32", f"l{i}/fwd", dev, ops, res, 1e-9, 1e-9, parts, summary,
+                                  tuple(t._version for t in (ops.a, ops.b, res.c)), 1e-3, 0))
+    h.unread.extend(pend)
+    pend[1].ops.a.add_(1.0)  # the loop changed this launch's input in place before the boundary
+    sense.resolve(h)
+    assert not h.unread and h.stats.checked == 2 and h.stats.raised == 2 and h.stats.unverified == 1 and len(h.queue) == 1
+    queued = h.queue.pop()
+    assert queued.op == "l0" and queued.context.operands.a is not pend[0].ops.a  # a copy
+    assert [e.kind for e in h.events] == ["unverified"] and h.events[0].op == "l1" and h.last_clean_step is None
+    uninstrument(model)
