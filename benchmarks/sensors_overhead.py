@@ -9,18 +9,23 @@ measured interleaved in ``--rounds`` rounds of ``--steps`` steps each (after ``-
 each mode, excluded), each step timed to a device synchronisation:
 
   plain      the model as it is: torch's own GEMMs (cuBLAS), no sensors
-  kernels    instrumented, nothing sampled: aegis' checked GEMM kernels (fused sums), no reference
-  every      every Linear launch compared with fp64 references (forward and dgrad rows, wgrad rows
-             and columns)
-  sampled    each launch sampled with p = --sample-prob (0.01): every operator at least once per
-             100 steps (coverage_steps=100); in a window shorter than 100 steps no coverage check
-             is due yet, so the long clean run below gives its true average
+  unsampled  instrumented, nothing sampled: every Linear through the sensors' autograd function,
+             each launch deciding (no) and running torch's GEMM: the instrumentation's own cost
+  kernels    instrumented, nothing sampled, every GEMM pinned to aegis' checked kernels (fused
+             sums, no reference): what the kernels cost against cuBLAS in this step
+  every      every Linear launch compared with the fp64 references (forward and dgrad rows,
+             wgrad rows and columns)
+  sampled    each launch sampled with p = --sample-prob (0.01): on average every operator once per
+             100 steps; the clean run below checks each exactly at that rate (coverage only)
 
-Then ``--clean-steps`` steps at the sampled setting with one instrument() (coverage checks
-included), counting suspicions raised, cleared, confirmed and dropped, stopping early when the
-whole run reaches ``--time-budget`` seconds (the count run is reported), and a last ``plain``
-window to bracket drift. Overheads are ratios of mean step times to the plain mean of the
-interleaved windows. Writes DIR/sensors_overhead.json (DIR: --out, else $OUT, else
+``--noise-steps`` steps with every launch checked record, per layout and layer, the clean
+normalised differences |Δ|/σ and what a bias term in σ would make of them (``noise_study``).
+Then ``--clean-steps`` steps with one instrument() at ``--clean-config``: ``default`` (SensorConfig()
+as a job gets it: a 1% sensing budget, every operator at least once per 100 steps) or ``coverage``
+(p = 0: each operator exactly once per 100 steps, the least the issue allows), counting suspicions
+raised, cleared, confirmed and dropped, stopping early when the whole run reaches
+``--time-budget`` seconds (the count run is reported), and a last ``plain`` window to bracket
+drift. Overheads are ratios of mean step times to the plain mean of the interleaved windows. Writes DIR/sensors_overhead.json (DIR: --out, else $OUT, else
 ./sensors_overhead_out) and prints a short table last. Every part records its error and the run
 goes on. On a CPU (``--device cpu --preset tiny``) it runs in seconds; the figures then say
 nothing about a GPU.
@@ -29,6 +34,7 @@ nothing about a GPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -48,17 +54,26 @@ sys.path.insert(0, str(ROOT / "examples" / "train_gpt"))
 from gpt import GPT, PRESETS, markov_batches  # noqa: E402
 
 from aegis_cli.sensors import Action, SensorConfig, instrument, uninstrument  # noqa: E402
+from aegis_cli.sensors.sense import BIAS, WGRAD_BOUND  # noqa: E402
 
 NEVER = 10**9  # coverage_steps that never forces a check within a run
 
 
 def configs(args) -> dict[str, SensorConfig | None]:
+    never = {"sample_prob": 0.0, "overhead_budget": None, "coverage_steps": NEVER, "seed": args.seed}
     return {
         "plain": None,
-        "kernels": SensorConfig(sample_prob=0.0, overhead_budget=None, coverage_steps=NEVER, seed=args.seed),
-        "every": SensorConfig(sample_prob=1.0, overhead_budget=None, queue_size=64, seed=args.seed),
+        "unsampled": SensorConfig(**never),
+        "kernels": SensorConfig(**never),  # run pinned (Bench.window)
+        "every": SensorConfig(sample_prob=1.0, overhead_budget=None, queue_size=16, seed=args.seed),
         "sampled": SensorConfig(sample_prob=args.sample_prob, overhead_budget=None, coverage_steps=100, seed=args.seed),
     }
+
+
+def clean_config(args) -> SensorConfig:
+    if args.clean_config == "coverage":
+        return SensorConfig(sample_prob=0.0, overhead_budget=None, coverage_steps=100, seed=args.seed)
+    return SensorConfig(seed=args.seed)
 
 
 class Bench:
@@ -100,7 +115,8 @@ class Bench:
         times, stops = [], 0
         try:
             for _ in range(steps):
-                dt, action = self.step(next(counter), handle)
+                with handle.pin() if name == "kernels" else contextlib.nullcontext():
+                    dt, action = self.step(next(counter), handle)
                 times.append(dt)
                 stops += action is Action.STOP
         finally:
@@ -111,6 +127,7 @@ class Bench:
             s = handle.stats_dict()
             out["stats"] = {k: s[k] for k in ("launches", "checked", "raised", "cleared", "confirmed", "dropped", "sense_s",
                                               "verify_s", "clean_max_ratio", "skipped_nonfinite")}
+            out["stats"]["sense_per_check_s"] = s["sense_s"] / s["checked"] if s["checked"] else None
         return out
 
 
@@ -128,6 +145,76 @@ def gemm_work(model: torch.nn.Module, tokens: int, tile: tuple[int, int] = (64, 
             gemm += 2 * mm * n * k
             ref += 2 * 2 * mm * k * -(-n // tn) + (2 * 2 * -(-mm // tm) * k * n if cols else 0)
     return {"gemm_tflop": gemm / 1e12, "reference_fp64_tflop": ref / 1e12, "reference_share": ref / gemm if gemm else None}
+
+
+BETAS = (0.0, 1 / 128, 1 / 64, 1 / 32, 1 / 16, 1 / 8)  # candidate bias terms: σ + β·K·2⁻²⁴·Σ|C| over the tile
+
+
+def _study_one(ops, res, noise) -> list[dict]:
+    """Clean normalised differences of one launch's checksums (rows; wgrad also columns) under the
+    sensors' σ and under σ + β·K·2⁻²⁴·Σ|c| (the truncating accumulator's bias follows the partial
+    sums, which for same-sign products grow with |c| rather than with ρ)."""
+    from aegis_cli.ops import numerics
+
+    k = ops.mnk[2]
+    tm, tn = res.tile
+    c = res.c.float().abs_()
+    sides = [(res.row_sums, numerics._lean_side(ops.a_mk, ops.b_kn, tn), numerics.sum_col_tiles(c, tn), "row")]
+    if ops.layout.value == "wgrad":
+        col = tuple(x.t() for x in numerics._lean_side(ops.b_kn.t(), ops.a_mk.t(), tm))
+        sides.append((res.col_sums, col, numerics.sum_row_tiles(c, tm), "col"))
+    out = []
+    for obs, (ref, s, rho), csum, side in sides:
+        delta = ((obs.double() - ref).abs() - numerics.subnormal_slack(k, max(tm, tn))).clamp_(min=0)
+        cap = s * (noise.cap / numerics.DEFAULT_TAU)
+        base = rho * (noise.unit * noise.depth(k))
+        xc = csum.double() * (k * 2.0**-24)
+        sensor = cap * WGRAD_BOUND if ops.layout.value == "wgrad" else torch.minimum(torch.minimum(base, cap) + BIAS * xc, cap)
+        vals = [(delta / torch.minimum(base, cap).clamp(min=1e-300)).amax(), (delta / xc.clamp(min=1e-300)).amax(),
+                (delta / cap.clamp(min=1e-300)).amax(), (s / rho.clamp(min=1e-300)).median(),
+                (delta / sensor.clamp(min=1e-300)).amax()]
+        vals += [(delta / torch.minimum(base + b * xc, cap).clamp(min=1e-300)).amax() for b in BETAS]
+        got = torch.stack(vals).tolist()
+        out.append({"side": side, "d": got[0], "d_over_xc": got[1], "d_over_cap": got[2], "s_over_rho": got[3],
+                    "d_sensor": got[4], "beta": dict(zip(BETAS, got[5:], strict=True))})
+    return out
+
+
+def noise_study(bench, steps: int, counter: itertools.count) -> dict:
+    """``steps`` steps with every launch checked, each check also measured by ``_study_one``;
+    summarised per layout and layer kind (the last two parts of the layer's name)."""
+    from aegis_cli.sensors import sense
+
+    real, seen = sense.sense, []
+
+    def spy(h, device, layer, ops, res, site, key):
+        for r in _study_one(ops, res, device.noise_model(ops.mnk[2])):
+            seen.append({"group": f"{ops.layout.value}:{'.'.join(layer.split('.')[-2:])}", **r})
+        return real(h, device, layer, ops, res, site, key)
+
+    sense.sense = spy
+    try:
+        w = bench.window("every", SensorConfig(sample_prob=1.0, overhead_budget=None, queue_size=16,
+                                               min_verify=0, verify_budget=0.0), steps, counter)
+    finally:
+        sense.sense = real
+    groups: dict[str, dict] = {}
+    for r in seen:
+        g = groups.setdefault(r["group"], {"checks": 0, "d": [], "d_over_xc": 0.0, "d_over_cap": 0.0, "s_over_rho": [], "d_sensor": 0.0,
+                                          "beta_max": dict.fromkeys(BETAS, 0.0), "beta_over_tau": dict.fromkeys(BETAS, 0)})
+        g["checks"] += 1
+        g["d"].append(r["d"])
+        g["s_over_rho"].append(r["s_over_rho"])
+        g["d_over_xc"], g["d_over_cap"] = max(g["d_over_xc"], r["d_over_xc"]), max(g["d_over_cap"], r["d_over_cap"])
+        g["d_sensor"] = max(g["d_sensor"], r["d_sensor"])
+        for b, v in r["beta"].items():
+            g["beta_max"][b] = max(g["beta_max"][b], v)
+            g["beta_over_tau"][b] += v > 3.5
+    for g in groups.values():
+        d = sorted(g.pop("d"))
+        g["d_max"], g["d_p50"], g["d_p99"] = d[-1], d[len(d) // 2], d[min(len(d) - 1, int(0.99 * len(d)))]
+        g["s_over_rho_median"] = statistics.median(g.pop("s_over_rho"))
+    return {"steps": steps, "checks": len(seen), "stats": w.get("stats"), "groups": groups}
 
 
 def summarise(times: list[float]) -> dict:
@@ -222,15 +309,14 @@ def run(args) -> dict:
         for name in modes:
             m = out[name]["mean_s"]
             out[name]["overhead"] = (m / plain - 1) if plain and m else None
-        k = out["kernels"]["mean_s"]
-        for name in ("every", "sampled"):  # the sensing alone, beside the checked kernels
+        k = out["unsampled"]["mean_s"]
+        for name in ("every", "sampled"):  # the sensing alone, beside the instrumentation
             m = out[name]["mean_s"]
-            out[name]["overhead_vs_kernels"] = (m / k - 1) if k and m else None
+            out[name]["overhead_vs_unsampled"] = (m / k - 1) if k and m else None
         return out
 
     def clean() -> dict:
-        cfg = modes["sampled"]
-        handle = instrument(bench.model, cfg)
+        handle = instrument(bench.model, clean_config(args))
         times, stopped_at, t_run = [], [], time.perf_counter()
         try:
             for i in range(args.clean_steps):
@@ -265,6 +351,8 @@ def run(args) -> dict:
     if bench is not None and "error" not in result["setup"]:
         part(result, "warmup", warmup)
         part(result, "interleaved", interleaved)
+        if args.noise_steps > 0:
+            part(result, "noise", lambda: noise_study(bench, args.noise_steps, counter))
         if args.clean_steps > 0:
             part(result, "clean", clean)
             part(result, "plain_after", plain_after)
@@ -285,21 +373,22 @@ def table(result: dict) -> str:
                      f"{w['reference_fp64_tflop']:.3f} TFLOP ({100 * w['reference_share']:.2f}% of the GEMMs' FLOPs, in fp64)")
     inter = result.get("interleaved") or {}
     plain = (inter.get("plain") or {}).get("mean_s")
-    lines.append("mode                      mean step   overhead vs plain   vs checked kernels")
-    for name, label in (("plain", "plain (torch GEMMs)"), ("kernels", "checked kernels only"), ("every", "every Linear checked"),
+    lines.append("mode                      mean step   overhead vs plain   vs unsampled")
+    for name, label in (("plain", "plain (torch GEMMs)"), ("unsampled", "instrumented, unsampled"),
+                        ("kernels", "checked kernels, pinned"), ("every", "every Linear checked"),
                         ("sampled", f"sampled p={result['args']['sample_prob']} (window)")):
         r = inter.get(name) or {}
         if r.get("mean_s") is None:
             lines.append(f"{label:<25} {'-':>9}   {r.get('error', inter.get('error', 'not run'))[:60]}")
             continue
         ov = r.get("overhead")
-        vk = r.get("overhead_vs_kernels")
+        vk = r.get("overhead_vs_unsampled")
         lines.append(f"{label:<25} {r['mean_s']:>8.4f}s   {100 * ov:>+16.2f}%   "
                      + (f"{100 * vk:>+17.2f}%" if vk is not None else f"{'':>18}"))
     c = result.get("clean") or {}
     if "mean_s" in c and c["mean_s"] is not None:
         ov = f"{100 * (c['mean_s'] / plain - 1):+.2f}%" if plain else "?"
-        lines.append(f"{'sampled, clean run':<25} {c['mean_s']:>8.4f}s   {ov:>17}   over {c['steps']} of {c['requested']} steps")
+        lines.append(f"{'clean run, ' + result['args']['clean_config']:<25} {c['mean_s']:>8.4f}s   {ov:>17}   over {c['steps']} of {c['requested']} steps")
         lines.append(f"clean run: {c['checked']} of {c['launches']} launches checked, operators never checked "
                      f"{c['operators_never_checked']} of {c['operators']}; suspicions raised {c['raised']}, cleared {c['cleared']}, "
                      f"confirmed {c['confirmed']}, dropped {c['dropped']}; largest clean difference {c['clean_max_ratio']:.3g}×τ")
@@ -308,7 +397,10 @@ def table(result: dict) -> str:
     pa = result.get("plain_after") or {}
     if pa.get("mean_s") and plain:
         lines.append(f"plain again after the clean run: {pa['mean_s']:.4f}s ({100 * (pa['mean_s'] / plain - 1):+.2f}% drift)")
-    for name in ("setup", "warmup", "interleaved", "clean", "plain_after"):
+    for name, g in sorted((result.get("noise") or {}).get("groups", {}).items()):
+        lines.append(f"noise {name:<18} checks {g['checks']:>4}  |Δ|/σ max {g['d_max']:7.3g} p99 {g['d_p99']:7.3g}  "
+                     f"|Δ|/(K·2⁻²⁴Σ|c|) {g['d_over_xc']:6.3g}  ÷cap {g['d_over_cap']:6.3g}  sensors' σ: max {g['d_sensor']:6.3g}")
+    for name in ("setup", "warmup", "interleaved", "noise", "clean", "plain_after"):
         if isinstance(result.get(name), dict) and "error" in result[name]:
             lines.append(f"{name} FAILED: {result[name]['error'][:150]}")
     lines.append(f"total {result.get('total_s')} s")
@@ -325,7 +417,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="measured steps per mode and round")
     p.add_argument("--rounds", type=int, default=2, help="rounds of the interleaved modes")
     p.add_argument("--sample-prob", type=float, default=0.01, help="the sampled mode's per-launch probability")
-    p.add_argument("--clean-steps", type=int, default=1000, help="steps of the clean run at the sampled setting (0: none)")
+    p.add_argument("--clean-steps", type=int, default=1000, help="steps of the clean run (0: none)")
+    p.add_argument("--clean-config", choices=("default", "coverage"), default="default",
+                   help="the clean run's config: SensorConfig() or each operator exactly once per 100 steps")
+    p.add_argument("--noise-steps", type=int, default=0, help="steps of the clean-noise study, every launch checked (0: none)")
     p.add_argument("--time-budget", type=float, default=240.0, help="seconds for the whole run: the clean run stops there")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=0)

@@ -45,7 +45,7 @@ class SensorConfig:
     queue_size: int = 16  # suspicions waiting for the verifier; more are dropped (and counted)
     queue_bytes: int = 1 << 30  # the tensors they may hold together (a flagged GEMM holds copies of A, B and C)
     # adaptive thresholds: a cleared spike raises its operator's τ to headroom × the spike, at most
-    # max_raise × the floor; the raise decays by ``decay`` per step back to the floor
+    # max_raise × the floor; the raise decays by ``decay`` per check of that operator back to the floor
     raise_headroom: float = 2.0
     max_raise: float = 1e3
     decay: float = 0.9

@@ -12,7 +12,9 @@ The coin is a private generator seeded by the config: the model's own random str
 Thresholds. An operator's τ is its floor (Thresholds.tau, in units of the device's noise scale σ)
 times a raise factor ≥ 1. A cleared spike (a flag that the
 verifier found within rounding) raises the factor to headroom × spike ÷ floor, at most max_raise;
-each step boundary decays it geometrically back toward 1. Each change is logged.
+each later check of that operator decays it geometrically back toward 1 (per check, not per step:
+an operator sampled once per 100 steps would otherwise be back at its floor before its next
+check, and raise the same cleared spike again). Each change is logged.
 """
 
 from __future__ import annotations
@@ -60,12 +62,19 @@ class Controller:
         st = self._op(op)
         st.launches += 1
         due = st.checks == 0 and st.idle_steps >= self.coverage - 1
-        return due or st.prob >= 1.0 or self.coin.random() < st.prob
+        if due or st.prob >= 1.0 or self.coin.random() < st.prob:
+            st.checks += 1  # counted now: its cost may be known only at the step boundary (spent)
+            return True
+        return False
 
     def spent(self, op: str, seconds: float) -> None:
+        """A check of ``op`` (``want`` said yes) done in ``seconds``: its cost, and one step of its τ's decay."""
         st = self._op(op)
-        st.checks += 1
         st.cost_s = seconds if st.cost_s is None else 0.8 * st.cost_s + 0.2 * seconds
+        if st.raise_ > 1.0:  # per check of this operator, not per step: sampled once per 100 steps, a
+            st.raise_ = max(1.0, st.raise_ * self.decay)  # raise decaying per step would be gone before its next check
+            if st.raise_ == 1.0:
+                log.info("aegis sensors: τ of %s back at its floor", op)
 
     def tau(self, op: str, floor: float) -> float:
         return floor * self._op(op).raise_
@@ -85,15 +94,11 @@ class Controller:
     # -- per step ---------------------------------------------------------------------------
     def end_step(self, base_s: float) -> None:
         """Close a step whose time without sensors and verifier was ``base_s``: new probabilities
-        under the budget, decayed raises, per-step counts reset."""
-        for op, st in self.ops.items():
+        under the budget, per-step counts reset."""
+        for st in self.ops.values():
             st.idle_steps = 0 if st.checks else st.idle_steps + 1
             st.launches_total += st.launches
             st.checks_total += st.checks
-            if st.raise_ > 1.0:
-                st.raise_ = max(1.0, st.raise_ * self.decay)
-                if st.raise_ == 1.0:
-                    log.info("aegis sensors: τ of %s back at its floor", op)
         if self.budget is not None and base_s > 0:
             self._share(self.budget * base_s)
         for st in self.ops.values():

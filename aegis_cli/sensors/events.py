@@ -88,7 +88,7 @@ class SensorStats:
     """Counters since instrument(); SensorHandle.stats() adds the queue and the controller's state."""
 
     steps: int = 0
-    launches: int = 0  # checked GEMMs run (forward, dgrad, wgrad)
+    launches: int = 0  # instrumented GEMM launches (forward, dgrad, wgrad), sampled or not
     checked: int = 0  # of those, sampled and compared with the fp64 reference
     skipped_nonfinite: int = 0  # sampled launches whose inputs held NaN/Inf (no reference to compare with)
     attention_launches: int = 0  # SDPA calls run on the checked attention (SensorConfig.attention)

@@ -19,7 +19,7 @@ from aegis_cli.backends import get_backend
 from aegis_cli.backends.base import Device
 from aegis_cli.faults.spec import FaultPlan
 from aegis_cli.ops.errors import ConfigError
-from aegis_cli.sensors import linear
+from aegis_cli.sensors import linear, sense
 from aegis_cli.sensors.attention import AttentionRouter
 from aegis_cli.sensors.checkpoint import CheckpointSensor
 from aegis_cli.sensors.config import SensorConfig
@@ -65,6 +65,10 @@ class SensorHandle:
         self.listeners: list[Callable[[SensorEvent], Action | None]] = [config.on_event] if config.on_event else []
         self.step_index = 0
         self.sensing = True  # off while the verifier re-runs work
+        self._pinned = 0  # > 0 inside a fingerprinted region: every GEMM on the checked kernel (sense.run_gemm)
+        self.enqueued = False  # checked kernels launched since the last synchronisation (sense.launch)
+        self.unread: list = []  # sampled launches whose comparisons are enqueued, not yet read (sense.resolve)
+        self.unread_bytes = 0
         self.nondeterministic: set[str] = set()  # regions whose recompute cannot be compared bit for bit
         self.action = Action.CONTINUE  # the strongest action asked for since the last step()
         self._names = {id(m): name or "model" for name, m in model.named_modules()}
@@ -112,6 +116,21 @@ class SensorHandle:
         self._regions += 1
         return self._regions - 1
 
+    @property
+    def pinned(self) -> bool:
+        """Whether GEMMs must run the checked kernel whatever the coin says (a fingerprinted region)."""
+        return self._pinned > 0
+
+    @contextlib.contextmanager
+    def pin(self):
+        """Inside: every instrumented GEMM runs the checked kernel, sampled or not, so a region's
+        forward, recompute and re-runs compute the same bits whatever was sampled."""
+        self._pinned += 1
+        try:
+            yield
+        finally:
+            self._pinned -= 1
+
     def add_sense_time(self, seconds: float) -> None:
         self._sense_step += seconds
 
@@ -141,6 +160,13 @@ class SensorHandle:
             self.drop(self.step_index, op, site, checks[0])
             return
         self.raise_suspicion(Suspicion(kind, op, site, self.step_index, checks, max_value, context()))
+
+    def unverifiable(self, op: str, site: str, check: str, why: str) -> None:
+        """A flag that cannot be verified: counted, and the step is no longer known clean."""
+        self.stats.raised += 1
+        self.stats.unverified += 1
+        self._mark_bad(self.step_index)
+        self.emit(SensorEvent("unverified", self.step_index, op, site, check, "SUSPECT", why, rank=self.rank))
 
     def drop(self, step: int, op: str, site: str, check: str) -> None:
         """A suspicion the queue has no room for: counted, and the step is no longer known clean."""
@@ -172,8 +198,11 @@ class SensorHandle:
     def step(self) -> Action:
         """End a step: verify queued suspicions within the verifier's budget, adapt sampling and
         thresholds, and return the strongest action asked for (then reset to CONTINUE)."""
-        for dev in list(self._devices.values()):  # unsampled CUDA launches were only enqueued: their
-            dev.synchronize()  # failures surface here, and the step's time is the GPU's, not the enqueueing's
+        sense.resolve(self)  # this step's comparisons: one synchronisation when there are any
+        if self.enqueued:  # checked kernels were only enqueued (pinned regions): their failures surface here
+            for dev in list(self._devices.values()):
+                dev.synchronize()
+            self.enqueued = False
         step_s = time.perf_counter() - self._t0
         base = max(step_s - self._sense_step, 0.0)
         verify_s = self._verify(self.config.verify_budget * base, self.config.min_verify)
@@ -195,6 +224,7 @@ class SensorHandle:
 
     def flush(self) -> Action:
         """Verify everything still queued, whatever the budget (the end of training, a test)."""
+        sense.resolve(self)
         self.stats.verify_s += self._verify(float("inf"), len(self.queue))
         action, self.action = self.action, Action.CONTINUE
         return action

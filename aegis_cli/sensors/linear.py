@@ -10,6 +10,10 @@ bf16 operands, fp32 accumulation, bf16 results cast to the model's dtype: the ar
 bf16 training step. A checked ``forward`` is set on the instance (the class and its code are
 untouched); ``restore`` deletes it again. The bias is added outside the function, so autograd
 derives its gradient as for any Linear.
+
+On a CUDA device, where the layer already computes in bf16 (bf16 tensors, or autocast to bf16),
+the layer's three launches are decided at its forward; when none is sampled it runs torch's own
+Linear, exactly as uninstrumented: an unsampled layer costs a few coin draws and nothing else.
 """
 
 from __future__ import annotations
@@ -42,40 +46,78 @@ class _Site:
 
     def __init__(self, h, layer: str):
         self.h, self.layer = h, layer
+        self.keys = {lay: f"{layer}/{lay.value}" for lay in Layout}
 
-    def gemm(self, layout: Layout, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return run_gemm(self.h, self.layer, layout, a.to(BF16).contiguous(), b.to(BF16).contiguous())
+    def gemm(self, layout: Layout, a: torch.Tensor, b: torch.Tensor, sampled: bool | None) -> torch.Tensor:
+        return run_gemm(self.h, self.layer, layout, a.to(BF16).contiguous(), b.to(BF16).contiguous(), sampled)
+
+    def fast(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether torch's own Linear computes what the unsampled path would (bf16 operands and result,
+        on a CUDA device the sensors run on), so a layer none of whose GEMMs is sampled can run it."""
+        h = self.h
+        if not (x.is_cuda and h.sensing and not h.pinned and h.fault_plan is None and h.config.device == "auto"):
+            return False
+        if _autocast_bf16(x):
+            return True
+        return x.dtype == weight.dtype == BF16 and (bias is None or bias.dtype == BF16)
+
+    def draw(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[bool, bool, bool] | None:
+        """Decide the layer's forward, dgrad and wgrad launches now, each by the controller (the ones
+        autograd will run: dgrad when ``x`` needs a gradient, wgrad when the weight does); counted
+        as launched. None when none is sampled."""
+        h, want = self.h, self.h.controller.want
+        grad = torch.is_grad_enabled()
+        fwd = want(self.keys[Layout.FWD])
+        dgrad = grad and x.requires_grad and want(self.keys[Layout.DGRAD])
+        wgrad = grad and weight.requires_grad and want(self.keys[Layout.WGRAD])
+        h.stats.launches += 1 + (grad and x.requires_grad) + (grad and weight.requires_grad)
+        return (fwd, dgrad, wgrad) if fwd or dgrad or wgrad else None
+
+
+def _autocast_bf16(x: torch.Tensor) -> bool:
+    try:
+        return torch.is_autocast_enabled(x.device.type) and torch.get_autocast_dtype(x.device.type) == BF16
+    except (TypeError, AttributeError, RuntimeError):  # a torch without the per-device queries
+        return False
 
 
 class CheckedLinearFunction(torch.autograd.Function):
-    """Y = X·Wᵀ (no bias) with forward, dgrad and wgrad on the checked GEMM."""
+    """Y = X·Wᵀ (no bias) with forward, dgrad and wgrad on the checked GEMM. ``decided``: the three
+    launches' sampling, drawn at forward time (None: each launch asks the controller itself)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, site: _Site, out_dtype: torch.dtype) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, site: _Site, out_dtype: torch.dtype,
+                decided: tuple[bool, bool, bool] | None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        c = site.gemm(Layout.FWD, x2, weight)  # (tokens, out)
+        c = site.gemm(Layout.FWD, x2, weight, decided and decided[0])  # (tokens, out)
         ctx.save_for_backward(x, weight)
-        ctx.site = site
+        ctx.site, ctx.decided = site, decided
         return c.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, gy: torch.Tensor):
         x, weight = ctx.saved_tensors
         site: _Site = ctx.site
+        decided = ctx.decided
         g2 = gy.reshape(-1, weight.shape[0])  # (tokens, out)
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = site.gemm(Layout.DGRAD, g2, weight).to(x.dtype).reshape(x.shape)  # (tokens, in)
+            dx = site.gemm(Layout.DGRAD, g2, weight, decided and decided[1]).to(x.dtype).reshape(x.shape)  # (tokens, in)
         if ctx.needs_input_grad[1]:
-            dw = site.gemm(Layout.WGRAD, g2, x.reshape(-1, x.shape[-1])).to(weight.dtype)  # (out, in)
-        return dx, dw, None, None
+            dw = site.gemm(Layout.WGRAD, g2, x.reshape(-1, x.shape[-1]), decided and decided[2]).to(weight.dtype)  # (out, in)
+        return dx, dw, None, None, None
 
 
 def _checked_forward(site: _Site, original):
     def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == 0 or self.weight.numel() == 0:  # an empty GEMM: nothing to check, and kernels refuse it
             return original(x)
-        y = CheckedLinearFunction.apply(x, self.weight, site, _out_dtype(x))
+        decided = None
+        if site.fast(x, self.weight, self.bias):
+            decided = site.draw(x, self.weight)
+            if decided is None:  # nothing sampled: torch's Linear, as uninstrumented (cuBLAS, fused bias)
+                return original(x)
+        y = CheckedLinearFunction.apply(x, self.weight, site, _out_dtype(x), decided)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     return forward

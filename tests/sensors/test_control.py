@@ -44,13 +44,17 @@ def test_every_operator_is_checked_within_the_coverage_window():
     assert checked_at == [4, 9, 14, 19]  # never sampled, so forced once per 5 steps
 
 
-def test_a_cleared_spike_raises_tau_which_decays_back(caplog):
+def test_a_cleared_spike_raises_tau_which_decays_back_per_check(caplog):
     c = controller()
     with caplog.at_level(logging.INFO, logger="aegis.sensors"):
         assert c.spike("op", 5e-6, 1e-6) == pytest.approx(1e-5)  # headroom 2 × the spike
         assert c.spike("op", 2e-6, 1e-6) is None  # already above it
         assert c.spike("op", 1.0, 1e-6) == pytest.approx(1e-4)  # capped at max_raise × the floor
-        for _ in range(8):
+        for _ in range(20):  # steps without a check of the operator leave its raise where it is
+            c.end_step(1.0)
+        assert c.tau("op", 1e-6) == pytest.approx(1e-4)
+        for _ in range(8):  # each check decays it (0.5 per check here)
+            c.spent("op", 1e-3)
             c.end_step(1.0)
     assert c.tau("op", 1e-6) == 1e-6
     assert "raised from 1e-06 to 1e-05" in caplog.text and "back at its floor" in caplog.text
@@ -131,4 +135,34 @@ def test_a_callback_decides_the_action_and_none_means_no_opinion():
     asked.clear()  # no opinion: the default policy stops on confirmed corruption
     model(inputs()).square().mean().backward()
     assert h.step() is Action.STOP
+    uninstrument(model)
+
+
+def test_enqueued_comparisons_are_read_at_the_boundary_and_changed_operands_are_unverified():
+    """sense.resolve, as the step boundary runs it on CUDA (comparisons enqueued during the step):
+    a flag whose tensors are unchanged becomes a suspicion holding copies; one whose operand was
+    changed in place since the check cannot be copied as checked and is counted unverified."""
+    from aegis_cli.backends.cpu import CpuDevice
+    from aegis_cli.ops.gemm import GemmOperands, Layout
+    from aegis_cli.sensors import sense
+
+    model = mlp()
+    h = instrument(model, SensorConfig(overhead_budget=None, thresholds=Thresholds(tau=1e-9), min_verify=0, verify_budget=0.0))
+    dev = CpuDevice()
+    g = torch.Generator().manual_seed(4)
+    pend = []
+    for i in range(2):
+        ops = GemmOperands(torch.randn(8, 32, generator=g).to(torch.bfloat16), torch.randn(16, 32, generator=g).to(torch.bfloat16),
+                           Layout.FWD)
+        res = dev.checked_gemm(ops)
+        parts, summary = sense.enqueue(ops, res, dev.noise_model(32), False)
+        pend.append(sense.Pending(f"l{i}", f"train/l{i}/fwd/8x16x32", f"l{i}/fwd", dev, ops, res, 1e-9, 1e-9, parts, summary,
+                                  tuple(t._version for t in (ops.a, ops.b, res.c)), 1e-3, 0))
+    h.unread.extend(pend)
+    pend[1].ops.a.add_(1.0)  # the loop changed this launch's input in place before the boundary
+    sense.resolve(h)
+    assert not h.unread and h.stats.checked == 2 and h.stats.raised == 2 and h.stats.unverified == 1 and len(h.queue) == 1
+    queued = h.queue.pop()
+    assert queued.op == "l0" and queued.context.operands.a is not pend[0].ops.a  # a copy
+    assert [e.kind for e in h.events] == ["unverified"] and h.events[0].op == "l1" and h.last_clean_step is None
     uninstrument(model)

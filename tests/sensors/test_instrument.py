@@ -187,3 +187,60 @@ def test_linear_subclasses_with_a_forward_of_their_own_are_left_alone():
     uninstrument(model)
     assert "forward" not in model[1].__dict__ and h.stats_dict()["unchecked_modules"] == ["1"]
     assert h.stats.launches == 2  # the plain Linear's forward and wgrad (its input needs no gradient: no dgrad)
+
+
+def test_unsampled_launches_skip_the_checked_gemm_and_give_the_same_bits_on_the_cpu():
+    """The controller decides first: an unsampled launch runs the plain product (on the CPU path the
+    one the CPU checked GEMM forms, bit for bit), so losses and parameters do not depend on sampling."""
+    never = {"sample_prob": 0.0, "coverage_steps": 10**9}
+    la, pa, sa = train(3)
+    lb, pb, sb = train(3, **never)
+    assert sb["launches"] == sa["launches"] == 81 and sb["checked"] == 0 and sa["checked"] == 81
+    assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(la, lb, strict=True))
+    assert all(torch.equal(pa[n].view(torch.int32), pb[n].view(torch.int32)) for n in pa)
+
+
+def test_fingerprinted_regions_pin_every_gemm_to_the_checked_kernel(monkeypatch):
+    """Inside a fingerprinted region (forward and recompute) every GEMM runs the checked kernel, sampled
+    or not: on a GPU its bits differ from torch's GEMM, and the recompute must repeat the forward."""
+    from aegis_cli.sensors import sense
+
+    pinned, plain = [], []
+    real_launch, real_plain = sense.launch, sense.plain_gemm
+    monkeypatch.setattr(sense, "launch", lambda *a: pinned.append(a[3]) or real_launch(*a))
+    monkeypatch.setattr(sense, "plain_gemm", lambda *a: plain.append(1) or real_plain(*a))
+    model = gpt(checkpointing=True)
+    # p = 0, but every operator due at its first launch of each step: each region is fingerprinted, each
+    # GEMM compared once; a block's recompute repeats its forward GEMMs, unsampled, yet on the checked kernel
+    h = instrument(model, SensorConfig(sample_prob=0.0, overhead_budget=None, coverage_steps=1))
+    x, y = next(batches())
+    _, loss = model(x, y)
+    loss.backward()
+    h.step()
+    uninstrument(model)
+    assert h.stats.fingerprinted == MICRO.layers and h.stats.checked == 3 * 9 and h.stats.raised == 0
+    assert len(pinned) == 3 * 9 + 4 * MICRO.layers and not plain
+
+
+def test_a_layer_with_nothing_sampled_runs_torchs_own_linear(monkeypatch):
+    """Where the layer computes in bf16 on a GPU the sensors run on (``_Site.fast``, forced here on
+    the CPU), its three launches are drawn at the forward: with none sampled it is torch's Linear,
+    bit for bit the uninstrumented model, each launch still counted; sampled, the checked path."""
+    from aegis_cli.sensors import linear
+
+    monkeypatch.setattr(linear._Site, "fast", lambda self, x, w, b: True)
+    model = gpt().to(torch.bfloat16)
+    x, y = next(batches())
+    want_loss, want_grads = loss_and_grads(model, x, y)
+    h = instrument(model, SensorConfig(sample_prob=0.0, overhead_budget=None, coverage_steps=10**9))
+    loss, g = loss_and_grads(model, x, y)
+    h.step()
+    uninstrument(model)
+    assert torch.equal(loss.view(torch.int32), want_loss.view(torch.int32))
+    assert all(torch.equal(g[n].view(torch.int16), want_grads[n].view(torch.int16)) for n in g)
+    assert h.stats.launches == 3 * 9 and h.stats.checked == 0
+    h = instrument(model, EVERY)
+    loss_and_grads(model, x, y)
+    h.step()
+    uninstrument(model)
+    assert h.stats.launches == h.stats.checked == 3 * 9 and h.stats.raised == 0

@@ -1,0 +1,103 @@
+"""The sensors' lean reference (``numerics.reference_checksums(lean=True)``: one read of each
+operand, fp64 slices of the large one) against the scan's full fp64 reference: the checksums
+within 0.05 σ of the CUDA kernels' noise model, s and σ within 3%, on random shapes up to K = 8192
+and the scan's three input distributions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from aegis_cli.ops import numerics
+from aegis_cli.ops.gemm import GemmOperands, Layout
+
+NOISE = numerics.NoiseModel(unit=8e-9, power=1.0, cap=numerics.S_FLOOR)  # the CUDA kernels' (backends/cuda.py)
+SHAPES = [(64, 256, 8192), (200, 300, 517), (77, 1000, 128), (96, 130, 2048), (3, 5, 7), (130, 64, 4096)]
+
+
+def _ops(layout: Layout, m: int, n: int, k: int, dist: str, seed: int) -> GemmOperands:
+    a = numerics.generate_bf16(layout.a_stored_shape(m, k), dist, seed, "cpu")
+    b = numerics.generate_bf16(layout.b_stored_shape(k, n), dist, seed + 1, "cpu")
+    return GemmOperands(a, b, layout)
+
+
+def _noise(k: int) -> numerics.NoiseModel:
+    return NOISE.capped_at((k / 8 + 128) * 2.0**-24)  # as CudaDevice.noise_model
+
+
+@pytest.mark.parametrize("dist", numerics.DISTRIBUTIONS)
+def test_lean_reference_is_within_a_twentieth_of_sigma(dist):
+    worst_sum = worst_scale = 0.0
+    for layout in Layout:
+        for i, (m, n, k) in enumerate(SHAPES):
+            ops = _ops(layout, m, n, k, dist, 10 * i)
+            noise = _noise(k)
+            full = numerics.reference_checksums(ops, (64, 128), noise)
+            rows = [numerics._lean_side(ops.a_mk, ops.b_kn, 128)]
+            rows.append(tuple(x.t() for x in numerics._lean_side(ops.b_kn.t(), ops.a_mk.t(), 64)))
+            for (sums, s, rho), want, want_s, sigma in ((rows[0], full.row, full.row_scale, full.row_noise),
+                                                        (rows[1], full.col, full.col_scale, full.col_noise)):
+                assert sums.dtype == s.dtype == rho.dtype == torch.float64 and sums.shape == want.shape
+                worst_sum = max(worst_sum, float(((sums - want).abs() / sigma).max()))
+                worst_scale = max(worst_scale, float(((s - want_s).abs() / want_s).max()),
+                                  float(((noise.scale(rho, s, k) - sigma).abs() / sigma).max()))
+    assert worst_sum <= 0.05, worst_sum
+    assert worst_scale <= 0.03, worst_scale
+
+
+def test_lean_reference_fields_and_rows_only():
+    ops = _ops(Layout.WGRAD, 70, 300, 200, "normal", 3)
+    full = numerics.reference_checksums(ops, (64, 128), _noise(200))
+    both = numerics.reference_checksums(ops, (64, 128), _noise(200), lean=True)
+    rows = numerics.reference_checksums(ops, (64, 128), _noise(200), lean=True, cols=False)
+    assert both.floor == full.floor and both.col.shape == full.col.shape and both.col_noise.shape == full.col_noise.shape
+    assert torch.equal(rows.row, both.row) and rows.col.shape == (0, 300) and rows.col_noise.shape == (0, 300)
+    assert rows.floor == numerics.subnormal_slack(200, 128)
+    plain = numerics.reference_checksums(ops, (64, 128), _noise(200), cols=False)  # the scan's path, rows only
+    assert torch.equal(plain.row, full.row) and plain.col.numel() == 0 and plain.floor == rows.floor
+
+
+def test_lean_reference_keeps_tiny_and_huge_rows_and_flags_nonfinite(monkeypatch):
+    """Rows near the bottom or the top of the range keep their s and ρ (fp64); NaN/Inf make s
+    non-finite (the sensors skip them); slices of the large operand give the same values."""
+    monkeypatch.setattr(numerics, "LEAN_SLICE", 400)  # 4 rows: 100 of K = 300 per slice
+    ops = _ops(Layout.FWD, 4, 256, 300, "normal", 7)
+    a = ops.a.float()
+    a[0] *= 2.0**-100
+    a[1] *= 2.0**100
+    ops = GemmOperands(a.to(torch.bfloat16), ops.b, ops.layout)
+    full = numerics.reference_checksums(ops, (64, 128), _noise(300))
+    lean = numerics.reference_checksums(ops, (64, 128), _noise(300), lean=True, cols=False)
+    assert float(((lean.row_scale - full.row_scale).abs() / full.row_scale).max()) < 1e-3
+    assert float(((lean.row_noise - full.row_noise).abs() / full.row_noise).max()) < 1e-3
+    bad = ops.a.clone()
+    bad[2, 5] = float("nan")
+    bad[3, 7] = float("inf")
+    lean = numerics.reference_checksums(GemmOperands(bad, ops.b, ops.layout), (64, 128), _noise(300), lean=True, cols=False)
+    assert torch.isfinite(lean.row_scale[:2]).all() and not torch.isfinite(lean.row_scale[2:]).any()
+
+
+def test_sensor_noise_adds_the_bias_term_and_bounds_wgrad():
+    """On a truncating device the sensors' σ is the scan's plus BIAS·K·2⁻²⁴·Σ|c| (forward, dgrad),
+    never above the accumulation bound's, and WGRAD_BOUND × that bound for wgrad; elsewhere the scan's."""
+    from aegis_cli.backends.cpu import CpuDevice
+    from aegis_cli.sensors import sense
+
+    k = 300
+    noise = _noise(k)
+    per_s = noise.cap / numerics.DEFAULT_TAU
+    for layout in Layout:
+        ops = _ops(layout, 70, 200, k, "uniform", 5)
+        res = CpuDevice().checked_gemm(ops)
+        res = type(res)(**{**res.__dict__, "tile": (64, 128)})
+        ref = numerics.reference_checksums(ops, (64, 128), noise, lean=True)
+        assert all(a is b for a, b in zip(sense.sensor_noise(ops, res, ref, noise, False), ref.noise(), strict=True))
+        row, col = sense.sensor_noise(ops, res, ref, noise, True)
+        if layout is Layout.WGRAD:
+            assert torch.equal(row, ref.row_scale * (sense.WGRAD_BOUND * per_s))
+            assert torch.equal(col, ref.col_scale * (sense.WGRAD_BOUND * per_s))
+            continue
+        c_abs = numerics.sum_col_tiles(res.c.double().abs(), 128)
+        want = torch.minimum(ref.row_noise + c_abs * (sense.BIAS * k * 2.0**-24), ref.row_scale * per_s)
+        assert torch.allclose(row, want, rtol=1e-12, atol=0) and col is ref.col_noise
+        assert (row >= ref.row_noise).all() and (row <= ref.row_scale * per_s * (1 + 1e-12)).all()
