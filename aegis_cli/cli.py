@@ -61,7 +61,7 @@ def _writable(_ctx, _param, path: str | None) -> str | None:
 @click.option("--reruns", default=DEFAULT_RERUNS, show_default=True, type=int, help="Re-runs of a flagged case to confirm it (1…1000).")
 @click.option("--inject", default=None, metavar="SPEC", help="Inject faults on purpose (self-test); see docs/fault-injection.md.")
 @click.option("--save-vtasks", "save_vtasks", default=None, metavar="PATH", callback=_writable,
-              help="Save the flagged GEMM cases shown in full (see --evidence-in-full) as vTasks in a bundle (aegis replay).")
+              help="Save the flagged GEMM and attention cases shown in full (see --evidence-in-full) as vTasks in a bundle (aegis replay).")
 @click.option("--format", "fmt", type=click.Choice(report_mod.FORMATS), default="table", show_default=True)
 @click.option("--output", "-o", default=None, metavar="PATH", callback=_writable,
               help="Write the report here (atomically) instead of stdout.")
