@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 benchmarks/gpu_suite.py [--out DIR] [--only NAME ...] [--skip NAME ...]
 
-Sections: env selfcheck sass gemm pytest scan sustained sensors (all by default).
+Sections: env selfcheck sass gemm pytest scan sustained soak sensors thresholds (all by default).
 
 Each section runs in its own subprocess under its own time limit (a hung kernel costs that
 section, not the session), writes ``DIR/<name>.log`` and returns a small summary dict;
@@ -169,6 +169,22 @@ def section_scan(out: Path) -> dict:
     return {"runs": runs}
 
 
+def section_soak(out: Path) -> dict:
+    """The checked burn-in for two minutes against cuBLAS on the same shapes, then 6 s with an
+    intermittent injected fault (benchmarks/soak.py; issue 18): its JSON beside this section's log."""
+    target = out / "soak.json"
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "soak.py"), "--seconds", os.environ.get("AEGIS_SOAK_SECONDS", "120"),
+                        "--cublas-seconds", "8", "--inject-seconds", "6", "--json", str(target)],
+                       cwd=ROOT, capture_output=True, text=True, check=False)
+    print(p.stdout[-20_000:])
+    print(p.stderr[-5_000:])
+    doc = json.loads(target.read_text()) if target.exists() else {}
+    soak, inj = doc.get("soak") or {}, doc.get("injected") or {}
+    return {"returncode": p.returncode, "verdict": soak.get("verdict"), "tflops": soak.get("tflops"),
+            "vs_cublas_sustained": doc.get("ratio_vs_cublas_sustained"), "vs_cublas_same_mix": doc.get("ratio_vs_cublas_same_mix"),
+            "injected": f"{inj.get('verdict')}, failed {inj.get('failed')} of {inj.get('of')}" if inj else None}
+
+
 def section_sensors(out: Path) -> dict:
     """The in-training sensors' overhead on the example's ~1.2B GPT at sequence 4096 (plain vs
     checked kernels vs every Linear checked vs sampled, then a clean run at the sampled setting):
@@ -234,6 +250,7 @@ SECTIONS = [
     Section("pytest", section_pytest, 270),
     Section("scan", section_scan, 240),
     Section("sustained", section_sustained, 150),
+    Section("soak", section_soak, 240),
     Section("sensors", section_sensors, 320),
     Section("thresholds", section_thresholds, 500),
 ]
