@@ -1,7 +1,7 @@
 """Overhead of the in-training sensors (docs/sensors.md) on a training step, in one run.
 
     PYTHONPATH=. python3 benchmarks/sensors_overhead.py [--preset 1b] [--batch 2] [--steps 10] [--rounds 2]
-        [--clean-steps 1000] [--time-budget 240] [--device cuda|cpu] [--out DIR]
+        [--clean-steps 1000] [--time-budget 240] [--device cuda|cpu] [--modes plain,sampled] [--out DIR]
 
 The example's GPT (examples/train_gpt/gpt.py; ``1b``: ~1.2B parameters, sequence 4096) in bf16,
 AdamW, one training step = forward, backward, the sensors' step boundary, optimizer step. Modes,
@@ -56,6 +56,7 @@ from gpt import GPT, PRESETS, markov_batches  # noqa: E402
 from aegis_cli.sensors import Action, SensorConfig, instrument, uninstrument  # noqa: E402
 from aegis_cli.sensors.sense import BIAS, WGRAD_BOUND  # noqa: E402
 
+MODES = ("plain", "unsampled", "kernels", "every", "sampled")
 NEVER = 10**9  # coverage_steps that never forces a check within a run
 
 
@@ -159,9 +160,9 @@ def _study_one(ops, res, noise) -> list[dict]:
     k = ops.mnk[2]
     tm, tn = res.tile
     c = res.c.float().abs_()
-    sides = [(res.row_sums, numerics._lean_side(ops.a_mk, ops.b_kn, tn), numerics.sum_col_tiles(c, tn), "row")]
+    sides = [(res.row_sums, numerics.lean_side(ops.a_mk, ops.b_kn, tn), numerics.sum_col_tiles(c, tn), "row")]
     if ops.layout.value == "wgrad":
-        col = tuple(x.t() for x in numerics._lean_side(ops.b_kn.t(), ops.a_mk.t(), tm))
+        col = tuple(x.t() for x in numerics.lean_side(ops.b_kn.t(), ops.a_mk.t(), tm))
         sides.append((res.col_sums, col, numerics.sum_row_tiles(c, tm), "col"))
     out = []
     for obs, (ref, s, rho), csum, side in sides:
@@ -241,7 +242,7 @@ def run(args) -> dict:
         result["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
     bench: Bench | None = None
     counter = itertools.count()
-    modes = configs(args)
+    modes = {name: cfg for name, cfg in configs(args).items() if name in args.modes or name == "plain"}
 
     def setup() -> dict:
         nonlocal bench
@@ -309,8 +310,10 @@ def run(args) -> dict:
         for name in modes:
             m = out[name]["mean_s"]
             out[name]["overhead"] = (m / plain - 1) if plain and m else None
-        k = out["unsampled"]["mean_s"]
+        k = out.get("unsampled", {}).get("mean_s")
         for name in ("every", "sampled"):  # the sensing alone, beside the instrumentation
+            if name not in out:
+                continue
             m = out[name]["mean_s"]
             out[name]["overhead_vs_unsampled"] = (m / k - 1) if k and m else None
         return out
@@ -385,6 +388,10 @@ def table(result: dict) -> str:
         vk = r.get("overhead_vs_unsampled")
         lines.append(f"{label:<25} {r['mean_s']:>8.4f}s   {100 * ov:>+16.2f}%   "
                      + (f"{100 * vk:>+17.2f}%" if vk is not None else f"{'':>18}"))
+        (checks, sense_s), steps = (sum(w[x] for w in r.get("stats") or []) for x in ("checked", "sense_s")), len(r["times"]) or 1
+        if checks and plain:  # the checks' own GPU time (CUDA events), per check and as a share of the plain step
+            lines.append(f"{'':<25} {checks / steps:.2f} checks a step, {1e3 * sense_s / checks:.3f} ms each: "
+                         f"{100 * sense_s / steps / plain:.2f}% of the plain step")
     c = result.get("clean") or {}
     if "mean_s" in c and c["mean_s"] is not None:
         ov = f"{100 * (c['mean_s'] / plain - 1):+.2f}%" if plain else "?"
@@ -417,6 +424,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="measured steps per mode and round")
     p.add_argument("--rounds", type=int, default=2, help="rounds of the interleaved modes")
     p.add_argument("--sample-prob", type=float, default=0.01, help="the sampled mode's per-launch probability")
+    p.add_argument("--modes", type=lambda v: v.split(","), default=list(MODES), help=f"interleaved modes (plain always): {','.join(MODES)}")
     p.add_argument("--clean-steps", type=int, default=1000, help="steps of the clean run (0: none)")
     p.add_argument("--clean-config", choices=("default", "coverage"), default="default",
                    help="the clean run's config: SensorConfig() or each operator exactly once per 100 steps")

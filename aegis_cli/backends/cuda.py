@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from aegis_cli.backends import cuda_attention, fingerprint_cuda, loader
+from aegis_cli.backends import cuda_attention, cuda_reference, fingerprint_cuda, loader
 from aegis_cli.backends.base import Backend, Device
 from aegis_cli.backends.cuda_identity import device_identity
 from aegis_cli.faults import tensor as corrupt
@@ -164,6 +164,17 @@ class CudaDevice(Device):
 
     def fingerprint(self, t: torch.Tensor) -> int:
         return fingerprint_cuda.gpu_fingerprint(t)  # the GPU kernel for CUDA tensors, same value as the CPU twin
+
+    def lean_side(self, left: torch.Tensor, right: torch.Tensor, t: int, rho: bool = True):
+        # one pass over the bf16 operand in a kernel, enqueued without a sync; torch's elsewhere
+        if cuda_reference.applies(left, right):
+            return cuda_reference.lean_side(left, right, t, rho)
+        return super().lean_side(left, right, t, rho)
+
+    def tile_abs_sums(self, x: torch.Tensor, t: int) -> torch.Tensor:
+        if x.is_cuda and x.dtype == torch.bfloat16 and x.dim() == 2 and x.numel():
+            return cuda_reference.tile_abs_sums(x, t)
+        return super().tile_abs_sums(x, t)
 
     def accumulation_bound(self, k: int) -> float:
         # mma.sync / wgmma accumulate fp32 truncating: each 16-deep MMA step may lose up to an ulp

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -76,7 +77,7 @@ def sum_row_tiles(x: torch.Tensor, tm: int) -> torch.Tensor:
 
 
 def reference_checksums(ops: GemmOperands, tile: tuple[int, int], noise: NoiseModel | None = None, *,
-                        lean: bool = False, cols: bool = True) -> ReferenceChecksums:
+                        lean: bool = False, cols: bool = True, side: LeanSide | None = None) -> ReferenceChecksums:
     """fp64 row/column checksum references, their magnitudes s and, given a device's ``noise``
     model, the noise scale σ of each sum (NoiseModel.scale), from the stored operands.
 
@@ -84,12 +85,13 @@ def reference_checksums(ops: GemmOperands, tile: tuple[int, int], noise: NoiseMo
     a path the bf16 matrix unit never touches.
 
     ``lean`` (the in-training sensors, one check per sampled launch): the same values, from one read
-    of each operand and fp64 slices of the large one (``_lean_side``), never a whole fp64 copy of
-    it; ``cols=False`` leaves the column part empty (forward and dgrad compare rows only). The
+    of each operand and fp64 slices of the large one (``lean_side``), never a whole fp64 copy of
+    it; ``cols=False`` leaves the column part empty (forward and dgrad compare rows only); ``side``
+    computes each side instead of ``lean_side`` (``Device.lean_side``: a kernel on CUDA). The
     scan's path is the default one, unchanged.
     """
     if lean:
-        return _lean_reference(ops, tile, noise, cols)
+        return _lean_reference(ops, tile, noise, cols, side or lean_side)
     tm, tn = tile
     a = ops.a_mk.to(torch.float64, copy=True)  # (M, K)
     b = ops.b_kn.to(torch.float64, copy=True)  # (K, N)
@@ -120,7 +122,8 @@ def _rows_only(row: torch.Tensor, row_scale: torch.Tensor, row_noise: torch.Tens
 LEAN_SLICE = 1 << 22  # elements of the large operand in fp64 at a time (32 MiB: it stays in a GPU's L2 cache)
 
 
-def _lean_side(left: torch.Tensor, right: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def lean_side(left: torch.Tensor, right: torch.Tensor, t: int,
+              rho: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Row checksums of left (R, K) · right (K, N) over tiles of ``t`` columns: (sums, s, ρ), each
     (R, ceil(N/t)) fp64, the values of the scan's reference.
 
@@ -131,7 +134,8 @@ def _lean_side(left: torch.Tensor, right: torch.Tensor, t: int) -> tuple[torch.T
     exceeds one slice, which on a GPU stays in L2 for the three fp64 products. (Slices of rows
     instead, measured on the H200, gave products of a few hundred rows that kept few SMs busy.)
     Exact products, fp64 accumulation: an error of order K·2⁻⁵³·s, with s ≤ √(128K)·ρ: at K = 8192
-    at most about 10⁻⁵ of the CUDA kernels' σ and 10⁻³ of the CPU path's."""
+    at most about 10⁻⁵ of the CUDA kernels' σ and 10⁻³ of the CPU path's. ``rho=False``: ρ is
+    None (not computed; sums and s are the same bits)."""
     r, k = left.shape
     n = right.shape[1]
     nt = n_tiles(n, t)
@@ -139,27 +143,43 @@ def _lean_side(left: torch.Tensor, right: torch.Tensor, t: int) -> tuple[torch.T
     x3 = x.reshape(k, nt, t)
     rt = x3.sum(-1, dtype=torch.float64)  # (K, nt), exact: bf16 values summed in fp64
     rt_abs = torch.linalg.vector_norm(x3, 1, dim=-1, dtype=torch.float64)
-    rt_sq = torch.linalg.vector_norm(x3, 2, dim=-1, dtype=torch.float64).square_()
-    sums, s, rho2 = (rt.new_zeros((r, nt)) for _ in range(3))
+    rt_sq = torch.linalg.vector_norm(x3, 2, dim=-1, dtype=torch.float64).square_() if rho else None
+    sums, s = rt.new_zeros((r, nt)), rt.new_zeros((r, nt))
+    rho2 = rt.new_zeros((r, nt)) if rho else None
     step = max(1, LEAN_SLICE // max(r, 1))  # slices along K: every product keeps all R rows (the GPU's parallelism)
     for j in range(0, k, step):
         a = left[:, j:j + step].double()
         sums.addmm_(a, rt[j:j + step])
         s.addmm_(a.abs_(), rt_abs[j:j + step])
-        rho2.addmm_(a.square_(), rt_sq[j:j + step])
-    return sums, s, rho2.sqrt_()
+        if rho:
+            rho2.addmm_(a.square_(), rt_sq[j:j + step])
+    return sums, s, rho2.sqrt_() if rho else None
 
 
-def _lean_reference(ops: GemmOperands, tile: tuple[int, int], noise: NoiseModel | None, cols: bool) -> ReferenceChecksums:
+def abs_col_tiles(x: torch.Tensor, t: int) -> torch.Tensor:
+    """Σ|x| over each tile of ``t`` columns of x (M, N): (M, ceil(N/t)) fp64, read straight from x
+    (the sensors' Σ|c|; Device.tile_abs_sums)."""
+    m, n = x.shape
+    nt = n_tiles(n, t)
+    x = x if nt * t == n else torch.nn.functional.pad(x, (0, nt * t - n))
+    return torch.linalg.vector_norm(x.reshape(m, nt, t), 1, dim=-1, dtype=torch.float64)
+
+
+LeanSide = Callable[[torch.Tensor, torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]  # as lean_side
+
+
+def _lean_reference(ops: GemmOperands, tile: tuple[int, int], noise: NoiseModel | None, cols: bool,
+                    side: LeanSide) -> ReferenceChecksums:
     """reference_checksums(lean=True): rows as A·(tile sums of B), columns as (Bᵀ·(tile sums of Aᵀ))ᵀ."""
     tm, tn = tile
     k = ops.mnk[2]
-    row, row_scale, row_rho = _lean_side(ops.a_mk, ops.b_kn, tn)
-    row_noise = None if noise is None else noise.scale(row_rho, row_scale, k)
+    rho = noise is not None  # ρ only feeds σ
+    row, row_scale, row_rho = side(ops.a_mk, ops.b_kn, tn, rho)
+    row_noise = noise.scale(row_rho, row_scale, k) if rho else None
     if not cols:
         return _rows_only(row, row_scale, row_noise, ops.mnk, tn)
-    col, col_scale, col_rho = (x.t() for x in _lean_side(ops.b_kn.t(), ops.a_mk.t(), tm))
-    col_noise = None if noise is None else noise.scale(col_rho, col_scale, k)
+    col, col_scale, col_rho = (None if x is None else x.t() for x in side(ops.b_kn.t(), ops.a_mk.t(), tm, rho))
+    col_noise = noise.scale(col_rho, col_scale, k) if rho else None
     return ReferenceChecksums(row=row, col=col, row_scale=row_scale, col_scale=col_scale,
                               floor=subnormal_slack(k, max(tm, tn)), row_noise=row_noise, col_noise=col_noise)
 

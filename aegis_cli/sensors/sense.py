@@ -80,20 +80,19 @@ WGRAD_BOUND = 2.0
 
 
 def sensor_noise(ops: GemmOperands, res: GemmResult, ref: ReferenceChecksums, noise: numerics.NoiseModel,
-                 truncating: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                 truncating: bool, device: Device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The sensors' σ of the row and column sums: on a device whose accumulation chops
     (``truncating``: Device.accumulation_bound > 0) the scan's plus the bias term (forward, dgrad),
-    or the strict accumulation bound (wgrad); elsewhere (rounding to nearest: the CPU) the scan's."""
+    or the strict accumulation bound (wgrad); elsewhere (rounding to nearest: the CPU) the scan's.
+    Σ|c| by ``device.tile_abs_sums`` (a kernel on CUDA), else torch's."""
     if not truncating:
         return ref.noise()
     per_s = noise.cap / numerics.DEFAULT_TAU  # σ ÷ s at the device's accumulation bound
     if ops.layout is Layout.WGRAD:
         return ref.row_scale * (WGRAD_BOUND * per_s), ref.col_scale * (WGRAD_BOUND * per_s)
-    m, n, k = ops.mnk
+    k = ops.mnk[2]
     tn = res.tile[1]
-    nt = numerics.n_tiles(n, tn)
-    c = res.c if nt * tn == n else torch.nn.functional.pad(res.c, (0, nt * tn - n))
-    c_abs = torch.linalg.vector_norm(c.reshape(m, nt, tn), 1, dim=-1, dtype=torch.float64)  # Σ|c| per checksum
+    c_abs = numerics.abs_col_tiles(res.c, tn) if device is None else device.tile_abs_sums(res.c, tn)  # Σ|c| per checksum
     row = torch.minimum(ref.row_noise + c_abs * (BIAS * k * 2.0**-24), ref.row_scale * per_s)
     return row, ref.col_noise
 
@@ -128,12 +127,17 @@ class Pending:
         return start.elapsed_time(end) / 1e3
 
 
-def enqueue(ops: GemmOperands, res: GemmResult, noise: numerics.NoiseModel, truncating: bool):
+def enqueue(ops: GemmOperands, res: GemmResult, noise: numerics.NoiseModel, truncating: bool,
+            device: Device | None = None):
     """The comparison, left on the device: (parts, summary). Differences are in units of the
-    sensors' σ (``sensor_noise``); non-finite inputs have no reference and are not flagged."""
+    sensors' σ (``sensor_noise``); non-finite inputs have no reference and are not flagged. The
+    reference and Σ|c| are ``device``'s (``Device.lean_side``, ``tile_abs_sums``: kernels on
+    CUDA), torch's without one."""
     both = ops.layout is Layout.WGRAD
-    ref = numerics.reference_checksums(ops, res.tile, noise, lean=True, cols=both)
-    row_unit, col_unit = sensor_noise(ops, res, ref, noise, truncating)
+    # wgrad's σ on a truncating device follows s alone (sensor_noise): no ρ, no scan σ to compute
+    ref = numerics.reference_checksums(ops, res.tile, None if both and truncating else noise, lean=True, cols=both,
+                                       side=None if device is None else device.lean_side)
+    row_unit, col_unit = sensor_noise(ops, res, ref, noise, truncating, device)
     parts = [("gemm.row_checksum", numerics.normalised_diff(res.row_sums, ref.row, row_unit, ref.floor), res.row_sums, ref.row)]
     if both:
         parts.append(("gemm.col_checksum", numerics.normalised_diff(res.col_sums, ref.col, col_unit, ref.floor),
@@ -176,7 +180,7 @@ def sense(h, device: Device, layer: str, ops: GemmOperands, res: GemmResult, sit
     else:
         t0 = time.perf_counter()
     k = ops.mnk[2]
-    parts, summary = enqueue(ops, res, device.noise_model(k), device.accumulation_bound(k) > 0)
+    parts, summary = enqueue(ops, res, device.noise_model(k), device.accumulation_bound(k) > 0, device)
     if cuda:
         end.record(stream)
     pend = Pending(layer, site, key, device, ops, res, tau, floor, parts, summary, tuple(t._version for t in (ops.a, ops.b, res.c)),

@@ -33,8 +33,8 @@ def test_lean_reference_is_within_a_twentieth_of_sigma(dist):
             ops = _ops(layout, m, n, k, dist, 10 * i)
             noise = _noise(k)
             full = numerics.reference_checksums(ops, (64, 128), noise)
-            rows = [numerics._lean_side(ops.a_mk, ops.b_kn, 128)]
-            rows.append(tuple(x.t() for x in numerics._lean_side(ops.b_kn.t(), ops.a_mk.t(), 64)))
+            rows = [numerics.lean_side(ops.a_mk, ops.b_kn, 128)]
+            rows.append(tuple(x.t() for x in numerics.lean_side(ops.b_kn.t(), ops.a_mk.t(), 64)))
             for (sums, s, rho), want, want_s, sigma in ((rows[0], full.row, full.row_scale, full.row_noise),
                                                         (rows[1], full.col, full.col_scale, full.col_noise)):
                 assert sums.dtype == s.dtype == rho.dtype == torch.float64 and sums.shape == want.shape

@@ -1,0 +1,104 @@
+"""The sensors' checksum reference on CUDA: kernels/sensor_reference.cu launched on torch tensors.
+
+    lean_side(left, right, t, rho) -> (sums, s, rho)  the values of numerics.lean_side (the torch
+                                                  reference, which the CPU path runs), (R, nt) fp64
+    tile_abs_sums(x, t) -> (M, nt) fp64           Σ|x| over column tiles (Device.tile_abs_sums)
+
+One pass over the bf16 left operand (never an fp64 copy of it): sums in fp64, s and ρ² in fp32 per
+64-deep stage added in fp64 (the kernel's header states the error bounds). Three launches on
+torch's current stream, through the one loader/launcher, no synchronisation: the tile statistics
+of the right operand, the products (K split over CTAs), and the reduction of the splits in split
+order. The split count follows the shape alone, so the bits repeat for a shape on any device.
+Importing this module does not import CuPy or touch CUDA.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from aegis_cli.backends import loader
+
+KERNEL = "sensor_reference.cu"
+ROWS, TILES, BK = 512, 4, 64  # SR_ROWS, SR_TT, SR_BK of the kernel
+MAIN_THREADS, STAT_THREADS, RED_THREADS = 128, 256, 256
+TARGET_CTAS = 1024  # enough CTAs for a few waves on a large GPU; fixed, so splits follow the shape only
+MIN_SPLIT = 4 * BK  # k per CTA at least: the partials' traffic stays small beside the products
+MAX_GRID = 1 << 16
+SCALAR, VEC_K, VEC_R = 0, 1, 2  # the kernel's load modes
+
+
+def applies(left: torch.Tensor, right: torch.Tensor) -> bool:
+    """Whether the kernel takes these operands: bf16 CUDA tensors on one device, nothing empty."""
+    return (left.is_cuda and right.device == left.device and left.dtype == right.dtype == torch.bfloat16
+            and left.dim() == right.dim() == 2 and left.numel() > 0 and right.numel() > 0)
+
+
+def splits_for(r: int, k: int, nt: int) -> tuple[int, int]:
+    """(splits, k per split) of K for an (R, K) left operand and nt tiles: from the shape alone."""
+    blocks = -(-r // ROWS) * -(-nt // TILES)
+    want = max(1, -(-TARGET_CTAS // blocks))
+    k_split = max(MIN_SPLIT, -(-k // want))
+    k_split = -(-k_split // BK) * BK
+    return -(-k // k_split), k_split
+
+
+def _mode(left: torch.Tensor) -> int:
+    sr, sk = left.stride()
+    if sk == 1 and sr % 8 == 0 and left.data_ptr() % 16 == 0:
+        return VEC_K
+    if sr == 1 and sk % 4 == 0 and left.data_ptr() % 8 == 0:
+        return VEC_R
+    return SCALAR
+
+
+def _launch(entry: str, dev: int, grid: tuple[int, ...], block: int, args: list) -> None:
+    func = loader.get_function(KERNEL, entry, device_id=dev)
+    loader.launch(func, grid, block, args, device_id=dev, stream=torch.cuda.current_stream(dev).cuda_stream, label=entry)
+
+
+def tile_stats(x: torch.Tensor, t: int, dev: int) -> torch.Tensor:
+    """(3, K, ceil(N/t)) fp64: Σ, Σ|·| and Σ·² of each row of bf16 ``x`` (K, N) over tiles of ``t``
+    columns (any strides), enqueued without a sync."""
+    k, n = x.shape
+    nt = -(-n // t)
+    stats = torch.empty((3, k, nt), dtype=torch.float64, device=x.device)
+    sk, sn = x.stride()
+    k_fastest = sk == 1 and sn != 1  # a thread per (k, tile) along contiguous k, else a warp per (k, tile)
+    threads = k * nt * (1 if k_fastest else 32)
+    _launch("aegis_sr_stats", dev, (min(-(-threads // STAT_THREADS), MAX_GRID),), STAT_THREADS,
+            [ctypes.c_uint64(x.data_ptr()), ctypes.c_int64(k), ctypes.c_int64(n), ctypes.c_int64(sk), ctypes.c_int64(sn),
+             ctypes.c_int(t), ctypes.c_int(nt), ctypes.c_int(int(k_fastest)), *(ctypes.c_uint64(s.data_ptr()) for s in stats)])
+    return stats
+
+
+def tile_abs_sums(x: torch.Tensor, t: int) -> torch.Tensor:
+    """Σ|x| over tiles of ``t`` columns of a bf16 CUDA tensor (M, N): (M, ceil(N/t)) fp64, exact
+    (bf16 values summed in fp64), enqueued without a sync."""
+    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    return tile_stats(x, t, dev)[1]
+
+
+def lean_side(left: torch.Tensor, right: torch.Tensor, t: int,
+              rho: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Row checksums of left (R, K) · right (K, N) over tiles of ``t`` columns, as
+    numerics.lean_side: (sums, s, ρ), each (R, ceil(N/t)) fp64, enqueued without a sync; ρ None
+    unless ``rho``. ``applies(left, right)`` must hold."""
+    (r, k), n = left.shape, right.shape[1]
+    nt = -(-n // t)
+    dev = left.device.index if left.device.index is not None else torch.cuda.current_device()
+    f64 = {"dtype": torch.float64, "device": left.device}
+    stats = tile_stats(right, t, dev)
+    splits, k_split = splits_for(r, k, nt)
+    part = torch.empty((3, splits, r, nt), **f64)
+    sr, sk_l = left.stride()
+    _launch("aegis_sr_main" if rho else "aegis_sr_main_norho", dev, (-(-r // ROWS), -(-nt // TILES), splits), MAIN_THREADS,
+            [ctypes.c_uint64(left.data_ptr()), ctypes.c_int64(r), ctypes.c_int64(k), ctypes.c_int64(sr), ctypes.c_int64(sk_l),
+             ctypes.c_int(_mode(left)), *(ctypes.c_uint64(x.data_ptr()) for x in stats), ctypes.c_int(nt),
+             ctypes.c_int64(k_split), ctypes.c_uint64(part.data_ptr())])
+    out = torch.empty((3, r, nt), **f64)
+    _launch("aegis_sr_reduce", dev, (min(-(-(r * nt) // RED_THREADS), MAX_GRID),), RED_THREADS,
+            [ctypes.c_uint64(part.data_ptr()), ctypes.c_int(splits), ctypes.c_int64(r * nt),
+             *(ctypes.c_uint64(x.data_ptr()) for x in out)])
+    return out[0], out[1], out[2] if rho else None

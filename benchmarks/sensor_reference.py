@@ -1,0 +1,190 @@
+"""Cost of one sensor check (sense.enqueue) on the GPU, per GEMM of the benchmark model, and of its parts.
+
+    PYTHONPATH=. python3 benchmarks/sensor_reference.py [--reps 10] [--profile mlp.fc/wgrad] [--out DIR]
+
+The Linears of the 1.18B GPT of benchmarks/sensors_overhead.py (dim 2048, MLP 8192, vocabulary
+32768, 8,192 tokens a step), each as forward, dgrad and wgrad, with operands stored as training
+stores them (seeded: activations ~N(0,1), weights ~N(0,0.02²), gradients ~N(0,10⁻⁶)). Times, by
+CUDA events queued behind a GPU sleep (the GPU's work alone; median of --reps after a warm-up), the whole comparison of a sampled launch with the
+torch reference (``numerics.lean_side``) and with the device's (``Device.lean_side``, the kernel
+on CUDA; also from an idle GPU, the host's launch gaps counted), and its parts: the reference alone, and the σ and normalised differences
+(``sense.sensor_noise``, ``normalised_diff``) given the reference; the checked GEMM for scale.
+Checks the kernel against the torch reference (|Δ sums| in units of σ, s and ρ relative) and its
+repeatability, and lists the top kernels by CUDA time (torch.profiler) of one check each way.
+Writes DIR/sensor_reference.json (DIR: --out, else $OUT, else .) and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from aegis_cli.backends.cuda import CudaDevice
+from aegis_cli.ops import numerics
+from aegis_cli.ops.gemm import GemmOperands, Layout
+from aegis_cli.sensors import sense
+
+TOKENS, DIM, VOCAB = 8192, 2048, 32768
+LINEARS = {"attn.qkv": (DIM, 3 * DIM), "attn.proj": (DIM, DIM), "mlp.fc": (DIM, 4 * DIM), "mlp.proj": (4 * DIM, DIM),
+           "head": (DIM, VOCAB)}
+
+
+def operands(name: str, layout: Layout, dev: str, seed: int) -> GemmOperands:
+    fin, fout = LINEARS[name]
+    g = torch.Generator(device=dev).manual_seed(seed)
+    x = torch.randn((TOKENS, fin), generator=g, device=dev).to(torch.bfloat16)
+    w = (torch.randn((fout, fin), generator=g, device=dev) * 0.02).to(torch.bfloat16)
+    dy = (torch.randn((TOKENS, fout), generator=g, device=dev) * 1e-3).to(torch.bfloat16)
+    if layout is Layout.FWD:
+        return GemmOperands(x, w, layout)  # Y = X·Wᵀ
+    if layout is Layout.DGRAD:
+        return GemmOperands(dy, w, layout)  # dX = dY·W
+    return GemmOperands(dy, x, layout)  # dW = dYᵀ·X
+
+
+BUSY_CYCLES = 20_000_000  # ~10 ms of GPU sleep ahead of the timed work: the host enqueues it all meanwhile
+
+
+def timed(fn, reps: int, busy: bool = True) -> float:
+    """Median ms of ``fn`` by CUDA events on the current stream, after one warm-up call. ``busy``:
+    behind a GPU sleep, so the events time the GPU's work alone, as in a training step whose host
+    runs ahead of the GPU; else from an idle GPU (the host's launch gaps counted too)."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if busy:
+            torch.cuda._sleep(BUSY_CYCLES)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def agreement(ops, res, noise, dev) -> dict:
+    """The kernel's reference against torch's: sums in σ, s and ρ relative; two runs' bits."""
+    both = ops.layout is Layout.WGRAD
+    want = numerics.reference_checksums(ops, res.tile, noise, lean=True, cols=both)
+    got = numerics.reference_checksums(ops, res.tile, noise, lean=True, cols=both, side=dev.lean_side)
+    again = numerics.reference_checksums(ops, res.tile, noise, lean=True, cols=both, side=dev.lean_side)
+    pairs = [(got.row, want.row, want.row_noise, got.row_scale, want.row_scale, got.row_noise)]
+    if both:
+        pairs.append((got.col, want.col, want.col_noise, got.col_scale, want.col_scale, got.col_noise))
+    out = {"sum_sigma": 0.0, "s_rel": 0.0, "sigma_rel": 0.0}
+    for g, w, sig, gs, ws, gn in pairs:
+        out["sum_sigma"] = max(out["sum_sigma"], float(((g - w).abs() / sig).max()))
+        out["s_rel"] = max(out["s_rel"], float(((gs - ws).abs() / ws).max()))
+        out["sigma_rel"] = max(out["sigma_rel"], float(((gn - sig).abs() / sig).max()))
+    out["repeats"] = all(torch.equal(a, b) for a, b in ((got.row, again.row), (got.row_scale, again.row_scale),
+                                                        (got.row_noise, again.row_noise), (got.col, again.col)))
+    return out
+
+
+def top_kernels(fn, n: int = 8) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if getattr(e, "device_time_total", 0) > 0 and e.device_type.name == "CUDA"]
+    rows.sort(key=lambda e: -e.device_time_total)
+    return [{"kernel": e.key[:90], "calls": e.count, "ms": round(e.device_time_total / 1e3, 4)} for e in rows[:n]]
+
+
+def run(args) -> dict:
+    dev = CudaDevice(0)
+    cuda = "cuda:0"
+    out: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "shapes": []}
+    for name in LINEARS:
+        for layout in Layout:
+            ops = operands(name, layout, cuda, 7)
+            m, n, k = ops.mnk
+            res = sense.launch(dev, ops, None, "train/bench")
+            noise, trunc = dev.noise_model(k), dev.accumulation_bound(k) > 0
+            both = layout is Layout.WGRAD
+            ref_noise = None if both and trunc else noise  # as sense.enqueue: wgrad's σ follows s, no ρ
+            ref = numerics.reference_checksums(ops, res.tile, ref_noise, lean=True, cols=both, side=dev.lean_side)
+
+            def rest(ops=ops, res=res, ref=ref, noise=noise, trunc=trunc):
+                row, col = sense.sensor_noise(ops, res, ref, noise, trunc, dev)
+                d = [numerics.normalised_diff(res.row_sums, ref.row, row, ref.floor)]
+                if ops.layout is Layout.WGRAD:
+                    d.append(numerics.normalised_diff(res.col_sums, ref.col, col, ref.floor))
+                return d
+
+            row = {"op": f"{name}/{layout.value}", "mnk": [m, n, k],
+                   "gemm_ms": timed(lambda ops=ops: sense.launch(dev, ops, None, "train/bench"), args.reps),
+                   "enqueue_torch_ms": timed(lambda ops=ops, res=res, noise=noise, trunc=trunc: sense.enqueue(ops, res, noise, trunc),
+                                             args.reps),
+                   "enqueue_kernel_ms": timed(lambda ops=ops, res=res, noise=noise, trunc=trunc:
+                                              sense.enqueue(ops, res, noise, trunc, dev), args.reps),
+                   "ref_torch_ms": timed(lambda ops=ops, res=res, noise=ref_noise, both=both:
+                                         numerics.reference_checksums(ops, res.tile, noise, lean=True, cols=both), args.reps),
+                   "ref_kernel_ms": timed(lambda ops=ops, res=res, noise=ref_noise, both=both:
+                                          numerics.reference_checksums(ops, res.tile, noise, lean=True, cols=both,
+                                                                       side=dev.lean_side), args.reps),
+                   "noise_diff_ms": timed(rest, args.reps),
+                   "enqueue_kernel_idle_ms": timed(lambda ops=ops, res=res, noise=noise, trunc=trunc:
+                                                   sense.enqueue(ops, res, noise, trunc, dev), args.reps, busy=False),
+                   **agreement(ops, res, noise, dev)}
+            if row["op"] in args.profile:
+                row["profile_torch"] = top_kernels(lambda ops=ops, res=res, noise=noise, trunc=trunc: sense.enqueue(ops, res, noise, trunc))
+                row["profile_kernel"] = top_kernels(lambda ops=ops, res=res, noise=noise, trunc=trunc:
+                                                    sense.enqueue(ops, res, noise, trunc, dev))
+            out["shapes"].append(row)
+            print(json.dumps({k: v for k, v in row.items() if not k.startswith("profile")}), flush=True)
+            del ops, res, ref
+            torch.cuda.empty_cache()
+    # the coverage floor checks every operator equally often: 22 layers of the four block Linears, one head
+    weights = [1 if r["op"].startswith("head") else 22 for r in out["shapes"]]
+    for key in ("enqueue_torch_ms", "enqueue_kernel_ms", "enqueue_kernel_idle_ms"):
+        out[f"per_check_{key}"] = sum(w * r[key] for w, r in zip(weights, out["shapes"], strict=True)) / sum(weights)
+    return out
+
+
+def table(out: dict) -> str:
+    lines = [f"{out['gpu']}, torch {out['torch']}: one check (sense.enqueue), ms by CUDA events",
+             f"{'op':<18} {'M×N×K':>19} {'gemm':>7} {'torch':>7} {'kernel':>7} {'idle':>7} {'ref t':>7} {'ref k':>7} {'σ,diff':>7}"
+             f" {'Δ/σ':>8} {'s rel':>8} {'σ rel':>8} rep"]
+    for r in out["shapes"]:
+        lines.append(f"{r['op']:<18} {'×'.join(map(str, r['mnk'])):>19} {r['gemm_ms']:7.3f} {r['enqueue_torch_ms']:7.3f} "
+                     f"{r['enqueue_kernel_ms']:7.3f} {r['enqueue_kernel_idle_ms']:7.3f} {r['ref_torch_ms']:7.3f} "
+                     f"{r['ref_kernel_ms']:7.3f} {r['noise_diff_ms']:7.3f} "
+                     f"{r['sum_sigma']:8.1e} {r['s_rel']:8.1e} {r['sigma_rel']:8.1e} {'yes' if r['repeats'] else 'NO'}")
+    lines.append(f"per check at the coverage floor (operators weighted as the model has them), GPU time: torch "
+                 f"{out['per_check_enqueue_torch_ms']:.3f} ms, kernel {out['per_check_enqueue_kernel_ms']:.3f} ms "
+                 f"(kernel from an idle GPU, host gaps included: {out['per_check_enqueue_kernel_idle_ms']:.3f} ms)")
+    for r in out["shapes"]:
+        for key in ("profile_torch", "profile_kernel"):
+            for p in r.get(key, []):
+                lines.append(f"  {r['op']} {key[8:]:<6} {p['ms']:8.4f} ms  {p['calls']:>3}×  {p['kernel']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--profile", nargs="*", default=["mlp.fc/wgrad", "head/dgrad"], help="ops whose top kernels to list")
+    p.add_argument("--out", default=os.environ.get("OUT") or ".")
+    args = p.parse_args(argv)
+    out = run(args)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "sensor_reference.json").write_text(json.dumps(out, indent=1))
+    print(table(out))
+    return out
+
+
+if __name__ == "__main__":
+    main()
