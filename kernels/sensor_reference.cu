@@ -1,5 +1,5 @@
 // sensor_reference.cu — the in-training sensors' checksum reference (docs/sensors.md §2.1), twin
-// of aegis_cli/ops/numerics.py `_lean_side` (the torch reference, which the CPU path runs).
+// of aegis_cli/ops/numerics.py `lean_side` (the torch reference, which the CPU path runs).
 //
 // For a bf16 left operand L (R, K), any strides, and the tile statistics of the right operand
 // R (K, N) over tiles of t columns (nt = ceil(N/t) of them):
