@@ -561,6 +561,8 @@ def test_a_failed_save_keeps_the_scan_report(tmp_path, monkeypatch, capsys):
     code, out, err = run(capsys, "scan", "--device", "cpu", "-q", "--workload", TINY, "--reruns", "1", "--probes", "gemm",
                          "--seed", str(random.randrange(2**31)), "--inject", "bitflip:bit=exp", "--save-vtasks", str(bundle),
                          "--format", "json", "-o", str(report))
-    assert code == 3 and out == "" and json.loads(report.read_text())["devices"][0]["verdict"] == "FAULTY"
+    # the report is out with the scan's verdict: FAULTY, or (about 1 seed in 1,000: a flip whose
+    # change stays within the rigorous fp32 bound, which no re-run can tell from rounding) SUSPECT
+    assert code == 3 and out == "" and json.loads(report.read_text())["devices"][0]["verdict"] in ("FAULTY", "SUSPECT")
     assert err.strip().splitlines()[-1] == (f"Error: --save-vtasks: the report is out, but the vTasks were not saved: "
                                             f"bundle {bundle}: cannot write (No space left on device)")
