@@ -37,8 +37,11 @@ def test_a_threshold_below_rounding_on_a_healthy_device_is_suspect_naming_numeri
 
 
 def test_a_permanent_accumulator_fault_is_still_faulty_under_the_same_threshold(capsys, tmp_path):
+    # every fault seed but 150 puts a flip beyond the rigorous bound in some gemm case (all 1,000
+    # tried); seed 150's stay within it there (SUSPECT; the device is FAULTY through other probes)
+    seed = random.choice([s for s in range(1000) if s != 150])
     code, ev = _scan(capsys, tmp_path, "--workload", TINY, "--threshold", "1e-10", "--reruns", "2",
-                     "--inject", f"bitflip:target=acc,bit=exp,seed={random.randrange(1000)}")
+                     "--inject", f"bitflip:target=acc,bit=exp,seed={seed}")
     assert code == 2
     faulty = [e for e in ev if e["severity"] == "FAULTY" and e["check"] in CHECKSUM_CHECKS]
     assert faulty and all(e["recompute"]["beyond_bound"] >= 1 and e["distinct_outputs"] == 1 for e in faulty)
