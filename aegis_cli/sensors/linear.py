@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from aegis_cli.ops.gemm import Layout
-from aegis_cli.sensors.sense import run_gemm
+from aegis_cli.sensors.sense import op_key, run_gemm
 
 BF16 = torch.bfloat16
 
@@ -49,7 +49,7 @@ class _Site:
 
     def __init__(self, h, layer: str):
         self.h, self.layer = h, layer
-        self.keys = {lay: f"{layer}/{lay.value}" for lay in Layout}
+        self.keys = {lay: op_key(layer, lay) for lay in Layout}
 
     def gemm(self, layout: Layout, a: torch.Tensor, b: torch.Tensor, sampled: bool | None) -> torch.Tensor:
         return run_gemm(self.h, self.layer, layout, a.to(BF16).contiguous(), b.to(BF16).contiguous(), sampled)

@@ -66,6 +66,11 @@ def op_id(layer: str, layout: Layout, m: int, n: int, k: int) -> str:
     return f"train/{layer}/{layout.value}/{m}x{n}x{k}"
 
 
+def op_key(layer: str, layout: Layout) -> str:
+    """An operator's key in the controller (sampling, cost, τ): ``LAYER/LAYOUT``."""
+    return f"{layer}/{layout.value}"
+
+
 # The sensors' noise scale (docs/sensors.md §2.1). The scan's σ (NoiseModel: unit·K·ρ, fitted on
 # zero-mean random inputs) underestimates a truncating accumulator on training tensors, whose
 # products share signs (post-GELU activations, a feature's mean over tokens): the chopped bits
@@ -256,7 +261,7 @@ def run_gemm(h, layer: str, layout: Layout, a: torch.Tensor, b: torch.Tensor, sa
     ops = GemmOperands(a, b, layout)
     if device.identity.backend == "cpu" and home.type != "cpu":  # the reference path for tensors that live elsewhere
         ops = GemmOperands(a.cpu(), b.cpu(), layout)
-    key = f"{layer}/{layout.value}"
+    key = op_key(layer, layout)
     if sampled is None:
         sampled = h.sensing and h.controller.want(key)
         h.stats.launches += 1
