@@ -51,7 +51,12 @@ class AttentionContext:
     site: str
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.ops.q, self.ops.k, self.ops.v, self.ops.do, *checks.outputs_of(self.fwd, self.bwd).values()]
+        return _held(self.ops, self.fwd, self.bwd)
+
+
+def _held(ops: AttentionOperands, fwd: AttentionForward, bwd: AttentionBackward) -> list[torch.Tensor]:
+    """The tensors a queued call holds (its context copies them): sized before they are copied."""
+    return [ops.q, ops.k, ops.v, ops.do, *checks.outputs_of(fwd, bwd).values()]
 
 
 def unsupported(q, k, v, attn_mask, dropout_p, enable_gqa) -> str | None:
@@ -101,7 +106,7 @@ class _Call:
             else:
                 top = max(checked.signals, key=lambda s: s.max_value)
                 h.suspect("attention", self.site.split("/")[1], self.site, [s.check for s in checked.signals], top.max_value,
-                          nbytes([ops.q, ops.k, ops.v, ops.do, *checks.outputs_of(fwd, bwd).values()]),
+                          nbytes(_held(ops, fwd, bwd)),
                           lambda: AttentionContext(
                               self.device, h.fault_for(self.device), _copy(ops),
                               AttentionForward(*(t.clone() for t in (fwd.o, fwd.lse, fwd.o_rowsum)), kernel=fwd.kernel),

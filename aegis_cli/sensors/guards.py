@@ -35,6 +35,7 @@ from aegis_cli.faults.spec import FaultPlan, parse_spec
 from aegis_cli.faults.training import state_faults
 from aegis_cli.ops.errors import AegisError, ConfigError
 from aegis_cli.ops.verdict import Evidence
+from aegis_cli.sensors.queue import nbytes
 from aegis_cli.sensors.snapshot import Snapshot, rng_for, rng_state, set_rng_state, to_device
 
 log = logging.getLogger("aegis.sensors.guards")
@@ -293,7 +294,7 @@ class TrainingGuard:
     def memory_bytes(self) -> dict:
         """Bytes held: the two snapshots, the two kept batches aside (they are references)."""
         snaps = sum(s.nbytes() for s in self._ring)
-        trackers = sum(t.numel() * t.element_size() for t in self._trackers.values())
+        trackers = nbytes(self._trackers.values())
         return {"snapshots": snaps, "trackers": trackers, "snapshot_device": str(self.snapshot_device or "same")}
 
     # -- the step --------------------------------------------------------------------------

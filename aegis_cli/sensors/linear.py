@@ -25,20 +25,23 @@ import torch
 from torch import nn
 
 from aegis_cli.ops.gemm import Layout
-from aegis_cli.sensors.sense import run_gemm
+from aegis_cli.sensors.sense import op_key, run_gemm
 
 BF16 = torch.bfloat16
 
 
-def _out_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype ``F.linear`` would return: autocast's where it is on for ``x``'s device."""
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """Autocast's dtype where it is on for ``x``'s device, else None."""
     kind = x.device.type
     try:
-        if torch.is_autocast_enabled(kind):
-            return torch.get_autocast_dtype(kind)
+        return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
     except (TypeError, AttributeError, RuntimeError):  # a torch without the per-device queries, or no autocast there
-        pass
-    return x.dtype
+        return None
+
+
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype ``F.linear`` would return: autocast's where it is on for ``x``'s device."""
+    return _autocast_dtype(x) or x.dtype
 
 
 class _Site:
@@ -46,7 +49,7 @@ class _Site:
 
     def __init__(self, h, layer: str):
         self.h, self.layer = h, layer
-        self.keys = {lay: f"{layer}/{lay.value}" for lay in Layout}
+        self.keys = {lay: op_key(layer, lay) for lay in Layout}
 
     def gemm(self, layout: Layout, a: torch.Tensor, b: torch.Tensor, sampled: bool | None) -> torch.Tensor:
         return run_gemm(self.h, self.layer, layout, a.to(BF16).contiguous(), b.to(BF16).contiguous(), sampled)
@@ -57,7 +60,7 @@ class _Site:
         h = self.h
         if not (x.is_cuda and h.sensing and not h.pinned and h.fault_plan is None and h.config.device == "auto"):
             return False
-        if _autocast_bf16(x):
+        if _autocast_dtype(x) == BF16:
             return True
         return x.dtype == weight.dtype == BF16 and (bias is None or bias.dtype == BF16)
 
@@ -72,13 +75,6 @@ class _Site:
         wgrad = grad and weight.requires_grad and want(self.keys[Layout.WGRAD])
         h.stats.launches += 1 + (grad and x.requires_grad) + (grad and weight.requires_grad)
         return (fwd, dgrad, wgrad) if fwd or dgrad or wgrad else None
-
-
-def _autocast_bf16(x: torch.Tensor) -> bool:
-    try:
-        return torch.is_autocast_enabled(x.device.type) and torch.get_autocast_dtype(x.device.type) == BF16
-    except (TypeError, AttributeError, RuntimeError):  # a torch without the per-device queries
-        return False
 
 
 class CheckedLinearFunction(torch.autograd.Function):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from aegis_cli.ops.errors import AegisError
 from aegis_cli.ops.verdict import Evidence, Verdict
+from aegis_cli.sensors.queue import nbytes
 from aegis_cli.sensors.sense import GemmContext
 from aegis_cli.vtask.bundle import BundleWriter
 from aegis_cli.vtask.capture import ObservedGemm, capture_gemm
@@ -38,7 +39,7 @@ def save_gemm(ctx: GemmContext, site: str, evidence: list[Evidence], reference, 
     run = ObservedGemm(ctx.operands, ctx.result, case_id=site, op=ctx.layer, source="training")
     try:
         vtasks = capture_gemm(run, confirmed, tau=ctx.tau, confirm_margin=confirm_margin, provenance=prov, reference=reference)
-        size = max((sum(t.numel() * t.element_size() for t in vt.tensors.values()) for vt in vtasks), default=0)
+        size = max((nbytes(vt.tensors.values()) for vt in vtasks), default=0)
         if size > max_bytes:
             return None, f"its vTask would hold {size / 2**20:.0f} MiB, over max_vtask_bytes ({max_bytes / 2**20:.0f} MiB)"
         folder = Path(directory)

@@ -55,8 +55,12 @@ class GemmContext:
     floor: float  # the τ floor this operator's τ was raised from (adaptive thresholds)
 
     def tensors(self) -> list[torch.Tensor]:
-        r = self.result
-        return [self.operands.a, self.operands.b, r.c, r.row_sums, r.col_sums]
+        return _held(self.operands, self.result)
+
+
+def _held(ops: GemmOperands, res: GemmResult) -> list[torch.Tensor]:
+    """The tensors a queued launch holds (its context copies them): sized before they are copied."""
+    return [ops.a, ops.b, res.c, res.row_sums, res.col_sums]
 
 
 def op_id(layer: str, layout: Layout, m: int, n: int, k: int) -> str:
@@ -64,6 +68,11 @@ def op_id(layer: str, layout: Layout, m: int, n: int, k: int) -> str:
     ``--inject`` fault's ``op=`` matches a part of it, and replay launches under it, so a seeded
     fault lands where it landed in training."""
     return f"train/{layer}/{layout.value}/{m}x{n}x{k}"
+
+
+def op_key(layer: str, layout: Layout) -> str:
+    """An operator's key in the controller (sampling, cost, τ): ``LAYER/LAYOUT``."""
+    return f"{layer}/{layout.value}"
 
 
 # The sensors' noise scale (docs/sensors.md §2.1). The scan's σ (NoiseModel: unit·K·ρ, fitted on
@@ -221,7 +230,7 @@ def resolve(h) -> None:
             h.unverifiable(p.layer, p.site, signals[0].check, "its operands or output were changed in place before the step "
                            "boundary, so what was checked can no longer be copied for the verifier")
         else:
-            h.suspect("gemm", p.layer, p.site, [x.check for x in signals], worst_f, nbytes((*p.tensors(), p.res.row_sums, p.res.col_sums)),
+            h.suspect("gemm", p.layer, p.site, [x.check for x in signals], worst_f, nbytes(_held(p.ops, p.res)),
                       lambda p=p: GemmContext(p.device, h.fault_for(p.device), *snapshot(p.ops, p.res), p.layer, p.tau, p.floor))
 
 
@@ -256,7 +265,7 @@ def run_gemm(h, layer: str, layout: Layout, a: torch.Tensor, b: torch.Tensor, sa
     ops = GemmOperands(a, b, layout)
     if device.identity.backend == "cpu" and home.type != "cpu":  # the reference path for tensors that live elsewhere
         ops = GemmOperands(a.cpu(), b.cpu(), layout)
-    key = f"{layer}/{layout.value}"
+    key = op_key(layer, layout)
     if sampled is None:
         sampled = h.sensing and h.controller.want(key)
         h.stats.launches += 1

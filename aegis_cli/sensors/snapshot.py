@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from aegis_cli.sensors.queue import nbytes
+
 
 def rng_state(generators: list[torch.Generator]) -> dict:
     state = {"cpu": torch.get_rng_state(), "gens": [g.get_state() for g in generators]}
@@ -78,4 +80,4 @@ class Snapshot:
         self.step = step
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        return nbytes(self.tensors.values())

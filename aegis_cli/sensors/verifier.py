@@ -12,6 +12,7 @@ from aegis_cli.sensors.checkpoint import verify_region
 from aegis_cli.sensors.events import SensorEvent
 from aegis_cli.sensors.queue import Suspicion
 from aegis_cli.sensors.save import safe_name, save_gemm
+from aegis_cli.sensors.sense import op_key
 from aegis_cli.sensors.verify import verify_gemm
 
 NOT_REPLAYABLE = "not saved: a recomputed region has no vTask kind (bundles hold GEMMs and attention)"
@@ -46,7 +47,7 @@ def verify_one(h, s: Suspicion) -> SensorEvent:
         elif confirmed:
             unsaved = "not saved: no bundle_dir configured"
         if out.doubted:  # a spike rounding can reach: raise this operator's τ above it for a while
-            key = f"{s.op}/{s.context.operands.layout.value}"
+            key = op_key(s.op, s.context.operands.layout)
             tau = h.controller.spike(key, s.max_value, s.context.floor)
             if tau is not None:
                 h.emit(SensorEvent("threshold", s.step, s.op, s.site, s.checks[0], severity.value,
