@@ -337,7 +337,7 @@ class TrainingGuard:
         if bad:
             ev.violations = again
         self.events.append(ev)
-        log.log(logging.ERROR if again else logging.WARNING, "aegis guard: step %d %s after %d re-execution(s)",
+        log.log(logging.ERROR if bad else logging.WARNING, "aegis guard: step %d %s after %d re-execution(s)",
                 t, ev.outcome, ev.attempts)
         if self.callback is not None:
             self.callback(ev)
