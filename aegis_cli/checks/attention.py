@@ -24,6 +24,7 @@ from aegis_cli.checks import judge
 from aegis_cli.ops import attention_sums as sums
 from aegis_cli.ops.attention import AttentionBackward, AttentionForward, AttentionOperands, AttentionReference
 from aegis_cli.ops.attention_sums import AttentionThresholds
+from aegis_cli.ops.fingerprint import int_view
 from aegis_cli.ops.numerics import pow2_scale
 
 PREFIX = "attention."
@@ -96,8 +97,7 @@ def nonfinite_signal(outputs: dict[str, torch.Tensor]) -> AttentionSignal | None
     return None
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+bits = int_view  # an output's bits as integers (ops/fingerprint.py), the name vtask and the benchmarks compare with
 
 
 def pow2_signal(outputs: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> AttentionSignal | None:

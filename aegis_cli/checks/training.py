@@ -162,6 +162,14 @@ def _ratio(name: str, step: int, m: torch.Tensor, v: torch.Tensor, c: float, fm:
     return [Violation("train.adam_moment_ratio", f"{name}:exp_avg", step, float(mm[k]), float(allowed[k]), int(idx[k]))]
 
 
+def moment_bounds(step: int, grad_bound: float, beta1: float, beta2: float,
+                  dtype: torch.dtype = torch.float32) -> tuple[float, float]:
+    """(bound of max|m|, bound of max v) after ``step`` updates of moments stored in ``dtype``:
+    the EMA gain times |g| (v: |g|²), plus the underflow floor. check_adam and adam_clear alike."""
+    return (ema_gain(beta1, step, dtype) * grad_bound + ema_floor(beta1, dtype),
+            ema_gain(beta2, step, dtype) * grad_bound * grad_bound + ema_floor(beta2, dtype))
+
+
 def adam_summary(exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int, beta1: float, beta2: float,
                  max_exp_avg_sq: torch.Tensor | None = None) -> torch.Tensor:
     """Six fp64 numbers, computed where the moments live without a host synchronisation: max|m|,
@@ -184,8 +192,8 @@ def adam_clear(summary: list[float], step: int, grad_bound: float, beta1: float,
                dtype: torch.dtype = torch.float32) -> bool:
     """True when an adam_summary of moments stored in ``dtype`` shows every bound kept (NaN never does)."""
     m_top, v_low, v_top, screen, below, vmax_top = summary
-    v_bound = ema_gain(beta2, step, dtype) * grad_bound * grad_bound + ema_floor(beta2, dtype)
-    return (step <= 0 or (m_top <= ema_gain(beta1, step, dtype) * grad_bound + ema_floor(beta1, dtype) and v_low >= 0.0
+    m_bound, v_bound = moment_bounds(step, grad_bound, beta1, beta2, dtype)
+    return (step <= 0 or (m_top <= m_bound and v_low >= 0.0
                           and v_top <= v_bound and screen >= 0.0 and below <= 0.0 and vmax_top <= v_bound))
 
 
@@ -211,8 +219,7 @@ def check_adam(name: str, step: int, exp_avg: torch.Tensor, exp_avg_sq: torch.Te
             out.append(Violation("train.nonfinite", f"{name}:{key}", step, val, math.inf, idx))
     if out:
         return out
-    m_bound = ema_gain(beta1, step, dt) * grad_bound + fm
-    v_bound = ema_gain(beta2, step, dt) * grad_bound * grad_bound + fv
+    m_bound, v_bound = moment_bounds(step, grad_bound, beta1, beta2, dt)
     if _over(m_top, m_bound):
         out.append(Violation("train.adam_exp_avg", f"{name}:exp_avg", step, m_top, m_bound, int(torch.argmax(m.abs()))))
     if _over(v_top, v_bound):

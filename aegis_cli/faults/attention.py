@@ -44,29 +44,21 @@ def draw(f: FaultSpec, shape: AttentionShape, rng: np.random.Generator) -> Atten
     return AttentionFault(stage, index, mask, 0.0)
 
 
-def attention_fault(plan: FaultPlan | None, ctx: LaunchContext, shape: AttentionShape,
-                    stages: tuple[str, ...]) -> AttentionFault | None:
-    """The fault of ``plan`` that strikes this pass (its stages ``stages``), recorded; None when
-    none does. One value per pass, as the kernels take it: the first active fault of the spec
-    wins, and the others are not recorded (they did not fire on this launch)."""
+def pass_fault(plan: FaultPlan | None, device_id: str, op: str, shape: AttentionShape,
+               stages: tuple[str, ...]) -> AttentionFault | None:
+    """What a backend asks before one attention pass (a launch of the plan, its stages
+    ``stages``): the fault to hand the kernel, recorded, or None. One value per pass, as the
+    kernels take it: the first active fault of the spec wins, and the others are not recorded
+    (they did not fire on this launch)."""
     if plan is None:
         return None
+    ctx, fault = LaunchContext(device_id, op, (BLOCK, BLOCK)), None
     for f, rng in plan.active(ctx, "attn"):
         if f.target.removeprefix("attn.") not in stages:
             continue
         fault = draw(f, shape, rng)
         plan.record(f, ctx, target=f.target, elements=1, stage=fault.stage, index=fault.index,
                     position=list(fault.coords(shape)), xor=f"0x{fault.xor:08x}", add=fault.add)
-        return fault
-    return None
-
-
-def pass_fault(plan: FaultPlan | None, device_id: str, op: str, shape: AttentionShape,
-               stages: tuple[str, ...]) -> AttentionFault | None:
-    """What a backend asks before one attention pass (a launch of the plan): the fault to
-    hand the kernel, or None."""
-    if plan is None:
-        return None
-    fault = attention_fault(plan, LaunchContext(device_id, op, (BLOCK, BLOCK)), shape, stages)
+        break
     plan.launches += 1
     return fault

@@ -83,19 +83,20 @@ class Diffs:
             mine.update(theirs)
 
 
+def _reach(ops: AttentionOperands, scale: float) -> torch.Tensor:
+    """scale·‖q_i‖₁·max|K| per query (B, Hq, S), fp64: a bound on every |s_ij| of query i."""
+    kmax = ops.k.double().abs().amax(dim=(-1, -2)).repeat_interleave(ops.shape.group, dim=1)  # (B, Hq)
+    return scale * ops.q.double().abs().sum(-1) * kmax.unsqueeze(-1)
+
+
 def softmax_reach(ops: AttentionOperands, scale: float) -> float:
     """max over heads and queries of scale·‖q_i‖₁·max|K|: a bound on every |s_ij| and on the
     absolute fp32 error scale of the scores."""
-    g = ops.shape.group
-    kmax = ops.k.double().abs().amax(dim=(-1, -2))  # (B, Hkv)
-    qn = ops.q.double().abs().sum(-1).amax(-1)  # (B, Hq)
-    return float((scale * qn * kmax.repeat_interleave(g, dim=1)).max())
+    return float(_reach(ops, scale).max())
 
 
 def forward_diffs(ops: AttentionOperands, fwd: AttentionForward, ref: AttentionReference, scale: float) -> Diffs:
-    g = ops.shape.group
-    kmax = ops.k.double().abs().amax(dim=(-1, -2)).repeat_interleave(g, dim=1)  # (B, Hq)
-    lse_scale = scale * ops.q.double().abs().sum(-1) * kmax.unsqueeze(-1) + ref.lse.abs() + 1
+    lse_scale = _reach(ops, scale) + ref.lse.abs() + 1
     out = Diffs()
     out.add("o_rowsum", fwd.o_rowsum, ref.o.sum(-1), ref.o_rowsum_sigma, ref.o_rowsum_scale)
     out.add("lse", fwd.lse, ref.lse, lse_scale * (1 - 4 * U_ACC), lse_scale)  # fp32 noise only: σ is s
