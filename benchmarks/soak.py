@@ -33,6 +33,7 @@ from aegis_cli.ops import workloads
 from aegis_cli.ops.gemm import GemmOperands, Layout
 from aegis_cli.probes import DEFAULT_GPU_WORKLOAD
 from aegis_cli.probes.gemm import draw_operands
+from aegis_cli.soak.record import shape_key
 from aegis_cli.soak.run import SoakOptions, run_soak
 from aegis_cli.soak.schedule import SCALES, repeats_for
 from benchmarks.fingerprint import timed
@@ -50,7 +51,7 @@ def per_shape(dev, wl) -> tuple[dict, dict]:
     ops, rows = {}, {}
     launcher = Launcher(dev)
     for i, s in enumerate(wl.gemms()):
-        key = f"{s.op}/{s.layout.value}/{s.m}x{s.n}x{s.k}"
+        key = shape_key(s)
         o = draw_operands(dev.generate, s.layout, s.m, s.n, s.k, "normal", 0, f"bench/{i}")
         ops[key] = (s, o)
         out = torch.empty((s.m, s.n), dtype=torch.bfloat16, device=o.a.device)

@@ -56,6 +56,11 @@ def replay_command(seed: int, device: str, case: str, opts) -> str:
     return " ".join([*parts, f"--case {q(case)}"])
 
 
+def shape_key(s) -> str:
+    """How the record names a GemmShape (``launches_by_shape``): ``op/layout/MxNxK``."""
+    return f"{s.op}/{s.layout.value}/{s.m}x{s.n}x{s.k}"
+
+
 def _summary(values: list[float]) -> dict | None:
     return {"start": values[0], "min": min(values), "peak": max(values), "end": values[-1]} if values else None
 
@@ -123,7 +128,7 @@ class SoakRecord:
         self.launches += len(shapes)
         self.flops += flops
         for s in shapes:
-            key = f"{s.op}/{s.layout.value}/{s.m}x{s.n}x{s.k}"
+            key = shape_key(s)
             self.by_shape[key] = self.by_shape.get(key, 0) + 1
 
     def failure(self, launch: int, case: str, seed: int, flagged: int, mismatch: bool, opts, device: str) -> int:
