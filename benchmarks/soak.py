@@ -67,15 +67,16 @@ def per_shape(dev, wl) -> tuple[dict, dict]:
 def cublas_sustained(ops: dict, seconds: float) -> dict:
     """cuBLAS over the shapes in turn, each for as many launches as a burn-in set gives it."""
     outs = {k: torch.empty((s.m, s.n), dtype=torch.bfloat16, device=o.a.device) for k, (s, o) in ops.items()}
+    per_set = {k: SCALES * repeats_for(s.flops, SCALES, "cuda") for k, (s, _o) in ops.items()}
     flops, launches = 0, 0
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         for key, (s, o) in ops.items():
-            for _ in range(SCALES * repeats_for(s.flops, SCALES, "cuda")):
+            for _ in range(per_set[key]):
                 torch.matmul(o.a_mk, o.b_kn, out=outs[key])
-            flops += SCALES * repeats_for(s.flops, SCALES, "cuda") * s.flops
-            launches += SCALES * repeats_for(s.flops, SCALES, "cuda")
+            flops += per_set[key] * s.flops
+            launches += per_set[key]
             torch.cuda.synchronize()  # one set at a time, as the burn-in's queue depth
     elapsed = time.perf_counter() - t0
     return {"seconds": round(elapsed, 2), "launches": launches, "tflops": round(flops / elapsed / 1e12, 1)}
