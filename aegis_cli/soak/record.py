@@ -188,8 +188,7 @@ class SoakRecord:
         limits = [r["power_limit_w"] for r in self.readings if r.get("power_limit_w") is not None]
         tel["power_limit_w"] = limits[-1] if limits else None
         tel["throttle"] = dict(sorted(self.throttle.items()))
-        ea = [s[0] for s in self.scales]
-        eb = [s[1] for s in self.scales]
+        ea, eb, e = [s[0] for s in self.scales], [s[1] for s in self.scales], [a + b for a, b in self.scales]
         return {
             "seconds": self.seconds, "elapsed": round(self.elapsed, 3), "host_wait": round(self.host_wait, 3), "launches": self.launches,
             "gemms_checked": self.launches, "fingerprinted": self.fingerprinted, "flops": self.flops,
@@ -198,8 +197,7 @@ class SoakRecord:
             "coverage": {"shapes": len(self.shapes), "launches_by_shape": dict(sorted(self.by_shape.items())),
                          "distributions": sorted(self.dists), "scales": len(self.scales),
                          "ea": [min(ea), max(ea)] if ea else None, "eb": [min(eb), max(eb)] if eb else None,
-                         "exponent_sum": [min(ea[i] + eb[i] for i in range(len(ea))), max(ea[i] + eb[i] for i in range(len(ea)))]
-                         if ea else None},
+                         "exponent_sum": [min(e), max(e)] if e else None},
             "failures": {"launches": self.failures, "of": self.launches, "first": self.listed},
             "intervals": self.intervals,
             "telemetry": tel,
