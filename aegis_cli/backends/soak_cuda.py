@@ -100,8 +100,7 @@ class Launcher:
 
     def __init__(self, device: Device):
         self.device = device
-        self.cuda = isinstance(device, CudaDevice)
-        self.slabs = self.cuda  # run_into and slab: a GPU's
+        self.cuda = isinstance(device, CudaDevice)  # run_into and slab: a GPU's only
 
     def prepare(self, ops: GemmOperands) -> Prepared:
         if not self.cuda:

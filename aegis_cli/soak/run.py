@@ -225,7 +225,7 @@ class _Soak:
         for r in range(repeats):
             if r and time.monotonic() - t0 >= self.opts.seconds:
                 return
-            if self.launcher.slabs:  # into a slab: one per window's worth of launches
+            if self.launcher.cuda:  # into a slab: one per window's worth of launches
                 if slab is None or r % self.window == 0:
                     slab = self.launcher.slab(prepared, min(self.window, repeats - r))
                 slot = r % self.window
