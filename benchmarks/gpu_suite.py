@@ -199,6 +199,8 @@ def section_sensors(out: Path) -> dict:
     clean = {k: v for k, v in (res.get("clean") or {}).items() if k not in ("confirmed_events", "latency", "traceback")}
     errors = {k: v["error"] for k, v in res.items() if isinstance(v, dict) and "error" in v}
     return {"setup": res.get("setup"), "modes": modes, "clean": clean, "errors": errors, "total_s": res.get("total_s")}
+
+
 def section_thresholds(out: Path) -> dict:
     """Issue 17's figures at the production thresholds (τ on each device's noise scale): a scan at
     --threshold 1e-10 (SUSPECT, exit 1), the default scan's margin, ≥ 10⁴ clean GEMMs for false

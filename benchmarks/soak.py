@@ -33,6 +33,7 @@ from aegis_cli.ops import workloads
 from aegis_cli.ops.gemm import GemmOperands, Layout
 from aegis_cli.probes import DEFAULT_GPU_WORKLOAD
 from aegis_cli.probes.gemm import draw_operands
+from aegis_cli.soak.record import shape_key
 from aegis_cli.soak.run import SoakOptions, run_soak
 from aegis_cli.soak.schedule import SCALES, repeats_for
 from benchmarks.fingerprint import timed
@@ -50,7 +51,7 @@ def per_shape(dev, wl) -> tuple[dict, dict]:
     ops, rows = {}, {}
     launcher = Launcher(dev)
     for i, s in enumerate(wl.gemms()):
-        key = f"{s.op}/{s.layout.value}/{s.m}x{s.n}x{s.k}"
+        key = shape_key(s)
         o = draw_operands(dev.generate, s.layout, s.m, s.n, s.k, "normal", 0, f"bench/{i}")
         ops[key] = (s, o)
         out = torch.empty((s.m, s.n), dtype=torch.bfloat16, device=o.a.device)
@@ -66,15 +67,16 @@ def per_shape(dev, wl) -> tuple[dict, dict]:
 def cublas_sustained(ops: dict, seconds: float) -> dict:
     """cuBLAS over the shapes in turn, each for as many launches as a burn-in set gives it."""
     outs = {k: torch.empty((s.m, s.n), dtype=torch.bfloat16, device=o.a.device) for k, (s, o) in ops.items()}
+    per_set = {k: SCALES * repeats_for(s.flops, SCALES, "cuda") for k, (s, _o) in ops.items()}
     flops, launches = 0, 0
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         for key, (s, o) in ops.items():
-            for _ in range(SCALES * repeats_for(s.flops, SCALES, "cuda")):
+            for _ in range(per_set[key]):
                 torch.matmul(o.a_mk, o.b_kn, out=outs[key])
-            flops += SCALES * repeats_for(s.flops, SCALES, "cuda") * s.flops
-            launches += SCALES * repeats_for(s.flops, SCALES, "cuda")
+            flops += per_set[key] * s.flops
+            launches += per_set[key]
             torch.cuda.synchronize()  # one set at a time, as the burn-in's queue depth
     elapsed = time.perf_counter() - t0
     return {"seconds": round(elapsed, 2), "launches": launches, "tflops": round(flops / elapsed / 1e12, 1)}

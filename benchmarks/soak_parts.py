@@ -40,6 +40,7 @@ from aegis_cli.probes import DEFAULT_GPU_WORKLOAD
 from aegis_cli.probes.gemm import draw_operands, scaled_reference
 from aegis_cli.soak import run as soak_run
 from aegis_cli.soak import schedule
+from aegis_cli.soak.record import shape_key
 from aegis_cli.soak.run import SoakOptions, run_soak
 
 
@@ -85,7 +86,7 @@ def per_shape(dev, wl, tau):
     launcher = Launcher(dev)
     rows, keep = {}, {}
     for i, s in enumerate(wl.gemms()):
-        key = f"{s.op}/{s.layout.value}/{s.m}x{s.n}x{s.k}"
+        key = shape_key(s)
         o = draw_operands(dev.generate, s.layout, s.m, s.n, s.k, "normal", 0, f"parts/{i}")
         ops = GemmOperands(o.a, o.b, o.layout)
         n = max(8, round(0.03 / (s.flops / 6.5e14)))

@@ -100,6 +100,11 @@ def _tma_ok(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0 and t.stride(0) % 8 == 0 and min(t.shape) > 0
 
 
+# where prepare puts the outputs (C, row sums, column sums, tile→SM) in a launch's args and keep;
+# the burn-in (soak_cuda.py) repoints exactly these
+OUTS = slice(2, 6)
+
+
 @dataclass
 class _Launch:
     """One prepared launch: outputs allocated, arguments packed. ``run()`` only enqueues."""
@@ -122,7 +127,7 @@ class _Launch:
     @property
     def outputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """C, row sums, column sums and the SM of each checksum tile, as the last run left them."""
-        return tuple(self.keep[2:6])
+        return tuple(self.keep[OUTS])
 
 
 # ---------------------------------------------------------------------------- device

@@ -26,13 +26,11 @@ import torch
 
 from aegis_cli.backends import loader
 from aegis_cli.backends.base import Device
-from aegis_cli.backends.cuda import CTA_TILES, CudaDevice
+from aegis_cli.backends.cuda import CTA_TILES, OUTS, CudaDevice
 from aegis_cli.faults.kernel_params import acc_faults, inject_params
 from aegis_cli.faults.spec import FaultPlan, LaunchContext
 from aegis_cli.ops.errors import DeviceError
 from aegis_cli.ops.gemm import GemmOperands, GemmResult
-
-_OUTS = slice(2, 6)  # C, row sums, column sums, tile→SM: where CudaDevice.prepare puts them, in args and keep
 
 
 @dataclass
@@ -79,19 +77,19 @@ class Prepared:
 
 
 def _pointers(launch) -> list[int]:
-    return [a.value or 0 for a in launch.args[_OUTS]]
+    return [a.value or 0 for a in launch.args[OUTS]]
 
 
 def _fresh(launch):
     """``launch`` on torch's current stream, writing into outputs newly allocated there (of the
     same shapes; tile→SM filled with -1, as prepare leaves it), arguments repacked; the launch it
     came from keeps its own."""
-    old = launch.keep[_OUTS]
+    old = launch.keep[OUTS]
     outs = [torch.empty_like(t) for t in old[:3]] + [torch.full_like(old[3], -1)]
     args = list(launch.args)
-    args[_OUTS] = [ctypes.c_void_p(t.data_ptr()) for t in outs]
+    args[OUTS] = [ctypes.c_void_p(t.data_ptr()) for t in outs]
     keep = list(launch.keep)
-    keep[_OUTS] = outs
+    keep[OUTS] = outs
     return dataclasses.replace(launch, args=args, keep=keep, stream=torch.cuda.current_stream(launch.device_id).cuda_stream)
 
 
@@ -100,8 +98,7 @@ class Launcher:
 
     def __init__(self, device: Device):
         self.device = device
-        self.cuda = isinstance(device, CudaDevice)
-        self.slabs = self.cuda  # run_into and slab: a GPU's
+        self.cuda = isinstance(device, CudaDevice)  # run_into and slab: a GPU's only
 
     def prepare(self, ops: GemmOperands) -> Prepared:
         if not self.cuda:
@@ -110,13 +107,13 @@ class Launcher:
         with torch.cuda.device(dev.torch_device):
             launch = dev.prepare(ops.a, ops.b, ops.layout)
         # the outputs must sit where prepare packed them: _fresh rewrites exactly those arguments
-        if _pointers(launch) != [t.data_ptr() for t in launch.keep[_OUTS]]:
+        if _pointers(launch) != [t.data_ptr() for t in launch.keep[OUTS]]:
             raise DeviceError(f"{dev.identity.id}: the GEMM launch's arguments changed layout; the burn-in cannot repack them")
         return Prepared(ops, launch)
 
     def slab(self, p: Prepared, size: int) -> Slab:
         """Outputs for ``size`` launches of ``p`` (a GPU's only), on the stream ``p`` was prepared on."""
-        c, rows, cols, tile_sm = p.launch.keep[_OUTS]
+        c, rows, cols, tile_sm = p.launch.keep[OUTS]
         new = lambda t: torch.empty((size, *t.shape), dtype=t.dtype, device=t.device)
         return Slab(new(c), new(rows), new(cols), torch.full((size, *tile_sm.shape), -1, dtype=tile_sm.dtype, device=tile_sm.device),
                     self.device.tile)
@@ -133,7 +130,7 @@ class Launcher:
                 slab.store(slot, res)
                 return res.kernel
         args = list(launch.args)
-        args[_OUTS] = slab.pointers(slot)
+        args[OUTS] = slab.pointers(slot)
         loader.launch(launch.func, launch.grid, launch.block, args, device_id=launch.device_id, stream=launch.stream,
                       smem=launch.smem, label=launch.label)
         return f"gemm_{launch.kernel}"

@@ -56,6 +56,11 @@ def replay_command(seed: int, device: str, case: str, opts) -> str:
     return " ".join([*parts, f"--case {q(case)}"])
 
 
+def shape_key(s) -> str:
+    """How the record names a GemmShape (``launches_by_shape``): ``op/layout/MxNxK``."""
+    return f"{s.op}/{s.layout.value}/{s.m}x{s.n}x{s.k}"
+
+
 def _summary(values: list[float]) -> dict | None:
     return {"start": values[0], "min": min(values), "peak": max(values), "end": values[-1]} if values else None
 
@@ -123,7 +128,7 @@ class SoakRecord:
         self.launches += len(shapes)
         self.flops += flops
         for s in shapes:
-            key = f"{s.op}/{s.layout.value}/{s.m}x{s.n}x{s.k}"
+            key = shape_key(s)
             self.by_shape[key] = self.by_shape.get(key, 0) + 1
 
     def failure(self, launch: int, case: str, seed: int, flagged: int, mismatch: bool, opts, device: str) -> int:
@@ -183,8 +188,7 @@ class SoakRecord:
         limits = [r["power_limit_w"] for r in self.readings if r.get("power_limit_w") is not None]
         tel["power_limit_w"] = limits[-1] if limits else None
         tel["throttle"] = dict(sorted(self.throttle.items()))
-        ea = [s[0] for s in self.scales]
-        eb = [s[1] for s in self.scales]
+        ea, eb, e = [s[0] for s in self.scales], [s[1] for s in self.scales], [a + b for a, b in self.scales]
         return {
             "seconds": self.seconds, "elapsed": round(self.elapsed, 3), "host_wait": round(self.host_wait, 3), "launches": self.launches,
             "gemms_checked": self.launches, "fingerprinted": self.fingerprinted, "flops": self.flops,
@@ -193,8 +197,7 @@ class SoakRecord:
             "coverage": {"shapes": len(self.shapes), "launches_by_shape": dict(sorted(self.by_shape.items())),
                          "distributions": sorted(self.dists), "scales": len(self.scales),
                          "ea": [min(ea), max(ea)] if ea else None, "eb": [min(eb), max(eb)] if eb else None,
-                         "exponent_sum": [min(ea[i] + eb[i] for i in range(len(ea))), max(ea[i] + eb[i] for i in range(len(ea)))]
-                         if ea else None},
+                         "exponent_sum": [min(e), max(e)] if e else None},
             "failures": {"launches": self.failures, "of": self.launches, "first": self.listed},
             "intervals": self.intervals,
             "telemetry": tel,

@@ -126,6 +126,18 @@ class _Window:
     flops: int
 
 
+def _start_copy(t: torch.Tensor, cuda: bool) -> tuple[torch.Tensor, object | None]:
+    """Start copying ``t`` to the host without a sync: on a GPU into pinned memory, with an event
+    recorded after the copy (synchronise on it before reading); elsewhere ``t`` itself, no event."""
+    if not cuda:
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
 class _Soak:
     def __init__(self, device: Device, opts: SoakOptions, fault: FaultPlan | None, progress: Progress):
         self.device, self.opts, self.fault, self.progress = device, opts, fault, progress
@@ -153,11 +165,7 @@ class _Soak:
         case = set_case(self.wl, self.opts.seed, index)
         ops = case.operands(self.device)
         ref = self.device.reference_checksums(ops, self.device.tile)
-        mags, event = screen.magnitudes(ops), None
-        if self.cuda:
-            host = torch.empty(mags.shape, dtype=mags.dtype, pin_memory=True)
-            mags, event = host.copy_(mags, non_blocking=True), torch.cuda.Event()
-            event.record()
+        mags, event = _start_copy(screen.magnitudes(ops), self.cuda)
         return index, case, ops, ref, mags, event
 
     def _begin(self, drawn: tuple) -> _Set:
@@ -217,7 +225,7 @@ class _Soak:
         for r in range(repeats):
             if r and time.monotonic() - t0 >= self.opts.seconds:
                 return
-            if self.launcher.slabs:  # into a slab: one per window's worth of launches
+            if self.launcher.cuda:  # into a slab: one per window's worth of launches
                 if slab is None or r % self.window == 0:
                     slab = self.launcher.slab(prepared, min(self.window, repeats - r))
                 slot = r % self.window
@@ -262,15 +270,7 @@ class _Soak:
         clean = torch.stack(self.noise).amax(0) if self.noise else flags.new_zeros(2, dtype=torch.float64)
         self.noise = []
         # one copy back: flags, mismatches, and the noise's two fp64 values as their bits
-        pack = torch.cat([flags, mismatch, clean.view(torch.int64)])
-        event = None
-        if self.cuda:
-            host = torch.empty(pack.shape, dtype=pack.dtype, pin_memory=True)
-            host.copy_(pack, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-        else:
-            host = pack
+        host, event = _start_copy(torch.cat([flags, mismatch, clean.view(torch.int64)]), self.cuda)
         return _Window(launches, host, event, sum(x.s.plan.case.shape.flops for x in launches))
 
     def _rotate(self, waiting: _Window | None, new: _Window | None, telemetry: Telemetry) -> _Window | None:
