@@ -61,15 +61,14 @@ def resolve(cfg: SweepConfig, chosen: dict) -> SweepConfig:
     """``cfg`` with this sweep's seed and its dithering as the probes' options."""
     out = copy.copy(cfg)
     out.seed = chosen["seed"]
-    step = dither.step_for(cfg.dither_sweeps, MAX_STEP)
+    m = marks(cfg, chosen)
     opts: dict[str, str] = {}
-    if step:
-        off = dither.offset(chosen["dither_index"], step)
-        shift = dither.centred(off, step)
-        if "gemm" in cfg.probes and shift != (0, 0):
+    if m["step"]:
+        off, shift = m["pow2_offset"], m["gemm_shift"]
+        if "gemm" in cfg.probes and shift != [0, 0]:
             opts["gemm.shift"] = f"{shift[0]},{shift[1]}"
         if "pow2" in cfg.probes:
-            opts.update({"pow2.step": str(step), "pow2.offset": f"{off[0]},{off[1]}"})
+            opts.update({"pow2.step": str(m["step"]), "pow2.offset": f"{off[0]},{off[1]}"})
     out.probe_options = opts
     return out
 

@@ -61,10 +61,11 @@ def _rerun_commands(doc: dict) -> list[str]:
 
     injected = []
     for spec in doc.get("injected") or []:
-        models = [f.model in WORKER_MODELS for f in parse_spec(spec, worker=True)]
+        parsed = parse_spec(spec, worker=True)
+        models = [f.model in WORKER_MODELS for f in parsed]
         if any(hook and not all(models[i:]) for i, hook in enumerate(models)):
             return []
-        kept = [str(f) for f in parse_spec(spec, worker=True) if f.model not in WORKER_MODELS]
+        kept = [str(f) for f, hook in zip(parsed, models, strict=True) if not hook]
         injected += [";".join(kept)] if kept else []
     out = []
     for d in doc["devices"]:  # one device at a time: a case run first from the history has the seed it failed with

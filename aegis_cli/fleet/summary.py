@@ -47,12 +47,13 @@ def show_history(db: str | None, config_path: str | None = None, ident: str | No
 def history_csv(doc: dict, coverage: bool = False) -> str:
     """A history summary as CSV: one row per result for one device (``--device``), else one per
     device; with ``coverage``, one per device with its coverage (seeds, bands, launches)."""
-    one = any("results" in d for d in doc["devices"]) and not coverage
-    rows = [r for d in doc["devices"] for r in d.get("results", [])] if one else doc["devices"]
     if coverage:
-        rows = [{**d, **d["coverage"], "failed_runs": d["coverage"]["failures"]} for d in doc["devices"]]
+        cols, rows = COVERAGE_COLUMNS, [{**d, **d["coverage"], "failed_runs": d["coverage"]["failures"]} for d in doc["devices"]]
+    elif any("results" in d for d in doc["devices"]):
+        cols, rows = RESULT_COLUMNS, [r for d in doc["devices"] for r in d.get("results", [])]
+    else:
+        cols, rows = DEVICE_COLUMNS, doc["devices"]
     buf = io.StringIO()
-    cols = COVERAGE_COLUMNS if coverage else RESULT_COLUMNS if one else DEVICE_COLUMNS
     w = csv.DictWriter(buf, fieldnames=cols, extrasaction="ignore", lineterminator="\n")
     w.writeheader()
     for r in rows:

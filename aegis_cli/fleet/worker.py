@@ -77,14 +77,7 @@ def run(spec: dict) -> dict:
             else:  # seeded by its place in the whole spec, as in a scan (FaultPlan.slots)
                 faults.append(f)
                 slots.append(slot)
-    for f in hooks:
-        if f.params.get("when") == "replay":
-            continue
-        log("test_hook", device=device_id, hook=str(f))
-        if f.model == "hang":
-            time.sleep(float(f.params["seconds"]))
-        elif f.model == "crash":
-            os.kill(os.getpid(), int(f.params.get("signal", "9")))
+    _fire_hooks(hooks, device_id, "scan")
     load_all()
     (device,) = resolve_devices(device_id)
     inject = ";".join(str(f) for f in faults) or None
@@ -142,12 +135,22 @@ def run(spec: dict) -> dict:
 
         # the scan is done: a bundle whose replay outlasts the device's timeout must not cost its verdict
         files.atomic_write(spec["output"] + ".scanned.json", report_mod.render(doc, "json"))
-        for f in hooks:
-            if f.params.get("when") == "replay":
-                log("test_hook", device=device_id, hook=str(f))
-                time.sleep(float(f.params["seconds"]))
+        _fire_hooks(hooks, device_id, "replay")
         doc["probes"]["vtasks"] = replay_directory(device, spec["vtasks"], log)
     return doc
+
+
+def _fire_hooks(hooks: list, device_id: str, when: str) -> None:
+    """The test hooks of phase ``when`` ("scan": before scanning, the default; "replay": before
+    replaying vTasks, hang only)."""
+    for f in hooks:
+        if f.params.get("when", "scan") != when:
+            continue
+        log("test_hook", device=device_id, hook=str(f))
+        if f.model == "hang":
+            time.sleep(float(f.params["seconds"]))
+        elif f.model == "crash":
+            os.kill(os.getpid(), int(f.params.get("signal", "9")))
 
 
 def _as_judged(opts, cid: str, seed: int, device):

@@ -183,9 +183,10 @@ def parse_bundle(data: bytes, label: str, limits: Limits) -> Bundle:
     for v, names, spec in entries:
         ts = {role: tensors[name] for role, name in names.items()}
         if v["kind"] == "attention":
-            problem = attention_inputs.get(tuple(names[r] for r in ATTENTION_INPUTS), "unchecked")
-            if problem == "unchecked":  # once per set of stored inputs, however many vTasks share it
-                problem = attention_inputs[tuple(names[r] for r in ATTENTION_INPUTS)] = input_problem(ts)
+            key = tuple(names[r] for r in ATTENTION_INPUTS)
+            if key not in attention_inputs:  # once per set of stored inputs, however many vTasks share it
+                attention_inputs[key] = input_problem(ts)
+            problem = attention_inputs[key]
             if problem:
                 raise ck.fail(f"vTask {v['id']!r}: {problem}")
         else:

@@ -20,6 +20,7 @@ from aegis_cli.ops.errors import BundleError
 from aegis_cli.ops.gemm import GemmOperands, Layout
 from aegis_cli.vtask.attention_entry import check_attention
 from aegis_cli.vtask.model import (
+    ATTENTION_INPUTS,
     FORMAT_VERSION,
     GEMM_ROLES,
     KINDS,
@@ -318,7 +319,7 @@ def entry_problem(vt: VTask) -> str | None:
     """What a reader would object to in ``vt``'s manifest entry (its tensors aside), or None:
     lets a producer refuse, before any work, what it could not save."""
     try:
-        roles = ("q", "k", "v", "do") if vt.kind == "attention" else ("a", "b")
+        roles = ATTENTION_INPUTS if vt.kind == "attention" else ("a", "b")
         check_vtask(Check(""), 0, vt.manifest_entry({r: r for r in roles}))
     except BundleError as exc:
         return str(exc).removeprefix("bundle : ")
