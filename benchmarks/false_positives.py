@@ -22,14 +22,14 @@ from collections import defaultdict
 from pathlib import Path
 
 from aegis_cli.backends import resolve_devices
-from aegis_cli.ops import numerics, workloads
+from aegis_cli.ops import dither, numerics, workloads
 from aegis_cli.probes.gemm import GemmProbe
 from aegis_cli.probes.gemm_scan import plan_cases
 from aegis_cli.probes.pow2 import EXP_RANGE
 
 
 def pow2_grid(step: int) -> list[list[int]]:
-    es = range(EXP_RANGE[0] - EXP_RANGE[0] % step, EXP_RANGE[1] + 1, step)
+    es = dither.grid(*EXP_RANGE, step, 0)  # the multiples of step inside the range
     return [[e, f] for e in es for f in (e, -e) if (e, f) != (0, 0)]
 
 
