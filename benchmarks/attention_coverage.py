@@ -58,6 +58,7 @@ from aegis_cli.faults.spec import FaultPlan, FaultSpec
 from aegis_cli.ops import attention as A
 from aegis_cli.ops import attention_sums as sums
 from aegis_cli.ops import workloads
+from aegis_cli.ops.fingerprint import int_view
 from aegis_cli.ops.numerics import generate_bf16
 from aegis_cli.probes.attention import SCALES, run_pass
 
@@ -128,7 +129,7 @@ def clean_group(device, ops: A.AttentionOperands, cid: str, acc: dict) -> None:
             f2, b2 = run_pass(device, sops, None, f"{cid}/repeat")
             again = checks.outputs_of(f2, b2)
             acc["repeats"] += 1
-            same_bits = all(torch.equal(checks.bits(base[k]), checks.bits(again[k])) for k in base)
+            same_bits = all(torch.equal(int_view(base[k]), int_view(again[k])) for k in base)
             same_prints = all(device.fingerprint(base[k]) == device.fingerprint(again[k]) for k in base)
             acc["repeat_mismatch"] += not (same_bits and same_prints)
 
@@ -192,7 +193,7 @@ def trial(device, stage: str, t: int, rng: np.random.Generator) -> dict:
     fault = _plan(f"mask:{where},mask={af.xor:#x}")
     f, b = run_pass(device, ops, fault, cid)
     got = checks.outputs_of(f, b)
-    if all(torch.equal(checks.bits(got[k]), checks.bits(clean[k])) for k in got):
+    if all(torch.equal(int_view(got[k]), int_view(clean[k])) for k in got):
         return rec | {"outcome": "benign"}
     fired = sorted({s.check for s in checks.check_attention(ops, f, b, ref, ops.shape.scale, TH).signals})
     if fired:

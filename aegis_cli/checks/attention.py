@@ -97,14 +97,11 @@ def nonfinite_signal(outputs: dict[str, torch.Tensor]) -> AttentionSignal | None
     return None
 
 
-bits = int_view  # an output's bits as integers (ops/fingerprint.py), the name vtask and the benchmarks compare with
-
-
 def pow2_signal(outputs: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> AttentionSignal | None:
     """The first output (in ``outputs``' order) that differs bit for bit from its exact expectation."""
     for name, t in outputs.items():
-        if name in expected and not torch.equal(bits(t), bits(expected[name])):
-            where = (bits(t) != bits(expected[name])).nonzero().cpu()
+        if name in expected and not torch.equal(int_view(t), int_view(expected[name])):
+            where = (int_view(t) != int_view(expected[name])).nonzero().cpu()
             return AttentionSignal(POW2_CHECK, 1.0, where, name, observed=t, expected=expected[name])
     return None
 

@@ -19,6 +19,7 @@ from aegis_cli.checks import attention as checks
 from aegis_cli.faults.spec import FaultPlan, recent_injections
 from aegis_cli.ops import attention_sums as sums
 from aegis_cli.ops.attention import AttentionOperands, AttentionShape, reference
+from aegis_cli.ops.fingerprint import int_view
 from aegis_cli.ops.verdict import Evidence, Verdict, worst
 from aegis_cli.probes.attention import AttentionCase, case_bytes, run_pass
 from aegis_cli.vtask.model import ATTENTION_INPUTS, AttentionSpec, VTask
@@ -90,7 +91,7 @@ def replay(device: Device, vt: VTask, repeat: int, fault: FaultPlan | None, bund
                                      else None, confirm_margin=vt.confirm_margin) for k, (s, tau, n) in fired.items()}
     severity = worst([Verdict.HEALTHY, *(j.severity for j in judged.values())]) if distinct == 1 else Verdict.FAULTY
     observed = checks.outputs_of(*first)
-    same = all(r in vt.tensors and torch.equal(checks.bits(_flat(t)), checks.bits(vt.tensors[r])) for r, t in observed.items())
+    same = all(r in vt.tensors and torch.equal(int_view(_flat(t)), int_view(vt.tensors[r])) for r, t in observed.items())
     matches = same if all(r in vt.tensors for r in observed) else None
     prov = vt.provenance
     meaning = {"reproduced": "the captured fault shows again here" + (" (the capture had faults injected on purpose)"
