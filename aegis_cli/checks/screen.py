@@ -24,8 +24,6 @@ import torch
 from aegis_cli.ops import numerics
 from aegis_cli.ops.gemm import GemmOperands, GemmResult, ReferenceChecksums
 
-_TINY = 2.0**-1022  # numerics.normalised_diff's smallest scale
-
 
 @dataclass(frozen=True)
 class Limits:
@@ -53,7 +51,7 @@ def limits(ref: ReferenceChecksums, tau: float) -> Limits:
     """The screening bounds of ``ref`` at ``tau`` (once per input set and scale), in the units the
     scan's checks use (ReferenceChecksums.noise: the device's noise scale σ where ``ref`` has it)."""
     row_unit, col_unit = ref.noise()
-    row_l, col_l = row_unit.clamp(min=_TINY) * tau + ref.floor, col_unit.clamp(min=_TINY) * tau + ref.floor
+    row_l, col_l = row_unit.clamp(min=numerics.SMALLEST_SCALE) * tau + ref.floor, col_unit.clamp(min=numerics.SMALLEST_SCALE) * tau + ref.floor
     return Limits(*_inward(ref.row - row_l, ref.row + row_l), *_inward(ref.col - col_l, ref.col + col_l))
 
 

@@ -34,7 +34,6 @@ from aegis_cli.ops.numerics import U_ACC, U_BF16, gamma_acc, normalised_diff, po
 FORWARD_INVARIANTS = ("o_rowsum", "lse")
 BACKWARD_INVARIANTS = ("dv_colsum", "dk_colsum", "dq_rowsum")
 INVARIANTS = FORWARD_INVARIANTS + BACKWARD_INVARIANTS
-_TINY = 2.0**-1022
 
 
 def _groups(t: torch.Tensor, kv_heads: int) -> torch.Tensor:

@@ -236,12 +236,15 @@ def subnormal_slack(k: int, outputs: int = 1) -> float:
     return (2 * k + 2) * outputs * FP32_MIN_NORMAL
 
 
+SMALLEST_SCALE = 2.0**-1022  # a zero noise scale divides by the smallest fp64 normal instead
+
+
 def normalised_diff(observed: torch.Tensor, ref: torch.Tensor, scale: torch.Tensor, floor: float = 0.0) -> torch.Tensor:
     """max(|observed − ref| − floor, 0) / scale in fp64 (``floor``: ReferenceChecksums.floor);
     a zero scale (all-zero operands) divides by the smallest normal so any difference above
     the floor is flagged. NaN/Inf observed → inf."""
     d = ((observed.to(torch.float64) - ref).abs() - floor).clamp(min=0.0)
-    d = d / scale.clamp(min=2.0**-1022)
+    d = d / scale.clamp(min=SMALLEST_SCALE)
     return torch.nan_to_num(d, nan=math.inf, posinf=math.inf)
 
 
