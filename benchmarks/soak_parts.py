@@ -37,7 +37,7 @@ from aegis_cli.checks import screen
 from aegis_cli.ops import numerics, workloads
 from aegis_cli.ops.gemm import GemmOperands
 from aegis_cli.probes import DEFAULT_GPU_WORKLOAD
-from aegis_cli.probes.gemm import draw_operands, scaled_reference
+from aegis_cli.probes.gemm import draw_operands
 from aegis_cli.soak import run as soak_run
 from aegis_cli.soak import schedule
 from aegis_cli.soak.record import shape_key
@@ -112,7 +112,7 @@ def per_shape(dev, wl, tau):
 
         def per_scale():
             GemmOperands(schedule.pow2(ops.a, 3), schedule.pow2(ops.b, -5), ops.layout)
-            r2 = scaled_reference(ref, -2)
+            r2 = ref.scaled(-2)
             screen.limits(r2, tau)
             device_fingerprint_tensor(schedule.pow2(res.c, -2))
             screen.clean_max(res, ref, tau)

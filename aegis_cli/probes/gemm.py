@@ -151,10 +151,6 @@ def clean_median(device: Device, ops: GemmOperands, ref: ReferenceChecksums) -> 
     return numerics.median_row_diff(device.checked_gemm(ops), ref)
 
 
-def scaled_reference(ref: ReferenceChecksums, e: int) -> ReferenceChecksums:
-    return ref.scaled(e)  # exact in fp64, the noise scales included
-
-
 class GemmProbe:
     """Runs GEMM cases on one device and turns what it sees into evidence."""
 
@@ -208,7 +204,7 @@ class GemmProbe:
                 self.on_case(cid)  # counted in the progress total all the same
                 continue
             ops = scaled(base_ops, ea, eb) if (ea, eb) != (0, 0) else base_ops
-            ref = scaled_reference(base_ref, ea + eb)
+            ref = base_ref.scaled(ea + eb)
             expected = numerics.pow2_scale(base.c, ea + eb) if base is not None else None
 
             def once(ops=ops, ref=ref, expected=expected, cid=cid):

@@ -34,7 +34,7 @@ from aegis_cli.ops.errors import ConfigError, DeviceError
 from aegis_cli.ops.gemm import GemmOperands, GemmResult, ReferenceChecksums
 from aegis_cli.ops.verdict import Evidence, Verdict, worst
 from aegis_cli.probes import DEFAULT_RERUNS, ProbeConfig, check_reruns, workload_for
-from aegis_cli.probes.gemm import GemmProbe, ProbeStats, case_bytes, clean_median, scaled, scaled_reference
+from aegis_cli.probes.gemm import GemmProbe, ProbeStats, case_bytes, clean_median, scaled
 from aegis_cli.report import DeviceReport, Report, device_failures, new_report
 from aegis_cli.soak.record import SoakRecord
 from aegis_cli.soak.schedule import FINGERPRINT_EVERY, REPEATS, SCALES, SET_FLOPS, SetPlan, fingerprinted, pow2, set_case, set_plan
@@ -216,7 +216,7 @@ class _Soak:
         """The launches of one scale of input set ``s`` (enqueued lazily, so the caller can stop)."""
         ea, eb = scale
         ops = GemmOperands(pow2(s.ops.a, ea), pow2(s.ops.b, eb), s.ops.layout)
-        ref = scaled_reference(s.ref, ea + eb)
+        ref = s.ref.scaled(ea + eb)
         lim = screen.limits(ref, s.tau)
         prepared = self.launcher.prepare(ops)
         cid = s.plan.case.case_id(ea, eb)
@@ -327,7 +327,7 @@ class _Soak:
         s, (ea, eb) = x.s, x.scale
         probe = GemmProbe(self.device, self.th, reruns=self.opts.reruns, fault=self.fault)
         ops = scaled(s.ops, ea, eb) if x.scale != (0, 0) else s.ops
-        ref = scaled_reference(s.ref, ea + eb)
+        ref = s.ref.scaled(ea + eb)
         if blamed is not None:  # the base against the bits later runs gave, scaled back (exact)
             expected = numerics.pow2_scale(blamed.result().c, -sum(blamed.scale))
         else:

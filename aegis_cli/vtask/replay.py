@@ -47,7 +47,7 @@ from aegis_cli.ops.case import rescaled, split_scale
 from aegis_cli.ops.errors import BundleError, ConfigError
 from aegis_cli.ops.gemm import GemmResult
 from aegis_cli.ops.verdict import Evidence, Verdict, worst
-from aegis_cli.probes.gemm import ProbeStats, case_bytes, scaled, scaled_reference
+from aegis_cli.probes.gemm import ProbeStats, case_bytes, scaled
 from aegis_cli.probes.gemm import clean_median as clean_median_of
 from aegis_cli.report import DeviceReport, Report, device_failures
 from aegis_cli.vtask import attention
@@ -194,7 +194,7 @@ class _VTaskReplay:
                 continue
             scales_run.append([x, y])
             ops = scaled(ops0, x, y) if (x, y) != (0, 0) else ops0
-            ref = scaled_reference(ref0, x + y)
+            ref = ref0.scaled(x + y)
             scaled_ref = element_ref.at_scale(x + y) if element_ref is not None else None
             expected = numerics.pow2_scale(base_c, x + y) if base_c is not None else None
             reps: list[GemmResult] = []
