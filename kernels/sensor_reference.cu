@@ -9,9 +9,10 @@
 // one pass over L (2 bytes an element, never an fp64 copy), three launches:
 //
 // aegis_sr_stats   rt, rta, rtq (K, nt) fp64 from the bf16 right operand (any strides): one warp
-//                  per (k, tile) where columns are contiguous (lanes in order, then a fixed
-//                  shuffle tree), else one thread per (k, tile), columns in order. Exact sums of bf16 values (their exponents
-//                  span less than fp64's 53 bits in any tile of real data), else one fp64 rounding each.
+//                  per (k, tile) where columns are contiguous (lanes in order, 4 columns a lane by
+//                  8-byte loads where aligned, then a fixed shuffle tree), else one thread per
+//                  (k, tile), columns in order. Exact sums of bf16 values (their exponents span less
+//                  than fp64's 53 bits in any tile of real data), else one fp64 rounding each.
 // aegis_sr_main    the three products on the fp64 tensor cores (DMMA: mma.sync f64, m16n8k8 on
 //                  sm_90, pairs of m8n8k4 before). One CTA: SR_BM rows × SR_BN tiles × one split
 //                  of K (a multiple of SR_BK), 4 warps of 32 rows × 16 tiles. L's bf16 tile of each
@@ -41,11 +42,19 @@ typedef long long i64;
 #define SR_KM_LD (SR_BM + 8)               // row stride of the k-major stage (conflict-free reads)
 #define SR_A_BYTES (SR_BK * SR_KM_LD * 2)  // one stage of L, either layout
 #define SR_B_ELEMS (8 * 2 * 32)            // one statistic of one stage, in fragment order
+#define SR_STAGES 3                        // stages in flight: two stream in while one is multiplied
+#define SR_STAGE_BYTES (SR_A_BYTES + 3 * SR_B_ELEMS * 8)
+#define SR_SMEM (SR_STAGES * SR_STAGE_BYTES)  // dynamic shared memory of aegis_sr_main (the host's SMEM)
 #define SR_STAT_THREADS 256
 #define SR_RED_THREADS 256
 #ifndef SR_MMA_K
 #define SR_MMA_K 8                         // k of one fp64 MMA on sm_90 (4: m16n8k4)
 #endif
+
+// how aegis_sr_stats reads the right operand (host-checked alignment)
+#define SR_STATS_COLS 0  // columns contiguous (or any strides): a warp per (k, tile), one column a lane
+#define SR_STATS_K 1     // k contiguous: a thread per (k, tile)
+#define SR_STATS_VEC 2   // columns contiguous, rows 8-byte aligned, t a multiple of 4: 4 columns a lane
 
 // load modes of the left operand (host-checked alignment)
 #define SR_SCALAR 0   // any strides: one element at a time
@@ -61,25 +70,39 @@ __device__ __forceinline__ void put_stats(double* rt, double* rta, double* rtq, 
     rtq[o] = sq;
 }
 
+__device__ __forceinline__ void add_stat(u32 bits, double& sum, double& sa, double& sq) {
+    const double v = (double)bf16_to_f32(bits);
+    sum += v;
+    sa += fabs(v);
+    sq = fma(v, v, sq);
+}
+
 extern "C" __global__ void __launch_bounds__(SR_STAT_THREADS)
-aegis_sr_stats(const u16* __restrict__ right, i64 K, i64 N, i64 sk, i64 sn, int t, int nt, int k_fastest,
+aegis_sr_stats(const u16* __restrict__ right, i64 K, i64 N, i64 sk, i64 sn, int t, int nt, int how,
                double* __restrict__ rt, double* __restrict__ rta, double* __restrict__ rtq) {
     const i64 total = K * (i64)nt;
-    if (!k_fastest) {
-        // columns contiguous: one warp per (k, tile), lanes over its columns, then a fixed shuffle tree
+    if (how != SR_STATS_K) {
+        // columns contiguous: one warp per (k, tile), lanes over its columns (SR_STATS_VEC: 4 at a
+        // time, one 8-byte load, in order), then a fixed shuffle tree
         const int lane = threadIdx.x & 31;
         const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
+        const int step = how == SR_STATS_VEC ? 4 : 1;
         for (i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; w < total; w += warps) {
             const i64 k = w / nt;
             const int j = (int)(w % nt);
             const i64 c0 = (i64)j * t;
             const i64 c1 = min(c0 + t, N);
             double sum = 0.0, sa = 0.0, sq = 0.0;
-            for (i64 c = c0 + lane; c < c1; c += 32) {
-                const double v = (double)bf16_to_f32(right[k * sk + c * sn]);
-                sum += v;
-                sa += fabs(v);
-                sq = fma(v, v, sq);
+            for (i64 c = c0 + step * lane; c < c1; c += 32 * step) {
+                if (step == 4 && c + 4 <= c1) {
+                    const uint2 p = __ldg(reinterpret_cast<const uint2*>(right + k * sk + c));
+                    add_stat(p.x & 0xffffu, sum, sa, sq);
+                    add_stat(p.x >> 16, sum, sa, sq);
+                    add_stat(p.y & 0xffffu, sum, sa, sq);
+                    add_stat(p.y >> 16, sum, sa, sq);
+                } else {
+                    for (i64 e = c; e < min(c + step, c1); ++e) add_stat(right[k * sk + e * sn], sum, sa, sq);
+                }
             }
 #pragma unroll
             for (int o = 16; o; o >>= 1) {
@@ -99,12 +122,7 @@ aegis_sr_stats(const u16* __restrict__ right, i64 K, i64 N, i64 sk, i64 sn, int 
         const i64 c1 = min(c0 + t, N);
         double sum = 0.0, sa = 0.0, sq = 0.0;
         const u16* p = right + k * sk;
-        for (i64 c = c0; c < c1; ++c) {
-            const double v = (double)bf16_to_f32(p[c * sn]);
-            sum += v;
-            sa += fabs(v);
-            sq = fma(v, v, sq);
-        }
+        for (i64 c = c0; c < c1; ++c) add_stat(p[c * sn], sum, sa, sq);
         put_stats(rt, rta, rtq, k * nt + j, sum, sa, sq);
     }
 }
@@ -126,6 +144,9 @@ __device__ __forceinline__ void cp_async(void* smem, const void* gmem, int bytes
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_older() {  // all but the newest SR_STAGES - 2 groups are in
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(SR_STAGES - 2) : "memory");
+}
 
 // d (16×8) += a (16×k) · b (k×8), fp64, fragments as the PTX ISA lays them out for m16n8k4
 // (a0: row groupID, a1: row groupID+8, k = threadID_in_group; b0: k = threadID_in_group,
@@ -225,17 +246,23 @@ __device__ __forceinline__ void sr_main(u16* __restrict__ s_a, double* __restric
                 for (int i = 0; i < 4; ++i) acc[st][mb][nb][i] = 0.0;
 
     const int stages = (int)((ke - kb + SR_BK - 1) / SR_BK);
-    load_stage<KMAJ, RHO>(s_a, s_b, left, R, sr, sk, mode, r0, kb, ke, rt, rta, rtq, nt, j0);
-    cp_async_commit();
+    // stage i in buffer i % SR_STAGES; one commit group per stage (empty past the end), so that
+    // waiting for all but the newest SR_STAGES - 2 groups waits for the stage about to be multiplied
+#pragma unroll
+    for (int i = 0; i < SR_STAGES - 1; ++i) {
+        if (i < stages)
+            load_stage<KMAJ, RHO>(s_a + i * (SR_A_BYTES / 2), s_b + i * 3 * SR_B_ELEMS, left, R, sr, sk, mode, r0,
+                                  kb + (i64)i * SR_BK, ke, rt, rta, rtq, nt, j0);
+        cp_async_commit();
+    }
     for (int stage = 0; stage < stages; ++stage) {
-        const int buf = stage & 1;
-        cp_async_wait_all();
-        __syncthreads();  // this stage is in; every warp is done with the other buffer
-        if (stage + 1 < stages) {  // the next stage streams in while this one is multiplied
-            load_stage<KMAJ, RHO>(s_a + (buf ^ 1) * (SR_A_BYTES / 2), s_b + (buf ^ 1) * 3 * SR_B_ELEMS, left, R, sr, sk,
-                                  mode, r0, kb + (i64)(stage + 1) * SR_BK, ke, rt, rta, rtq, nt, j0);
-            cp_async_commit();
-        }
+        cp_async_wait_older();
+        __syncthreads();  // this stage is in; every warp is done with the buffer refilled next
+        const int next = stage + SR_STAGES - 1, nbuf = next % SR_STAGES, buf = stage % SR_STAGES;
+        if (next < stages)
+            load_stage<KMAJ, RHO>(s_a + nbuf * (SR_A_BYTES / 2), s_b + nbuf * 3 * SR_B_ELEMS, left, R, sr, sk, mode, r0,
+                                  kb + (i64)next * SR_BK, ke, rt, rta, rtq, nt, j0);
+        cp_async_commit();
         const u16* sa = s_a + buf * (SR_A_BYTES / 2);
         const double* sb = s_b + buf * 3 * SR_B_ELEMS;
         uint4 rowv[4];  // row-major: this thread's 8 k of each of its 4 rows
@@ -245,8 +272,8 @@ __device__ __forceinline__ void sr_main(u16* __restrict__ s_a, double* __restric
         }
 #pragma unroll
         for (int s = 0; s < 8; s += 2) {
-            // x[stat][mb][step][half]: L, |L|, L² of rows wr + 16·mb + 8·half at the steps' k
-            double x[3][2][2][2];
+            // v[mb][step][half]: L of rows wr + 16·mb + 8·half at the steps' k, exact in fp64
+            double v[2][2][2];
 #pragma unroll
             for (int h = 0; h < 4; ++h)
 #pragma unroll
@@ -258,10 +285,7 @@ __device__ __forceinline__ void sr_main(u16* __restrict__ s_a, double* __restric
                         const u32 w[4] = {rowv[h].x, rowv[h].y, rowv[h].z, rowv[h].w};
                         bits = (w[(s + u) >> 1] >> (16 * ((s + u) & 1))) & 0xffffu;
                     }
-                    const double v = (double)bf16_to_f32(bits);
-                    x[0][h >> 1][u][h & 1] = v;
-                    x[1][h >> 1][u][h & 1] = fabs(v);
-                    x[2][h >> 1][u][h & 1] = v * v;
+                    v[h >> 1][u][h & 1] = (double)bf16_to_f32(bits);
                 }
 #pragma unroll
             for (int st = 0; st < 3; ++st) {
@@ -271,11 +295,22 @@ __device__ __forceinline__ void sr_main(u16* __restrict__ s_a, double* __restric
                     const double b0 = sb[st * SR_B_ELEMS + (s * 2 + nb) * 32 + lane];
                     const double b1 = sb[st * SR_B_ELEMS + ((s + 1) * 2 + nb) * 32 + lane];
 #pragma unroll
-                    for (int mb = 0; mb < 2; ++mb) mma_k8(acc[st][mb][nb], x[st][mb], b0, b1);
+                    for (int mb = 0; mb < 2; ++mb) {
+                        double x[2][2];  // L, |L| or L² (exact)
+#pragma unroll
+                        for (int u = 0; u < 2; ++u)
+#pragma unroll
+                            for (int hf = 0; hf < 2; ++hf) {
+                                const double y = v[mb][u][hf];
+                                x[u][hf] = st == 0 ? y : st == 1 ? fabs(y) : y * y;
+                            }
+                        mma_k8(acc[st][mb][nb], x, b0, b1);
+                    }
                 }
             }
         }
     }
+    cp_async_wait_all();  // no copy outlives the CTA (the trailing groups are empty)
 
     const i64 plane = (i64)gridDim.z * R * nt;  // one of the three outputs, every split
 #pragma unroll
@@ -301,21 +336,22 @@ __device__ __forceinline__ void sr_main(u16* __restrict__ s_a, double* __restric
 template <bool RHO>
 __device__ __forceinline__ void sr_entry(const u16* left, i64 R, i64 K, i64 sr, i64 sk, int mode, const double* rt,
                                          const double* rta, const double* rtq, int nt, i64 k_split, double* part) {
-    __shared__ __align__(16) u16 s_a[2 * SR_A_BYTES / 2];
-    __shared__ __align__(16) double s_b[2 * 3 * SR_B_ELEMS];
+    extern __shared__ __align__(16) unsigned char sr_smem[];  // SR_SMEM bytes: the stages of L, then of the statistics
+    u16* s_a = reinterpret_cast<u16*>(sr_smem);
+    double* s_b = reinterpret_cast<double*>(sr_smem + SR_STAGES * SR_A_BYTES);
     if (mode == SR_VEC_R || (mode == SR_SCALAR && sr < sk))
         sr_main<true, RHO>(s_a, s_b, left, R, K, sr, sk, mode, rt, rta, rtq, nt, k_split, part);
     else
         sr_main<false, RHO>(s_a, s_b, left, R, K, sr, sk, mode, rt, rta, rtq, nt, k_split, part);
 }
 
-extern "C" __global__ void __launch_bounds__(SR_THREADS)
+extern "C" __global__ void __launch_bounds__(SR_THREADS, 2)
 aegis_sr_main(const u16* __restrict__ left, i64 R, i64 K, i64 sr, i64 sk, int mode, const double* __restrict__ rt,
               const double* __restrict__ rta, const double* __restrict__ rtq, int nt, i64 k_split, double* __restrict__ part) {
     sr_entry<true>(left, R, K, sr, sk, mode, rt, rta, rtq, nt, k_split, part);
 }
 
-extern "C" __global__ void __launch_bounds__(SR_THREADS)
+extern "C" __global__ void __launch_bounds__(SR_THREADS, 2)
 aegis_sr_main_norho(const u16* __restrict__ left, i64 R, i64 K, i64 sr, i64 sk, int mode, const double* __restrict__ rt,
                     const double* __restrict__ rta, const double* __restrict__ rtq, int nt, i64 k_split,
                     double* __restrict__ part) {

@@ -25,10 +25,12 @@ from aegis_cli.backends import loader
 KERNEL = "sensor_reference.cu"
 ROWS, TILES, BK = 128, 16, 32  # SR_BM, SR_BN, SR_BK of the kernel
 MAIN_THREADS, STAT_THREADS, RED_THREADS = 128, 256, 256
+SMEM = 3 * (32 * 136 * 2 + 3 * 512 * 8)  # SR_SMEM: three stages of L (k-major: 32 × 136 bf16) and of the statistics
 TARGET_CTAS = 1024  # enough CTAs for a few waves on a large GPU; fixed, so splits follow the shape only
 MIN_SPLIT = 8 * BK  # k per CTA at least: the partials' traffic stays small beside the products
 MAX_GRID = 1 << 16
 SCALAR, VEC_K, VEC_R = 0, 1, 2  # the kernel's load modes
+STATS_COLS, STATS_K, STATS_VEC = 0, 1, 2  # how aegis_sr_stats reads the right operand
 DEFINES: dict[str, int] = {}  # build defines (SR_MMA_K: 4 or 8); benchmarks/sensor_reference.py compares MMA shapes
 
 
@@ -56,9 +58,10 @@ def _mode(left: torch.Tensor) -> int:
     return SCALAR
 
 
-def _launch(entry: str, dev: int, grid: tuple[int, ...], block: int, args: list) -> None:
-    func = loader.get_function(KERNEL, entry, device_id=dev, defines=DEFINES)
-    loader.launch(func, grid, block, args, device_id=dev, stream=torch.cuda.current_stream(dev).cuda_stream, label=entry)
+def _launch(entry: str, dev: int, grid: tuple[int, ...], block: int, args: list, smem: int = 0) -> None:
+    func = loader.get_function(KERNEL, entry, device_id=dev, defines=DEFINES, max_dynamic_smem=smem)
+    loader.launch(func, grid, block, args, device_id=dev, stream=torch.cuda.current_stream(dev).cuda_stream, smem=smem,
+                  label=entry)
 
 
 def tile_stats(x: torch.Tensor, t: int, dev: int) -> torch.Tensor:
@@ -68,11 +71,14 @@ def tile_stats(x: torch.Tensor, t: int, dev: int) -> torch.Tensor:
     nt = -(-n // t)
     stats = torch.empty((3, k, nt), dtype=torch.float64, device=x.device)
     sk, sn = x.stride()
-    k_fastest = sk == 1 and sn != 1  # a thread per (k, tile) along contiguous k, else a warp per (k, tile)
-    threads = k * nt * (1 if k_fastest else 32)
+    if sk == 1 and sn != 1:  # a thread per (k, tile) along contiguous k
+        how = STATS_K
+    else:  # a warp per (k, tile): 4 columns a lane where rows and tiles keep 8-byte alignment
+        how = STATS_VEC if sn == 1 and sk % 4 == 0 and t % 4 == 0 and x.data_ptr() % 8 == 0 else STATS_COLS
+    threads = k * nt * (1 if how == STATS_K else 32)
     _launch("aegis_sr_stats", dev, (min(-(-threads // STAT_THREADS), MAX_GRID),), STAT_THREADS,
             [ctypes.c_uint64(x.data_ptr()), ctypes.c_int64(k), ctypes.c_int64(n), ctypes.c_int64(sk), ctypes.c_int64(sn),
-             ctypes.c_int(t), ctypes.c_int(nt), ctypes.c_int(int(k_fastest)), *(ctypes.c_uint64(s.data_ptr()) for s in stats)])
+             ctypes.c_int(t), ctypes.c_int(nt), ctypes.c_int(how), *(ctypes.c_uint64(s.data_ptr()) for s in stats)])
     return stats
 
 
@@ -99,7 +105,7 @@ def lean_side(left: torch.Tensor, right: torch.Tensor, t: int,
     _launch("aegis_sr_main" if rho else "aegis_sr_main_norho", dev, (-(-r // ROWS), -(-nt // TILES), splits), MAIN_THREADS,
             [ctypes.c_uint64(left.data_ptr()), ctypes.c_int64(r), ctypes.c_int64(k), ctypes.c_int64(sr), ctypes.c_int64(sk_l),
              ctypes.c_int(_mode(left)), *(ctypes.c_uint64(x.data_ptr()) for x in stats), ctypes.c_int(nt),
-             ctypes.c_int64(k_split), ctypes.c_uint64(part.data_ptr())])
+             ctypes.c_int64(k_split), ctypes.c_uint64(part.data_ptr())], SMEM)
     out = torch.empty((3, r, nt), **f64)
     _launch("aegis_sr_reduce", dev, (min(-(-(r * nt) // RED_THREADS), MAX_GRID),), RED_THREADS,
             [ctypes.c_uint64(part.data_ptr()), ctypes.c_int(splits), ctypes.c_int64(r * nt),

@@ -151,8 +151,12 @@ def test_sensor_comparison_with_the_kernel_is_the_torch_one(dev, layout):
 
 
 def test_tile_abs_sums_match_torch(dev):
-    """Σ|c| over column tiles (the sensors' bias term): exact sums of bf16 values, so equal to torch's."""
-    for m, n, t in ((300, 1000, 128), (5, 7, 64), (8192 // 16, 2048, 128)):
-        x = _bf16((m, n), m + n, False)
-        got, want = dev.tile_abs_sums(x, t), numerics.abs_col_tiles(x, t)
-        assert got.shape == want.shape and float(((got - want).abs() / want).max()) <= 1e-15
+    """Σ|c| over column tiles (the sensors' bias term): exact sums of bf16 values, so equal to torch's;
+    by 8-byte loads (n a multiple of 4, and a view whose last load ends mid-way), one column a lane
+    (n = 7, a misaligned view) and a thread per row (the transpose)."""
+    views = [_bf16((m, n), m + n, False) for m, n in ((300, 1000), (5, 7), (8192 // 16, 2048))]
+    views += [_bf16((300, 1004), 9, False)[:, :1001], _bf16((300, 1004), 9, False)[:, 1:], _bf16((700, 260), 10, True)]
+    for x in views:
+        for t in (64, 128):
+            got, want = dev.tile_abs_sums(x, t), numerics.abs_col_tiles(x, t)
+            assert got.shape == want.shape and float(((got - want).abs() / want).max()) <= 1e-15
