@@ -17,7 +17,7 @@
 //                  sm_90, pairs of m8n8k4 before). One CTA: SR_BM rows × SR_BN tiles × one split
 //                  of K (a multiple of SR_BK), 4 warps of 32 rows × 16 tiles. L's bf16 tile of each
 //                  SR_BK-deep stage is staged through shared memory (cp.async where rows or k are
-//                  contiguous and aligned, else plain loads; two buffers), then converted exactly
+//                  contiguous and aligned, else plain loads; SR_STAGES in flight), then converted exactly
 //                  to fp64 with its |·| and ·² (exact in fp64: 8-bit significands, exponents well
 //                  inside fp64's range), so 2^±100 rows need nothing special and NaN/Inf stay in
 //                  their rows. All three in fp64 with fp64 accumulation: error of order K·2⁻⁵³·s,
