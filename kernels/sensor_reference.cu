@@ -9,10 +9,10 @@
 // one pass over L (2 bytes an element, never an fp64 copy), three launches:
 //
 // aegis_sr_stats   rt, rta, rtq (K, nt) fp64 from the bf16 right operand (any strides): one warp
-//                  per (k, tile) where columns are contiguous (lanes in order, 4 columns a lane by
-//                  8-byte loads where aligned, then a fixed shuffle tree), else one thread per
-//                  (k, tile), columns in order. Exact sums of bf16 values (their exponents span less
-//                  than fp64's 53 bits in any tile of real data), else one fp64 rounding each.
+//                  per (k, tile) where columns are contiguous (lanes in order, then a fixed
+//                  shuffle tree), else one thread per (k, tile), columns in order. Exact sums of
+//                  bf16 values (their exponents span less than fp64's 53 bits in any tile of real
+//                  data), else one fp64 rounding each.
 // aegis_sr_main    the three products on the fp64 tensor cores (DMMA: mma.sync f64, m16n8k8 on
 //                  sm_90, pairs of m8n8k4 before). One CTA: SR_BM rows × SR_BN tiles × one split
 //                  of K (a multiple of SR_BK), 4 warps of 32 rows × 16 tiles. L's bf16 tile of each
@@ -51,11 +51,6 @@ typedef long long i64;
 #define SR_MMA_K 8                         // k of one fp64 MMA on sm_90 (4: m16n8k4)
 #endif
 
-// how aegis_sr_stats reads the right operand (host-checked alignment)
-#define SR_STATS_COLS 0  // columns contiguous (or any strides): a warp per (k, tile), one column a lane
-#define SR_STATS_K 1     // k contiguous: a thread per (k, tile)
-#define SR_STATS_VEC 2   // columns contiguous, rows 8-byte aligned, t a multiple of 4: 4 columns a lane
-
 // load modes of the left operand (host-checked alignment)
 #define SR_SCALAR 0   // any strides: one element at a time
 #define SR_VEC_K 1    // k contiguous, rows 16-byte aligned: 8 k per 16-byte cp.async
@@ -70,39 +65,25 @@ __device__ __forceinline__ void put_stats(double* rt, double* rta, double* rtq, 
     rtq[o] = sq;
 }
 
-__device__ __forceinline__ void add_stat(u32 bits, double& sum, double& sa, double& sq) {
-    const double v = (double)bf16_to_f32(bits);
-    sum += v;
-    sa += fabs(v);
-    sq = fma(v, v, sq);
-}
-
 extern "C" __global__ void __launch_bounds__(SR_STAT_THREADS)
-aegis_sr_stats(const u16* __restrict__ right, i64 K, i64 N, i64 sk, i64 sn, int t, int nt, int how,
+aegis_sr_stats(const u16* __restrict__ right, i64 K, i64 N, i64 sk, i64 sn, int t, int nt, int k_fastest,
                double* __restrict__ rt, double* __restrict__ rta, double* __restrict__ rtq) {
     const i64 total = K * (i64)nt;
-    if (how != SR_STATS_K) {
-        // columns contiguous: one warp per (k, tile), lanes over its columns (SR_STATS_VEC: 4 at a
-        // time, one 8-byte load, in order), then a fixed shuffle tree
+    if (!k_fastest) {
+        // columns contiguous: one warp per (k, tile), lanes over its columns, then a fixed shuffle tree
         const int lane = threadIdx.x & 31;
         const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
-        const int step = how == SR_STATS_VEC ? 4 : 1;
         for (i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; w < total; w += warps) {
             const i64 k = w / nt;
             const int j = (int)(w % nt);
             const i64 c0 = (i64)j * t;
             const i64 c1 = min(c0 + t, N);
             double sum = 0.0, sa = 0.0, sq = 0.0;
-            for (i64 c = c0 + step * lane; c < c1; c += 32 * step) {
-                if (step == 4 && c + 4 <= c1) {
-                    const uint2 p = __ldg(reinterpret_cast<const uint2*>(right + k * sk + c));
-                    add_stat(p.x & 0xffffu, sum, sa, sq);
-                    add_stat(p.x >> 16, sum, sa, sq);
-                    add_stat(p.y & 0xffffu, sum, sa, sq);
-                    add_stat(p.y >> 16, sum, sa, sq);
-                } else {
-                    for (i64 e = c; e < min(c + step, c1); ++e) add_stat(right[k * sk + e * sn], sum, sa, sq);
-                }
+            for (i64 c = c0 + lane; c < c1; c += 32) {
+                const double v = (double)bf16_to_f32(right[k * sk + c * sn]);
+                sum += v;
+                sa += fabs(v);
+                sq = fma(v, v, sq);
             }
 #pragma unroll
             for (int o = 16; o; o >>= 1) {
@@ -122,7 +103,12 @@ aegis_sr_stats(const u16* __restrict__ right, i64 K, i64 N, i64 sk, i64 sn, int 
         const i64 c1 = min(c0 + t, N);
         double sum = 0.0, sa = 0.0, sq = 0.0;
         const u16* p = right + k * sk;
-        for (i64 c = c0; c < c1; ++c) add_stat(p[c * sn], sum, sa, sq);
+        for (i64 c = c0; c < c1; ++c) {
+            const double v = (double)bf16_to_f32(p[c * sn]);
+            sum += v;
+            sa += fabs(v);
+            sq = fma(v, v, sq);
+        }
         put_stats(rt, rta, rtq, k * nt + j, sum, sa, sq);
     }
 }

@@ -30,7 +30,6 @@ TARGET_CTAS = 1024  # enough CTAs for a few waves on a large GPU; fixed, so spli
 MIN_SPLIT = 8 * BK  # k per CTA at least: the partials' traffic stays small beside the products
 MAX_GRID = 1 << 16
 SCALAR, VEC_K, VEC_R = 0, 1, 2  # the kernel's load modes
-STATS_COLS, STATS_K, STATS_VEC = 0, 1, 2  # how aegis_sr_stats reads the right operand
 DEFINES: dict[str, int] = {}  # build defines (SR_MMA_K: 4 or 8); benchmarks/sensor_reference.py compares MMA shapes
 
 
@@ -71,14 +70,11 @@ def tile_stats(x: torch.Tensor, t: int, dev: int) -> torch.Tensor:
     nt = -(-n // t)
     stats = torch.empty((3, k, nt), dtype=torch.float64, device=x.device)
     sk, sn = x.stride()
-    if sk == 1 and sn != 1:  # a thread per (k, tile) along contiguous k
-        how = STATS_K
-    else:  # a warp per (k, tile): 4 columns a lane where rows and tiles keep 8-byte alignment
-        how = STATS_VEC if sn == 1 and sk % 4 == 0 and t % 4 == 0 and x.data_ptr() % 8 == 0 else STATS_COLS
-    threads = k * nt * (1 if how == STATS_K else 32)
+    k_fastest = sk == 1 and sn != 1  # a thread per (k, tile) along contiguous k, else a warp per (k, tile)
+    threads = k * nt * (1 if k_fastest else 32)
     _launch("aegis_sr_stats", dev, (min(-(-threads // STAT_THREADS), MAX_GRID),), STAT_THREADS,
             [ctypes.c_uint64(x.data_ptr()), ctypes.c_int64(k), ctypes.c_int64(n), ctypes.c_int64(sk), ctypes.c_int64(sn),
-             ctypes.c_int(t), ctypes.c_int(nt), ctypes.c_int(how), *(ctypes.c_uint64(s.data_ptr()) for s in stats)])
+             ctypes.c_int(t), ctypes.c_int(nt), ctypes.c_int(int(k_fastest)), *(ctypes.c_uint64(s.data_ptr()) for s in stats)])
     return stats
 
 

@@ -152,8 +152,8 @@ def test_sensor_comparison_with_the_kernel_is_the_torch_one(dev, layout):
 
 def test_tile_abs_sums_match_torch(dev):
     """Σ|c| over column tiles (the sensors' bias term): exact sums of bf16 values, so equal to torch's;
-    by 8-byte loads (n a multiple of 4, and a view whose last load ends mid-way), one column a lane
-    (n = 7, a misaligned view) and a thread per row (the transpose)."""
+    a warp per (row, tile) on row-major tensors and views (ragged, misaligned), a thread per (row,
+    tile) on a transpose."""
     views = [_bf16((m, n), m + n, False) for m, n in ((300, 1000), (5, 7), (8192 // 16, 2048))]
     views += [_bf16((300, 1004), 9, False)[:, :1001], _bf16((300, 1004), 9, False)[:, 1:], _bf16((700, 260), 10, True)]
     for x in views:
