@@ -15,14 +15,16 @@
 //                  data), else one fp64 rounding each.
 // aegis_sr_main    the three products on the fp64 tensor cores (DMMA: mma.sync f64, m16n8k8 on
 //                  sm_90, pairs of m8n8k4 before). One CTA: SR_BM rows × SR_BN tiles × one split
-//                  of K (a multiple of SR_BK), 4 warps of 32 rows × 16 tiles. L's bf16 tile of each
-//                  SR_BK-deep stage is staged through shared memory (cp.async where rows or k are
-//                  contiguous and aligned, else plain loads; SR_STAGES in flight), then converted exactly
-//                  to fp64 with its |·| and ·² (exact in fp64: 8-bit significands, exponents well
-//                  inside fp64's range), so 2^±100 rows need nothing special and NaN/Inf stay in
-//                  their rows. All three in fp64 with fp64 accumulation: error of order K·2⁻⁵³·s,
-//                  as the torch reference's (which k goes to which MMA slot is a fixed
-//                  permutation per layout: the order of the sum changes, not its precision).
+//                  of K (a multiple of SR_BK), 4 warps of 32 rows × 16 tiles, 2 CTAs an SM on
+//                  sm_90 (240 registers). L's bf16 tile of each SR_BK-deep stage is staged through
+//                  shared memory (cp.async where rows or k are contiguous and aligned, else plain
+//                  loads; SR_STAGES in flight), then converted exactly to fp64 with its |·| and ·²
+//                  (exact in fp64: 8-bit significands, exponents well inside fp64's range), so
+//                  2^±100 rows need nothing special and NaN/Inf stay in their rows. All three in
+//                  fp64 with fp64 accumulation: sums within (K+1)·2⁻⁵³·s, s and ρ² within
+//                  (K+1)·2⁻⁵³ relative (non-negative terms), as the torch reference's (which k goes
+//                  to which MMA slot is a fixed permutation per layout: the order of the sum
+//                  changes, not its precision).
 //                  Partial results go to part[3][splits][R][nt]. aegis_sr_main_norho: the same
 //                  without ρ² (left 0, its MMAs skipped), for callers that use no ρ.
 // aegis_sr_reduce  sums, s, rho (R, nt) fp64: the splits added in split order, then sqrt.
