@@ -11,6 +11,9 @@ on CUDA; also from an idle GPU, the host's launch gaps counted), and its parts: 
 (``sense.sensor_noise``, ``normalised_diff``) given the reference; the checked GEMM for scale.
 Checks the kernel against the torch reference (|Δ sums| in units of σ, s and ρ relative) and its
 repeatability, and lists the top kernels by CUDA time (torch.profiler) of one check each way.
+Also times the kernel's sides alone (``cuda_reference.lean_side`` of each side the check computes:
+statistics, products, reduction), their rate in fp64 multiply-adds per second, and the same with
+the products built on m16n8k4 instead of m16n8k8 (``--mma-k``, the kernel's SR_MMA_K).
 Writes DIR/sensor_reference.json (DIR: --out, else $OUT, else .) and prints a table last.
 """
 
@@ -27,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from aegis_cli.backends import cuda_reference
 from aegis_cli.backends.cuda import CudaDevice
 from aegis_cli.ops import numerics
 from aegis_cli.ops.gemm import GemmOperands, Layout
@@ -90,6 +94,29 @@ def agreement(ops, res, noise, dev) -> dict:
     return out
 
 
+def sides_alone(ops, tile, rho: bool, reps: int, mma_k: list[int]) -> dict:
+    """The kernel's sides of one check alone (rows; wgrad also columns): ms per build of the
+    products' MMA shape, and the rate of the default build in fp64 multiply-adds per second."""
+    sides = [(ops.a_mk, ops.b_kn, tile[1])]
+    if ops.layout is Layout.WGRAD:
+        sides.append((ops.b_kn.t(), ops.a_mk.t(), tile[0]))
+
+    def fn():
+        for left, right, t in sides:
+            cuda_reference.lean_side(left, right, t, rho)
+
+    out = {}
+    for k in [8, *mma_k]:
+        cuda_reference.DEFINES.clear()
+        if k != 8:
+            cuda_reference.DEFINES["SR_MMA_K"] = k
+        out[f"sides_k{k}_ms"] = timed(fn, reps)
+    cuda_reference.DEFINES.clear()
+    fma = sum((3 if rho else 2) * left.shape[0] * left.shape[1] * -(-right.shape[1] // t) for left, right, t in sides)
+    out["sides_tfma"] = fma / out["sides_k8_ms"] / 1e9
+    return out
+
+
 def top_kernels(fn, n: int = 8) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -106,7 +133,7 @@ def top_kernels(fn, n: int = 8) -> list[dict]:
 def run(args) -> dict:
     dev = CudaDevice(0)
     cuda = "cuda:0"
-    out: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "shapes": []}
+    out: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "mma_k": args.mma_k, "shapes": []}
     for name in LINEARS:
         for layout in Layout:
             ops = operands(name, layout, cuda, 7)
@@ -138,7 +165,8 @@ def run(args) -> dict:
                    "noise_diff_ms": timed(rest, args.reps),
                    "enqueue_kernel_idle_ms": timed(lambda ops=ops, res=res, noise=noise, trunc=trunc:
                                                    sense.enqueue(ops, res, noise, trunc, dev), args.reps, busy=False),
-                   **agreement(ops, res, noise, dev)}
+                   **agreement(ops, res, noise, dev),
+                   **sides_alone(ops, res.tile, ref_noise is not None, args.reps, args.mma_k)}
             if row["op"] in args.profile:
                 row["profile_torch"] = top_kernels(lambda ops=ops, res=res, noise=noise, trunc=trunc: sense.enqueue(ops, res, noise, trunc))
                 row["profile_kernel"] = top_kernels(lambda ops=ops, res=res, noise=noise, trunc=trunc:
@@ -149,7 +177,8 @@ def run(args) -> dict:
             torch.cuda.empty_cache()
     # the coverage floor checks every operator equally often: 22 layers of the four block Linears, one head
     weights = [1 if r["op"].startswith("head") else 22 for r in out["shapes"]]
-    for key in ("enqueue_torch_ms", "enqueue_kernel_ms", "enqueue_kernel_idle_ms"):
+    for key in ("enqueue_torch_ms", "enqueue_kernel_ms", "enqueue_kernel_idle_ms", "ref_kernel_ms", "sides_k8_ms",
+                *(f"sides_k{k}_ms" for k in args.mma_k)):
         out[f"per_check_{key}"] = sum(w * r[key] for w, r in zip(weights, out["shapes"], strict=True)) / sum(weights)
     return out
 
@@ -157,15 +186,19 @@ def run(args) -> dict:
 def table(out: dict) -> str:
     lines = [f"{out['gpu']}, torch {out['torch']}: one check (sense.enqueue), ms by CUDA events",
              f"{'op':<18} {'M×N×K':>19} {'gemm':>7} {'torch':>7} {'kernel':>7} {'idle':>7} {'ref t':>7} {'ref k':>7} {'σ,diff':>7}"
-             f" {'Δ/σ':>8} {'s rel':>8} {'σ rel':>8} rep"]
+             f" {'Δ/σ':>8} {'s rel':>8} {'σ rel':>8} rep {'sides':>7} {'TFMA/s':>6}"
+             + "".join(f" {'k' + str(k):>7}" for k in out["mma_k"])]
     for r in out["shapes"]:
         lines.append(f"{r['op']:<18} {'×'.join(map(str, r['mnk'])):>19} {r['gemm_ms']:7.3f} {r['enqueue_torch_ms']:7.3f} "
                      f"{r['enqueue_kernel_ms']:7.3f} {r['enqueue_kernel_idle_ms']:7.3f} {r['ref_torch_ms']:7.3f} "
                      f"{r['ref_kernel_ms']:7.3f} {r['noise_diff_ms']:7.3f} "
-                     f"{r['sum_sigma']:8.1e} {r['s_rel']:8.1e} {r['sigma_rel']:8.1e} {'yes' if r['repeats'] else 'NO'}")
+                     f"{r['sum_sigma']:8.1e} {r['s_rel']:8.1e} {r['sigma_rel']:8.1e} {'yes' if r['repeats'] else 'NO ':<3} "
+                     f"{r['sides_k8_ms']:7.3f} {r['sides_tfma']:6.1f}" + "".join(f" {r[f'sides_k{k}_ms']:7.3f}" for k in out["mma_k"]))
     lines.append(f"per check at the coverage floor (operators weighted as the model has them), GPU time: torch "
                  f"{out['per_check_enqueue_torch_ms']:.3f} ms, kernel {out['per_check_enqueue_kernel_ms']:.3f} ms "
-                 f"(kernel from an idle GPU, host gaps included: {out['per_check_enqueue_kernel_idle_ms']:.3f} ms)")
+                 f"(kernel from an idle GPU, host gaps included: {out['per_check_enqueue_kernel_idle_ms']:.3f} ms); "
+                 f"its reference {out['per_check_ref_kernel_ms']:.3f} ms, its sides alone {out['per_check_sides_k8_ms']:.3f} ms"
+                 + "".join(f", with m16n8k{k} {out[f'per_check_sides_k{k}_ms']:.3f} ms" for k in out["mma_k"]))
     for r in out["shapes"]:
         for key in ("profile_torch", "profile_kernel"):
             for p in r.get(key, []):
@@ -178,6 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--profile", nargs="*", default=["mlp.fc/wgrad", "head/dgrad"], help="ops whose top kernels to list")
     p.add_argument("--out", default=os.environ.get("OUT") or ".")
+    p.add_argument("--mma-k", type=int, nargs="*", default=[4], choices=[4], help="other MMA k of the products to time")
     args = p.parse_args(argv)
     out = run(args)
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -10,43 +10,53 @@
 //
 // aegis_sr_stats   rt, rta, rtq (K, nt) fp64 from the bf16 right operand (any strides): one warp
 //                  per (k, tile) where columns are contiguous (lanes in order, then a fixed
-//                  shuffle tree), else one thread per (k, tile), columns in order. Exact sums of bf16 values (their exponents
-//                  span less than fp64's 53 bits in any tile of real data), else one fp64 rounding each.
-// aegis_sr_main    one CTA: SR_ROWS rows × SR_TT tiles × one split of K (a multiple of SR_BK);
-//                  each thread SR_TR rows × SR_TT tiles. sums: fp64 FMAs in k order, error of
-//                  order K·2⁻⁵³·s as the torch reference's. s and ρ²: fp32 FMAs over each SR_BK-deep
-//                  stage (|L|, L² exact in fp32; rta, rtq rounded to fp32), added to fp64 after each
-//                  stage: relative error ≤ (SR_BK + 3)·2⁻²⁴ ≈ 4·10⁻⁶. A stage whose fp32 s or ρ² is
-//                  not finite (overflow, or NaN/Inf inputs) or, with s nonzero, below SR_LOW = 2⁻¹⁰⁰
-//                  is recomputed in fp64 from the same values; above it, squares and products that
-//                  fall below fp32's normal range (2⁻¹²⁶, flushed) add at most 2⁻²⁰·(1 + rta or rtq)
-//                  relative; a stage whose fp32 s is 0 has every product below 2⁻¹²⁶, an absolute
-//                  error within the GEMM kernels' own flushing (their floor, subnormal_slack).
+//                  shuffle tree), else one thread per (k, tile), columns in order. Exact sums of
+//                  bf16 values (their exponents span less than fp64's 53 bits in any tile of real
+//                  data), else one fp64 rounding each.
+// aegis_sr_main    the three products on the fp64 tensor cores (DMMA: mma.sync f64, m16n8k8 on
+//                  sm_90, pairs of m8n8k4 before). One CTA: SR_BM rows × SR_BN tiles × one split
+//                  of K (a multiple of SR_BK), 4 warps of 32 rows × 16 tiles, 2 CTAs an SM on
+//                  sm_90 (240 registers). L's bf16 tile of each SR_BK-deep stage is staged through
+//                  shared memory (cp.async where rows or k are contiguous and aligned, else plain
+//                  loads; SR_STAGES in flight), then converted exactly to fp64 with its |·| and ·²
+//                  (exact in fp64: 8-bit significands, exponents well inside fp64's range), so
+//                  2^±100 rows need nothing special and NaN/Inf stay in their rows. All three in
+//                  fp64 with fp64 accumulation: sums within (K+1)·2⁻⁵³·s, s and ρ² within
+//                  (K+1)·2⁻⁵³ relative (non-negative terms), as the torch reference's (which k goes
+//                  to which MMA slot is a fixed permutation per layout: the order of the sum
+//                  changes, not its precision).
 //                  Partial results go to part[3][splits][R][nt]. aegis_sr_main_norho: the same
-//                  without ρ² (left 0), for callers that use no ρ.
+//                  without ρ² (left 0, its MMAs skipped), for callers that use no ρ.
 // aegis_sr_reduce  sums, s, rho (R, nt) fp64: the splits added in split order, then sqrt.
 //
 // Deterministic: every sum has a fixed order (no atomics); the split count is the host's, from
-// the shape only (backends/cuda_reference.py), so the bits repeat on any device for a shape.
+// the shape only (backends/cuda_reference.py), so the bits repeat for a shape on any device of
+// one architecture (the MMA shape, and so its internal order, follows the architecture).
 
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
 
-#define SR_THREADS 128
-#define SR_TR 4                            // rows per thread
-#define SR_TT 4                            // tiles per CTA (each thread computes all of them)
-#define SR_BK 64                           // k per stage (fp32 partials of s and ρ²)
-#define SR_KV 8                            // k per register load
-#define SR_ROWS (SR_THREADS * SR_TR)       // rows per CTA
-#define SR_LOW 0x1p-100f                  // fp32 s or ρ² of a stage below this: recomputed in fp64
+#define SR_THREADS 128                     // 4 warps, stacked along rows
+#define SR_BM 128                          // rows per CTA (32 per warp: two m16 blocks)
+#define SR_BN 16                           // tiles per CTA (two n8 blocks, every warp)
+#define SR_BK 32                           // k per stage (8 MMA k-steps of 4)
+#define SR_KM_LD (SR_BM + 8)               // row stride of the k-major stage (conflict-free reads)
+#define SR_A_BYTES (SR_BK * SR_KM_LD * 2)  // one stage of L, either layout
+#define SR_B_ELEMS (8 * 2 * 32)            // one statistic of one stage, in fragment order
+#define SR_STAGES 3                        // stages in flight: two stream in while one is multiplied
+#define SR_STAGE_BYTES (SR_A_BYTES + 3 * SR_B_ELEMS * 8)
+#define SR_SMEM (SR_STAGES * SR_STAGE_BYTES)  // dynamic shared memory of aegis_sr_main (the host's SMEM)
 #define SR_STAT_THREADS 256
 #define SR_RED_THREADS 256
+#ifndef SR_MMA_K
+#define SR_MMA_K 8                         // k of one fp64 MMA on sm_90 (4: m16n8k4)
+#endif
 
 // load modes of the left operand (host-checked alignment)
 #define SR_SCALAR 0   // any strides: one element at a time
-#define SR_VEC_K 1    // k contiguous, rows 16-byte aligned: 8 k per 16-byte load
-#define SR_VEC_R 2    // rows contiguous, 8-byte aligned: 4 rows per 8-byte load
+#define SR_VEC_K 1    // k contiguous, rows 16-byte aligned: 8 k per 16-byte cp.async
+#define SR_VEC_R 2    // rows contiguous, 8-byte aligned: 4 rows per 8-byte cp.async
 
 __device__ __forceinline__ float bf16_to_f32(u32 bits) { return __uint_as_float(bits << 16); }
 
@@ -105,178 +115,235 @@ aegis_sr_stats(const u16* __restrict__ right, i64 K, i64 N, i64 sk, i64 sn, int 
     }
 }
 
-// L[r, k0..k0+SR_KV) of this thread's SR_TR rows into a[r][kv] as fp32 (exact); zero outside.
-__device__ __forceinline__ void load_left(float (&a)[SR_TR][SR_KV], const u16* __restrict__ left, i64 R, i64 k_end,
-                                          i64 sr, i64 sk, i64 r0, i64 k0, int mode) {
-    if (mode == SR_VEC_K && k0 + SR_KV <= k_end) {
-#pragma unroll
-        for (int r = 0; r < SR_TR; ++r) {
-            uint4 v = make_uint4(0u, 0u, 0u, 0u);
-            if (r0 + r < R) v = __ldg(reinterpret_cast<const uint4*>(left + (r0 + r) * sr + k0));
-            const u32 w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-            for (int q = 0; q < 4; ++q) {
-                a[r][2 * q] = __uint_as_float(w[q] << 16);
-                a[r][2 * q + 1] = __uint_as_float(w[q] & 0xffff0000u);
-            }
-        }
-        return;
-    }
-    if (mode == SR_VEC_R && r0 + SR_TR <= R) {
-#pragma unroll
-        for (int kv = 0; kv < SR_KV; ++kv) {
-            uint2 v = make_uint2(0u, 0u);
-            if (k0 + kv < k_end) v = __ldg(reinterpret_cast<const uint2*>(left + r0 + (k0 + kv) * sk));
-            a[0][kv] = __uint_as_float(v.x << 16);
-            a[1][kv] = __uint_as_float(v.x & 0xffff0000u);
-            a[2][kv] = __uint_as_float(v.y << 16);
-            a[3][kv] = __uint_as_float(v.y & 0xffff0000u);
-        }
-        return;
-    }
-#pragma unroll
-    for (int r = 0; r < SR_TR; ++r)
-#pragma unroll
-        for (int kv = 0; kv < SR_KV; ++kv)
-            a[r][kv] = (r0 + r < R && k0 + kv < k_end) ? bf16_to_f32(left[(r0 + r) * sr + (k0 + kv) * sk]) : 0.0f;
+// ---- the products --------------------------------------------------------------------------
+// A stage of L in shared memory has one of two layouts (a template parameter):
+//   row-major  [SR_BM][SR_BK] (k contiguous; k-contiguous operands): MMA k-step s of the thread
+//              with threadID_in_group q reads k = 8q + s (its 8 k in one 16-byte read per row);
+//   k-major    [SR_BK][SR_KM_LD] (rows contiguous; transposed operands): k = 4s + q.
+// The statistics of a stage are stored in fragment order, [stat][s][n8 block][lane], holding
+// stat[k(s, q)][block·8 + groupID] for lane = 4·groupID + q: one conflict-free 8-byte read each.
+
+__device__ __forceinline__ void cp_async(void* smem, const void* gmem, int bytes, int src_bytes) {
+    const u32 s = (u32)__cvta_generic_to_shared(smem);
+    if (bytes == 16)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes) : "memory");
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_older() {  // all but the newest SR_STAGES - 2 groups are in
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(SR_STAGES - 2) : "memory");
 }
 
-// RHO false: sums and s only (ρ² left 0), for callers that use no ρ (the sensors' wgrad σ follows s)
-template <bool RHO>
-__device__ __forceinline__ void sr_main(const u16* __restrict__ left, i64 R, i64 K, i64 sr, i64 sk, int mode,
-                                        const double* __restrict__ rt, const double* __restrict__ rta,
-                                        const double* __restrict__ rtq, int nt, i64 k_split, double* __restrict__ part) {
-    __shared__ __align__(16) double s_rt[SR_BK][SR_TT];  // read as double2, float4
-    __shared__ double s_rta64[SR_BK][SR_TT];
-    __shared__ double s_rtq64[SR_BK][SR_TT];
-    __shared__ __align__(16) float s_rta[SR_BK][SR_TT];
-    __shared__ __align__(16) float s_rtq[SR_BK][SR_TT];
-    __shared__ double s_s[SR_TR * SR_TT][SR_THREADS];  // fp64 s of each thread's outputs
-    __shared__ double s_q[SR_TR * SR_TT][SR_THREADS];  // fp64 ρ²
+// d (16×8) += a (16×k) · b (k×8), fp64, fragments as the PTX ISA lays them out for m16n8k4
+// (a0: row groupID, a1: row groupID+8, k = threadID_in_group; b0: k = threadID_in_group,
+// column groupID; d0, d1: row groupID, columns 2·threadID_in_group + 0, 1; d2, d3: 8 rows down).
+__device__ __forceinline__ void mma_k4(double (&d)[4], double a0, double a1, double b0) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("mma.sync.aligned.m16n8k4.row.col.f64.f64.f64.f64 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%0,%1,%2,%3};\n"
+                 : "+d"(d[0]), "+d"(d[1]), "+d"(d[2]), "+d"(d[3])
+                 : "d"(a0), "d"(a1), "d"(b0));
+#else
+    asm volatile("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0,%1}, {%2}, {%3}, {%0,%1};\n"
+                 : "+d"(d[0]), "+d"(d[1]) : "d"(a0), "d"(b0));
+    asm volatile("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0,%1}, {%2}, {%3}, {%0,%1};\n"
+                 : "+d"(d[2]), "+d"(d[3]) : "d"(a1), "d"(b0));
+#endif
+}
 
+// two k-steps s, s+1 at once (m16n8k8 on sm_90: its columns q and q+4 are the steps' k); else two m16n8k4
+__device__ __forceinline__ void mma_k8(double (&d)[4], const double (&a)[2][2], double b0, double b1) {
+#if __CUDA_ARCH__ >= 900 && SR_MMA_K == 8
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f64.f64.f64.f64 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+d"(d[0]), "+d"(d[1]), "+d"(d[2]), "+d"(d[3])
+                 : "d"(a[0][0]), "d"(a[0][1]), "d"(a[1][0]), "d"(a[1][1]), "d"(b0), "d"(b1));
+#else
+    mma_k4(d, a[0][0], a[0][1], b0);
+    mma_k4(d, a[1][0], a[1][1], b1);
+#endif
+}
+
+// Enqueue stage [k0, k0 + SR_BK) ∩ [.., ke) of L (rows r0 ..) and of the statistics (tiles j0 ..)
+// into shared memory, zeros outside; cp.async where aligned (the caller commits and waits).
+template <bool KMAJ, bool RHO>
+__device__ __forceinline__ void load_stage(u16* __restrict__ sa, double* __restrict__ sb, const u16* __restrict__ left,
+                                           i64 R, i64 sr, i64 sk, int mode, i64 r0, i64 k0, i64 ke,
+                                           const double* __restrict__ rt, const double* __restrict__ rta,
+                                           const double* __restrict__ rtq, int nt, int j0) {
     const int tid = threadIdx.x;
-    const i64 r0 = (i64)blockIdx.x * SR_ROWS + (i64)tid * SR_TR;
-    const int j0 = blockIdx.y * SR_TT;
+    if (mode == SR_VEC_K) {  // row-major: 4 chunks of 8 k per row, one 16-byte copy each
+        for (int e = tid; e < SR_BM * (SR_BK / 8); e += SR_THREADS) {
+            const int r = e >> 2, c = e & 3;
+            const i64 row = r0 + r, k = k0 + 8 * c;
+            const i64 n = (row < R && k < ke) ? min((i64)8, ke - k) : 0;
+            cp_async(sa + r * SR_BK + 8 * c, n ? left + row * sr + k : left, 16, (int)(2 * n));
+        }
+    } else if (mode == SR_VEC_R) {  // k-major: 4 rows per 8-byte copy
+        for (int e = tid; e < SR_BK * (SR_BM / 4); e += SR_THREADS) {
+            const int kk = e / (SR_BM / 4), r = 4 * (e % (SR_BM / 4));
+            const i64 row = r0 + r, k = k0 + kk;
+            const i64 n = (row < R && k < ke) ? min((i64)4, R - row) : 0;
+            cp_async(sa + kk * SR_KM_LD + r, n ? left + row + k * sk : left, 8, (int)(2 * n));
+        }
+    } else {  // any strides: plain loads, along the smaller stride
+        for (int e = tid; e < SR_BM * SR_BK; e += SR_THREADS) {
+            const int r = KMAJ ? e % SR_BM : e / SR_BK, kk = KMAJ ? e / SR_BM : e % SR_BK;
+            const i64 row = r0 + r, k = k0 + kk;
+            const u16 v = (row < R && k < ke) ? left[row * sr + k * sk] : (u16)0;
+            sa[KMAJ ? kk * SR_KM_LD + r : r * SR_BK + kk] = v;
+        }
+    }
+    // statistics: thread per (stat, k, tile), consecutive tiles on consecutive threads (coalesced)
+    const int stats = RHO ? 3 : 2;
+    for (int e = tid; e < stats * SR_BK * SR_BN; e += SR_THREADS) {
+        const int st = e / (SR_BK * SR_BN), kk = (e / SR_BN) % SR_BK, n = e % SR_BN;
+        const int s = KMAJ ? kk >> 2 : kk & 7, q = KMAJ ? kk & 3 : kk >> 3;
+        const double* src = st == 0 ? rt : st == 1 ? rta : rtq;
+        const i64 k = k0 + kk;
+        const bool ok = k < ke && j0 + n < nt;
+        cp_async(sb + st * SR_B_ELEMS + (s * 2 + (n >> 3)) * 32 + (n & 7) * 4 + q, ok ? src + k * nt + j0 + n : src, 8,
+                 ok ? 8 : 0);
+    }
+}
+
+template <bool KMAJ, bool RHO>
+__device__ __forceinline__ void sr_main(u16* __restrict__ s_a, double* __restrict__ s_b, const u16* __restrict__ left,
+                                        i64 R, i64 K, i64 sr, i64 sk, int mode, const double* __restrict__ rt,
+                                        const double* __restrict__ rta, const double* __restrict__ rtq, int nt,
+                                        i64 k_split, double* __restrict__ part) {
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, q = lane & 3;
+    const i64 r0 = (i64)blockIdx.x * SR_BM;
+    const int j0 = blockIdx.y * SR_BN;
     const int split = blockIdx.z;
     const i64 kb = (i64)split * k_split;
     const i64 ke = min(kb + k_split, K);
+    const int stats = RHO ? 3 : 2;
+    const int wr = warp * 32 + g;  // this thread's first row in the stage; then +8, +16, +24
 
-    double sum[SR_TR][SR_TT];
+    double acc[3][2][2][4];  // [stat][m16 block][n8 block][fragment]
 #pragma unroll
-    for (int r = 0; r < SR_TR; ++r)
+    for (int st = 0; st < 3; ++st)
 #pragma unroll
-        for (int t = 0; t < SR_TT; ++t) {
-            sum[r][t] = 0.0;
-            s_s[r * SR_TT + t][tid] = 0.0;
-            s_q[r * SR_TT + t][tid] = 0.0;
-        }
+        for (int mb = 0; mb < 2; ++mb)
+#pragma unroll
+            for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[st][mb][nb][i] = 0.0;
 
-    for (i64 ks = kb; ks < ke; ks += SR_BK) {
-        __syncthreads();  // the previous stage's statistics are no longer read
-        for (int e = tid; e < SR_BK * SR_TT; e += SR_THREADS) {
-            const int kk = e / SR_TT, t = e % SR_TT;
-            const i64 k = ks + kk;
-            const bool ok = k < ke && j0 + t < nt;
-            const i64 g = k * nt + j0 + t;
-            const double v = ok ? rt[g] : 0.0, va = ok ? rta[g] : 0.0, vq = ok ? rtq[g] : 0.0;
-            s_rt[kk][t] = v;
-            s_rta64[kk][t] = va;
-            s_rtq64[kk][t] = vq;
-            s_rta[kk][t] = (float)va;
-            s_rtq[kk][t] = (float)vq;
-        }
-        __syncthreads();
-
-        float s32[SR_TR][SR_TT], q32[SR_TR][SR_TT];
+    const int stages = (int)((ke - kb + SR_BK - 1) / SR_BK);
+    // stage i in buffer i % SR_STAGES; one commit group per stage (empty past the end), so that
+    // waiting for all but the newest SR_STAGES - 2 groups waits for the stage about to be multiplied
 #pragma unroll
-        for (int r = 0; r < SR_TR; ++r)
-#pragma unroll
-            for (int t = 0; t < SR_TT; ++t) s32[r][t] = q32[r][t] = 0.0f;
-
-        const i64 kend = min(ks + SR_BK, ke);
-        float a[SR_TR][SR_KV];
-        load_left(a, left, R, kend, sr, sk, r0, ks, mode);
-#pragma unroll 1
-        for (int kk = 0; kk < SR_BK; kk += SR_KV) {
-            float an[SR_TR][SR_KV];  // the next chunk, in flight while this one is multiplied
-            if (kk + SR_KV < SR_BK) load_left(an, left, R, kend, sr, sk, r0, ks + kk + SR_KV, mode);
-#pragma unroll
-            for (int kv = 0; kv < SR_KV; ++kv) {
-                const double2 v01 = *reinterpret_cast<const double2*>(&s_rt[kk + kv][0]);
-                const double2 v23 = *reinterpret_cast<const double2*>(&s_rt[kk + kv][2]);
-                const float4 va = *reinterpret_cast<const float4*>(&s_rta[kk + kv][0]);
-                const float4 vq = *reinterpret_cast<const float4*>(&s_rtq[kk + kv][0]);
-                const double vt[SR_TT] = {v01.x, v01.y, v23.x, v23.y};
-                const float vat[SR_TT] = {va.x, va.y, va.z, va.w};
-                const float vqt[SR_TT] = {vq.x, vq.y, vq.z, vq.w};
-#pragma unroll
-                for (int r = 0; r < SR_TR; ++r) {
-                    const float x = a[r][kv];
-                    const double xd = (double)x;
-                    const float xa = fabsf(x), x2 = x * x;
-#pragma unroll
-                    for (int t = 0; t < SR_TT; ++t) {
-                        sum[r][t] = fma(xd, vt[t], sum[r][t]);
-                        s32[r][t] = fmaf(xa, vat[t], s32[r][t]);
-                        if (RHO) q32[r][t] = fmaf(x2, vqt[t], q32[r][t]);
-                    }
-                }
-            }
-            if (kk + SR_KV < SR_BK) {
-#pragma unroll
-                for (int r = 0; r < SR_TR; ++r)
-#pragma unroll
-                    for (int kv = 0; kv < SR_KV; ++kv) a[r][kv] = an[r][kv];
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < SR_TR; ++r)
-#pragma unroll
-            for (int t = 0; t < SR_TT; ++t) {
-                const float sv = s32[r][t], qv = q32[r][t];
-                double ds = (double)sv, dq = (double)qv;
-                // rare: fp32 overflowed (or NaN/Inf inputs), or products may have fallen below its
-                // normal range: recompute the stage in fp64
-                if (!isfinite(sv) || !isfinite(qv) || (sv != 0.0f && fminf(sv, RHO ? qv : sv) < SR_LOW)) {
-                    ds = dq = 0.0;
-                    for (i64 k = ks; k < kend; ++k) {
-                        const double x = r0 + r < R ? (double)bf16_to_f32(left[(r0 + r) * sr + k * sk]) : 0.0;
-                        ds = fma(fabs(x), s_rta64[k - ks][t], ds);
-                        if (RHO) dq = fma(x * x, s_rtq64[k - ks][t], dq);
-                    }
-                }
-                s_s[r * SR_TT + t][tid] += ds;
-                s_q[r * SR_TT + t][tid] += dq;
-            }
+    for (int i = 0; i < SR_STAGES - 1; ++i) {
+        if (i < stages)
+            load_stage<KMAJ, RHO>(s_a + i * (SR_A_BYTES / 2), s_b + i * 3 * SR_B_ELEMS, left, R, sr, sk, mode, r0,
+                                  kb + (i64)i * SR_BK, ke, rt, rta, rtq, nt, j0);
+        cp_async_commit();
     }
+    for (int stage = 0; stage < stages; ++stage) {
+        cp_async_wait_older();
+        __syncthreads();  // this stage is in; every warp is done with the buffer refilled next
+        const int next = stage + SR_STAGES - 1, nbuf = next % SR_STAGES, buf = stage % SR_STAGES;
+        if (next < stages)
+            load_stage<KMAJ, RHO>(s_a + nbuf * (SR_A_BYTES / 2), s_b + nbuf * 3 * SR_B_ELEMS, left, R, sr, sk, mode, r0,
+                                  kb + (i64)next * SR_BK, ke, rt, rta, rtq, nt, j0);
+        cp_async_commit();
+        const u16* sa = s_a + buf * (SR_A_BYTES / 2);
+        const double* sb = s_b + buf * 3 * SR_B_ELEMS;
+        uint4 rowv[4];  // row-major: this thread's 8 k of each of its 4 rows
+        if (!KMAJ) {
+#pragma unroll
+            for (int h = 0; h < 4; ++h) rowv[h] = *reinterpret_cast<const uint4*>(sa + (wr + 8 * h) * SR_BK + 8 * q);
+        }
+#pragma unroll
+        for (int s = 0; s < 8; s += 2) {
+            // v[mb][step][half]: L of rows wr + 16·mb + 8·half at the steps' k, exact in fp64
+            double v[2][2][2];
+#pragma unroll
+            for (int h = 0; h < 4; ++h)
+#pragma unroll
+                for (int u = 0; u < 2; ++u) {
+                    u32 bits;
+                    if (KMAJ) {
+                        bits = sa[(4 * (s + u) + q) * SR_KM_LD + wr + 8 * h];
+                    } else {
+                        const u32 w[4] = {rowv[h].x, rowv[h].y, rowv[h].z, rowv[h].w};
+                        bits = (w[(s + u) >> 1] >> (16 * ((s + u) & 1))) & 0xffffu;
+                    }
+                    v[h >> 1][u][h & 1] = (double)bf16_to_f32(bits);
+                }
+#pragma unroll
+            for (int st = 0; st < 3; ++st) {
+                if (st == 2 && !RHO) continue;
+#pragma unroll
+                for (int nb = 0; nb < 2; ++nb) {
+                    const double b0 = sb[st * SR_B_ELEMS + (s * 2 + nb) * 32 + lane];
+                    const double b1 = sb[st * SR_B_ELEMS + ((s + 1) * 2 + nb) * 32 + lane];
+#pragma unroll
+                    for (int mb = 0; mb < 2; ++mb) {
+                        double x[2][2];  // L, |L| or L² (exact)
+#pragma unroll
+                        for (int u = 0; u < 2; ++u)
+#pragma unroll
+                            for (int hf = 0; hf < 2; ++hf) {
+                                const double y = v[mb][u][hf];
+                                x[u][hf] = st == 0 ? y : st == 1 ? fabs(y) : y * y;
+                            }
+                        mma_k8(acc[st][mb][nb], x, b0, b1);
+                    }
+                }
+            }
+        }
+    }
+    cp_async_wait_all();  // no copy outlives the CTA (the trailing groups are empty)
 
     const i64 plane = (i64)gridDim.z * R * nt;  // one of the three outputs, every split
 #pragma unroll
-    for (int r = 0; r < SR_TR; ++r) {
-        const i64 row = r0 + r;
-        if (row >= R) continue;
+    for (int mb = 0; mb < 2; ++mb)
 #pragma unroll
-        for (int t = 0; t < SR_TT; ++t) {
-            if (j0 + t >= nt) continue;
-            const i64 o = ((i64)split * R + row) * nt + j0 + t;
-            part[o] = sum[r][t];
-            part[plane + o] = s_s[r * SR_TT + t][tid];
-            part[2 * plane + o] = s_q[r * SR_TT + t][tid];
+        for (int i = 0; i < 4; i += 2) {
+            const i64 row = r0 + wr + 16 * mb + 4 * i;  // i = 2: 8 rows down
+            if (row >= R) continue;
+#pragma unroll
+            for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const int j = j0 + nb * 8 + 2 * q + c;
+                    if (j >= nt) continue;
+                    const i64 o = ((i64)split * R + row) * nt + j;
+#pragma unroll
+                    for (int st = 0; st < 3; ++st) part[st * plane + o] = (st < stats) ? acc[st][mb][nb][i + c] : 0.0;
+                }
         }
-    }
 }
 
-extern "C" __global__ void __launch_bounds__(SR_THREADS)
+// the layout follows the load mode: k-major where rows are contiguous, or the smaller stride is the rows'
+template <bool RHO>
+__device__ __forceinline__ void sr_entry(const u16* left, i64 R, i64 K, i64 sr, i64 sk, int mode, const double* rt,
+                                         const double* rta, const double* rtq, int nt, i64 k_split, double* part) {
+    extern __shared__ __align__(16) unsigned char sr_smem[];  // SR_SMEM bytes: the stages of L, then of the statistics
+    u16* s_a = reinterpret_cast<u16*>(sr_smem);
+    double* s_b = reinterpret_cast<double*>(sr_smem + SR_STAGES * SR_A_BYTES);
+    if (mode == SR_VEC_R || (mode == SR_SCALAR && sr < sk))
+        sr_main<true, RHO>(s_a, s_b, left, R, K, sr, sk, mode, rt, rta, rtq, nt, k_split, part);
+    else
+        sr_main<false, RHO>(s_a, s_b, left, R, K, sr, sk, mode, rt, rta, rtq, nt, k_split, part);
+}
+
+extern "C" __global__ void __launch_bounds__(SR_THREADS, 2)
 aegis_sr_main(const u16* __restrict__ left, i64 R, i64 K, i64 sr, i64 sk, int mode, const double* __restrict__ rt,
               const double* __restrict__ rta, const double* __restrict__ rtq, int nt, i64 k_split, double* __restrict__ part) {
-    sr_main<true>(left, R, K, sr, sk, mode, rt, rta, rtq, nt, k_split, part);
+    sr_entry<true>(left, R, K, sr, sk, mode, rt, rta, rtq, nt, k_split, part);
 }
 
-extern "C" __global__ void __launch_bounds__(SR_THREADS)
+extern "C" __global__ void __launch_bounds__(SR_THREADS, 2)
 aegis_sr_main_norho(const u16* __restrict__ left, i64 R, i64 K, i64 sr, i64 sk, int mode, const double* __restrict__ rt,
                     const double* __restrict__ rta, const double* __restrict__ rtq, int nt, i64 k_split,
                     double* __restrict__ part) {
-    sr_main<false>(left, R, K, sr, sk, mode, rt, rta, rtq, nt, k_split, part);
+    sr_entry<false>(left, R, K, sr, sk, mode, rt, rta, rtq, nt, k_split, part);
 }
 
 extern "C" __global__ void __launch_bounds__(SR_RED_THREADS)

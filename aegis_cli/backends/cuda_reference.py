@@ -4,11 +4,13 @@
                                                   reference, which the CPU path runs), (R, nt) fp64
     tile_abs_sums(x, t) -> (M, nt) fp64           Σ|x| over column tiles (Device.tile_abs_sums)
 
-One pass over the bf16 left operand (never an fp64 copy of it): sums in fp64, s and ρ² in fp32 per
-64-deep stage added in fp64 (the kernel's header states the error bounds). Three launches on
+One pass over the bf16 left operand (never an fp64 copy of it): the three products on the fp64
+tensor cores (DMMA), exact fp64 operands and fp64 accumulation, so the errors are of order
+K·2⁻⁵³·s as the torch reference's (the kernel's header says why). Three launches on
 torch's current stream, through the one loader/launcher, no synchronisation: the tile statistics
 of the right operand, the products (K split over CTAs), and the reduction of the splits in split
-order. The split count follows the shape alone, so the bits repeat for a shape on any device.
+order. The split count follows the shape alone, so the bits repeat for a shape on any device of
+one architecture.
 Importing this module does not import CuPy or touch CUDA.
 """
 
@@ -21,12 +23,14 @@ import torch
 from aegis_cli.backends import loader
 
 KERNEL = "sensor_reference.cu"
-ROWS, TILES, BK = 512, 4, 64  # SR_ROWS, SR_TT, SR_BK of the kernel
+ROWS, TILES, BK = 128, 16, 32  # SR_BM, SR_BN, SR_BK of the kernel
 MAIN_THREADS, STAT_THREADS, RED_THREADS = 128, 256, 256
+SMEM = 3 * (32 * 136 * 2 + 3 * 512 * 8)  # SR_SMEM: three stages of L (k-major: 32 × 136 bf16) and of the statistics
 TARGET_CTAS = 1024  # enough CTAs for a few waves on a large GPU; fixed, so splits follow the shape only
-MIN_SPLIT = 4 * BK  # k per CTA at least: the partials' traffic stays small beside the products
+MIN_SPLIT = 8 * BK  # k per CTA at least: the partials' traffic stays small beside the products
 MAX_GRID = 1 << 16
 SCALAR, VEC_K, VEC_R = 0, 1, 2  # the kernel's load modes
+DEFINES: dict[str, int] = {}  # build defines (SR_MMA_K: 4 or 8); benchmarks/sensor_reference.py compares MMA shapes
 
 
 def applies(left: torch.Tensor, right: torch.Tensor) -> bool:
@@ -53,9 +57,10 @@ def _mode(left: torch.Tensor) -> int:
     return SCALAR
 
 
-def _launch(entry: str, dev: int, grid: tuple[int, ...], block: int, args: list) -> None:
-    func = loader.get_function(KERNEL, entry, device_id=dev)
-    loader.launch(func, grid, block, args, device_id=dev, stream=torch.cuda.current_stream(dev).cuda_stream, label=entry)
+def _launch(entry: str, dev: int, grid: tuple[int, ...], block: int, args: list, smem: int = 0) -> None:
+    func = loader.get_function(KERNEL, entry, device_id=dev, defines=DEFINES, max_dynamic_smem=smem)
+    loader.launch(func, grid, block, args, device_id=dev, stream=torch.cuda.current_stream(dev).cuda_stream, smem=smem,
+                  label=entry)
 
 
 def tile_stats(x: torch.Tensor, t: int, dev: int) -> torch.Tensor:
@@ -96,7 +101,7 @@ def lean_side(left: torch.Tensor, right: torch.Tensor, t: int,
     _launch("aegis_sr_main" if rho else "aegis_sr_main_norho", dev, (-(-r // ROWS), -(-nt // TILES), splits), MAIN_THREADS,
             [ctypes.c_uint64(left.data_ptr()), ctypes.c_int64(r), ctypes.c_int64(k), ctypes.c_int64(sr), ctypes.c_int64(sk_l),
              ctypes.c_int(_mode(left)), *(ctypes.c_uint64(x.data_ptr()) for x in stats), ctypes.c_int(nt),
-             ctypes.c_int64(k_split), ctypes.c_uint64(part.data_ptr())])
+             ctypes.c_int64(k_split), ctypes.c_uint64(part.data_ptr())], SMEM)
     out = torch.empty((3, r, nt), **f64)
     _launch("aegis_sr_reduce", dev, (min(-(-(r * nt) // RED_THREADS), MAX_GRID),), RED_THREADS,
             [ctypes.c_uint64(part.data_ptr()), ctypes.c_int(splits), ctypes.c_int64(r * nt),
