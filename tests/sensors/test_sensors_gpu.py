@@ -181,6 +181,26 @@ def test_sampled_runs_repeat_bit_for_bit_on_cuda():
 
 
 @gpu
+def test_step_boundary_waits_for_the_checks_not_for_the_device():
+    """The boundary waits for each check's own end event, so work queued after the step's last check
+    is still running when step() returns (the optimizer's launches follow at once); every check is
+    read, and a flagged launch is still copied there (test_control.py covers the copies)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(), torch.nn.Linear(512, 256)).to(CUDA, torch.bfloat16)
+    h = instrument(model, SensorConfig(sample_prob=1.0, overhead_budget=None, seed=1))
+    x = torch.randn(64, 256, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+    model(x).float().square().mean().backward()
+    torch.cuda._sleep(400_000_000)  # about 0.2 s of GPU work after the last check
+    after = torch.cuda.Event()
+    after.record()
+    h.step()
+    busy = not after.query()
+    torch.cuda.synchronize()
+    assert busy and h.stats.checked == 6 and not h.unread and h.stats.confirmed == 0
+    uninstrument(model)
+
+
+@gpu
 def test_200_clean_steps_confirm_nothing():
     """Every launch checked, every block's recompute fingerprinted: suspicions may be raised
     (and are counted), none is confirmed or dropped."""
