@@ -116,19 +116,21 @@ def loss_and_grads(model, x, y):
 
 
 @gpu
-def test_instrumented_gpt_matches_the_plain_one_within_bf16_tolerance():
+@pytest.mark.parametrize("prob", [1.0, 0.5])  # 0.5: layers with an unsampled forward and a sampled backward (bias inside)
+def test_instrumented_gpt_matches_the_plain_one_within_bf16_tolerance(prob):
     x, y = on_cuda(next(batches(CFG, 8)))
     with deterministic():
         loss32, g32 = loss_and_grads(cuda_gpt(dtype=torch.float32), x, y)  # fp32 cuBLAS: the yardstick
         model = cuda_gpt()
         loss_bf, g_bf = loss_and_grads(model, x, y)  # the plain bf16 model (cuBLAS)
-        h = instrument(model, SensorConfig(**EVERY))
+        h = instrument(model, SensorConfig(**EVERY, sample_prob=prob, seed=3))
         loss1, g1 = loss_and_grads(model, x, y)
         assert h.step() is Action.CONTINUE
         uninstrument(model)
     s = h.stats_dict()
     linears = 4 * CFG.layers + 1
-    assert s["launches"] == s["checked"] == 3 * linears and s["raised"] == s["confirmed"] == 0, s
+    assert s["launches"] == 3 * linears and s["raised"] == s["confirmed"] == 0, s
+    assert s["checked"] == s["launches"] if prob == 1.0 else 0 < s["checked"] < s["launches"]
     assert h.device_for(x).identity.backend == "cuda"
     assert abs(loss1 - loss_bf) <= 1e-2 * abs(loss_bf)
     assert abs(loss1 - loss32) <= 3 * abs(loss_bf - loss32) + 5e-3
