@@ -17,6 +17,11 @@ each mode, excluded), each step timed to a device synchronisation:
              wgrad rows and columns)
   sampled    each launch sampled with p = --sample-prob (0.01): on average every operator once per
              100 steps; the clean run below checks each exactly at that rate (coverage only)
+  drained    sampled, the device drained (synchronised) before the step boundary: what the
+             boundary cost when the sensors read their comparisons that way (before session 13)
+
+``--profile N``: N steps each of plain, sampled and drained under torch.profiler, the step's GPU
+idle time and extra kernel time attributed (benchmarks/sensors_profile.py).
 
 ``--noise-steps`` steps with every launch checked record, per layout and layer, the clean
 normalised differences |Δ|/σ and what a bias term in σ would make of them (``noise_study``).
@@ -51,12 +56,13 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples" / "train_gpt"))
 
+import sensors_profile  # noqa: E402
 from gpt import GPT, PRESETS, markov_batches  # noqa: E402
+from sensors_noise import noise_study  # noqa: E402
 
 from aegis_cli.sensors import Action, SensorConfig, instrument, uninstrument  # noqa: E402
-from aegis_cli.sensors.sense import BIAS, WGRAD_BOUND  # noqa: E402
 
-MODES = ("plain", "unsampled", "kernels", "every", "sampled")
+MODES = ("plain", "unsampled", "kernels", "every", "sampled", "drained")
 NEVER = 10**9  # coverage_steps that never forces a check within a run
 
 
@@ -67,8 +73,13 @@ def configs(args) -> dict[str, SensorConfig | None]:
         "unsampled": SensorConfig(**never),
         "kernels": SensorConfig(**never),  # run pinned (Bench.window)
         "every": SensorConfig(sample_prob=1.0, overhead_budget=None, queue_size=16, seed=args.seed),
-        "sampled": SensorConfig(sample_prob=args.sample_prob, overhead_budget=None, coverage_steps=100, seed=args.seed),
+        "sampled": sampled_config(args),
+        "drained": sampled_config(args),  # drained at the boundary (Bench.window)
     }
+
+
+def sampled_config(args) -> SensorConfig:
+    return SensorConfig(sample_prob=args.sample_prob, overhead_budget=None, coverage_steps=100, seed=args.seed)
 
 
 def clean_config(args) -> SensorConfig:
@@ -98,14 +109,17 @@ class Bench:
         if self.dev.type == "cuda":
             torch.cuda.synchronize(self.dev)
 
-    def step(self, i: int, handle) -> tuple[float, Action]:
-        """One training step, timed from a synchronised start to a synchronised end."""
+    def step(self, i: int, handle, drain: bool = False) -> tuple[float, Action]:
+        """One training step, timed from a synchronised start to a synchronised end (``drain``: the
+        device synchronised before the sensors' step boundary too)."""
         x, y = self.batches[i % len(self.batches)]
         self.sync()
         t0 = time.perf_counter()
         self.opt.zero_grad(set_to_none=True)
         _, loss = self.model(x, y)
         loss.backward()
+        if drain:
+            self.sync()
         action = handle.step() if handle is not None else Action.CONTINUE
         self.opt.step()
         self.sync()
@@ -117,7 +131,7 @@ class Bench:
         try:
             for _ in range(steps):
                 with handle.pin() if name == "kernels" else contextlib.nullcontext():
-                    dt, action = self.step(next(counter), handle)
+                    dt, action = self.step(next(counter), handle, name == "drained")
                 times.append(dt)
                 stops += action is Action.STOP
         finally:
@@ -146,76 +160,6 @@ def gemm_work(model: torch.nn.Module, tokens: int, tile: tuple[int, int] = (64, 
             gemm += 2 * mm * n * k
             ref += 2 * 2 * mm * k * -(-n // tn) + (2 * 2 * -(-mm // tm) * k * n if cols else 0)
     return {"gemm_tflop": gemm / 1e12, "reference_fp64_tflop": ref / 1e12, "reference_share": ref / gemm if gemm else None}
-
-
-BETAS = (0.0, 1 / 128, 1 / 64, 1 / 32, 1 / 16, 1 / 8)  # candidate bias terms: σ + β·K·2⁻²⁴·Σ|C| over the tile
-
-
-def _study_one(ops, res, noise) -> list[dict]:
-    """Clean normalised differences of one launch's checksums (rows; wgrad also columns) under the
-    sensors' σ and under σ + β·K·2⁻²⁴·Σ|c| (the truncating accumulator's bias follows the partial
-    sums, which for same-sign products grow with |c| rather than with ρ)."""
-    from aegis_cli.ops import numerics
-
-    k = ops.mnk[2]
-    tm, tn = res.tile
-    c = res.c.float().abs_()
-    sides = [(res.row_sums, numerics.lean_side(ops.a_mk, ops.b_kn, tn), numerics.sum_col_tiles(c, tn), "row")]
-    if ops.layout.value == "wgrad":
-        col = tuple(x.t() for x in numerics.lean_side(ops.b_kn.t(), ops.a_mk.t(), tm))
-        sides.append((res.col_sums, col, numerics.sum_row_tiles(c, tm), "col"))
-    out = []
-    for obs, (ref, s, rho), csum, side in sides:
-        delta = ((obs.double() - ref).abs() - numerics.subnormal_slack(k, max(tm, tn))).clamp_(min=0)
-        cap = s * (noise.cap / numerics.DEFAULT_TAU)
-        base = rho * (noise.unit * noise.depth(k))
-        xc = csum.double() * (k * 2.0**-24)
-        sensor = cap * WGRAD_BOUND if ops.layout.value == "wgrad" else torch.minimum(torch.minimum(base, cap) + BIAS * xc, cap)
-        vals = [(delta / torch.minimum(base, cap).clamp(min=1e-300)).amax(), (delta / xc.clamp(min=1e-300)).amax(),
-                (delta / cap.clamp(min=1e-300)).amax(), (s / rho.clamp(min=1e-300)).median(),
-                (delta / sensor.clamp(min=1e-300)).amax()]
-        vals += [(delta / torch.minimum(base + b * xc, cap).clamp(min=1e-300)).amax() for b in BETAS]
-        got = torch.stack(vals).tolist()
-        out.append({"side": side, "d": got[0], "d_over_xc": got[1], "d_over_cap": got[2], "s_over_rho": got[3],
-                    "d_sensor": got[4], "beta": dict(zip(BETAS, got[5:], strict=True))})
-    return out
-
-
-def noise_study(bench, steps: int, counter: itertools.count) -> dict:
-    """``steps`` steps with every launch checked, each check also measured by ``_study_one``;
-    summarised per layout and layer kind (the last two parts of the layer's name)."""
-    from aegis_cli.sensors import sense
-
-    real, seen = sense.sense, []
-
-    def spy(h, device, layer, ops, res, site, key):
-        for r in _study_one(ops, res, device.noise_model(ops.mnk[2])):
-            seen.append({"group": f"{ops.layout.value}:{'.'.join(layer.split('.')[-2:])}", **r})
-        return real(h, device, layer, ops, res, site, key)
-
-    sense.sense = spy
-    try:
-        w = bench.window("every", SensorConfig(sample_prob=1.0, overhead_budget=None, queue_size=16,
-                                               min_verify=0, verify_budget=0.0), steps, counter)
-    finally:
-        sense.sense = real
-    groups: dict[str, dict] = {}
-    for r in seen:
-        g = groups.setdefault(r["group"], {"checks": 0, "d": [], "d_over_xc": 0.0, "d_over_cap": 0.0, "s_over_rho": [], "d_sensor": 0.0,
-                                          "beta_max": dict.fromkeys(BETAS, 0.0), "beta_over_tau": dict.fromkeys(BETAS, 0)})
-        g["checks"] += 1
-        g["d"].append(r["d"])
-        g["s_over_rho"].append(r["s_over_rho"])
-        g["d_over_xc"], g["d_over_cap"] = max(g["d_over_xc"], r["d_over_xc"]), max(g["d_over_cap"], r["d_over_cap"])
-        g["d_sensor"] = max(g["d_sensor"], r["d_sensor"])
-        for b, v in r["beta"].items():
-            g["beta_max"][b] = max(g["beta_max"][b], v)
-            g["beta_over_tau"][b] += v > 3.5
-    for g in groups.values():
-        d = sorted(g.pop("d"))
-        g["d_max"], g["d_p50"], g["d_p99"] = d[-1], d[len(d) // 2], d[min(len(d) - 1, int(0.99 * len(d)))]
-        g["s_over_rho_median"] = statistics.median(g.pop("s_over_rho"))
-    return {"steps": steps, "checks": len(seen), "stats": w.get("stats"), "groups": groups}
 
 
 def summarise(times: list[float]) -> dict:
@@ -354,6 +298,8 @@ def run(args) -> dict:
     if bench is not None and "error" not in result["setup"]:
         part(result, "warmup", warmup)
         part(result, "interleaved", interleaved)
+        if args.profile > 0:
+            part(result, "profile", lambda: sensors_profile.run(bench, sampled_config(args), args.profile, counter))
         if args.noise_steps > 0:
             part(result, "noise", lambda: noise_study(bench, args.noise_steps, counter))
         if args.clean_steps > 0:
@@ -379,7 +325,8 @@ def table(result: dict) -> str:
     lines.append("mode                      mean step   overhead vs plain   vs unsampled")
     for name, label in (("plain", "plain (torch GEMMs)"), ("unsampled", "instrumented, unsampled"),
                         ("kernels", "checked kernels, pinned"), ("every", "every Linear checked"),
-                        ("sampled", f"sampled p={result['args']['sample_prob']} (window)")):
+                        ("sampled", f"sampled p={result['args']['sample_prob']} (window)"),
+                        ("drained", "sampled, drained boundary")):
         r = inter.get(name) or {}
         if r.get("mean_s") is None:
             lines.append(f"{label:<25} {'-':>9}   {r.get('error', inter.get('error', 'not run'))[:60]}")
@@ -407,9 +354,11 @@ def table(result: dict) -> str:
     for name, g in sorted((result.get("noise") or {}).get("groups", {}).items()):
         lines.append(f"noise {name:<18} checks {g['checks']:>4}  |Δ|/σ max {g['d_max']:7.3g} p99 {g['d_p99']:7.3g}  "
                      f"|Δ|/(K·2⁻²⁴Σ|c|) {g['d_over_xc']:6.3g}  ÷cap {g['d_over_cap']:6.3g}  sensors' σ: max {g['d_sensor']:6.3g}")
-    for name in ("setup", "warmup", "interleaved", "noise", "clean", "plain_after"):
+    for name in ("setup", "warmup", "interleaved", "profile", "noise", "clean", "plain_after"):
         if isinstance(result.get(name), dict) and "error" in result[name]:
             lines.append(f"{name} FAILED: {result[name]['error'][:150]}")
+    if "profile" in result:
+        lines += sensors_profile.table(result["profile"])
     lines.append(f"total {result.get('total_s')} s")
     return "\n".join(lines)
 
@@ -424,10 +373,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="measured steps per mode and round")
     p.add_argument("--rounds", type=int, default=2, help="rounds of the interleaved modes")
     p.add_argument("--sample-prob", type=float, default=0.01, help="the sampled mode's per-launch probability")
-    p.add_argument("--modes", type=lambda v: v.split(","), default=list(MODES), help=f"interleaved modes (plain always): {','.join(MODES)}")
+    p.add_argument("--modes", type=lambda v: v.split(","), default=list(MODES[:-1]),
+                   help=f"interleaved modes (plain always): {','.join(MODES)} (default: all but drained)")
     p.add_argument("--clean-steps", type=int, default=1000, help="steps of the clean run (0: none)")
     p.add_argument("--clean-config", choices=("default", "coverage"), default="default",
                    help="the clean run's config: SensorConfig() or each operator exactly once per 100 steps")
+    p.add_argument("--profile", type=int, default=0, help="steps of plain, sampled and drained each under torch.profiler (0: none)")
     p.add_argument("--noise-steps", type=int, default=0, help="steps of the clean-noise study, every launch checked (0: none)")
     p.add_argument("--time-budget", type=float, default=240.0, help="seconds for the whole run: the clean run stops there")
     p.add_argument("--lr", type=float, default=3e-4)

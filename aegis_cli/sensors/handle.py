@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import time
 import weakref
 from collections import deque
@@ -41,6 +42,13 @@ def _rank(config: SensorConfig) -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+@functools.lru_cache(maxsize=16)
+def _cuda_device(key: str, _kernel: str | None) -> Device:
+    """The CUDA Device of ``key`` ("cuda:N"), made once per process (and kernel choice): it reads
+    its identity from NVML, which each handle would otherwise pay again inside its first checked step."""
+    return get_backend("cuda").device(int(key.partition(":")[2]))
+
+
 def _put_back(ref: weakref.ref, inner) -> None:
     """Restore a module's checkpoint function; the handle holds the module weakly (as _HANDLES holds the model)."""
     m = ref()
@@ -66,7 +74,7 @@ class SensorHandle:
         self.step_index = 0
         self.sensing = True  # off while the verifier re-runs work
         self._pinned = 0  # > 0 inside a fingerprinted region: every GEMM on the checked kernel (sense.run_gemm)
-        self.enqueued = False  # checked kernels launched since the last synchronisation (sense.launch)
+        self.enqueued = False  # unsampled checked kernels launched since the last synchronisation (sense.run_gemm)
         self.unread: list = []  # sampled launches whose comparisons are enqueued, not yet read (sense.resolve)
         self.unread_bytes = 0
         self.nondeterministic: set[str] = set()  # regions whose recompute cannot be compared bit for bit
@@ -99,8 +107,8 @@ class SensorHandle:
         key = "cpu" if self.config.device == "cpu" or t.device.type != "cuda" else f"cuda:{t.device.index or 0}"
         dev = self._devices.get(key)
         if dev is None:
-            name, _, idx = key.partition(":")
-            dev = self._devices[key] = get_backend(name).device(int(idx or 0))
+            dev = self._devices[key] = (_cuda_device(key, os.environ.get("AEGIS_CUDA_KERNEL")) if key != "cpu"
+                                        else get_backend("cpu").device(0))
         return dev
 
     def fault_for(self, device: Device) -> FaultPlan | None:
@@ -198,8 +206,8 @@ class SensorHandle:
     def step(self) -> Action:
         """End a step: verify queued suspicions within the verifier's budget, adapt sampling and
         thresholds, and return the strongest action asked for (then reset to CONTINUE)."""
-        sense.resolve(self)  # this step's comparisons: one synchronisation when there are any
-        if self.enqueued:  # checked kernels were only enqueued (pinned regions): their failures surface here
+        sense.resolve(self)  # this step's comparisons: waits for each one's end event, never drains the device
+        if self.enqueued:  # unsampled checked kernels were only enqueued (pinned regions): their failures surface here
             for dev in list(self._devices.values()):
                 dev.synchronize()
             self.enqueued = False

@@ -9,11 +9,14 @@ stores them in (ops/gemm.py ``Layout``):
 bf16 operands, fp32 accumulation, bf16 results cast to the model's dtype: the arithmetic of a
 bf16 training step. A checked ``forward`` is set on the instance (the class and its code are
 untouched); ``restore`` deletes it again. The bias is added outside the function, so autograd
-derives its gradient as for any Linear.
+derives its gradient as for any Linear (but on the fast path below).
 
 On a CUDA device, where the layer already computes in bf16 (bf16 tensors, or autocast to bf16),
 the layer's three launches are decided at its forward; when none is sampled it runs torch's own
 Linear, exactly as uninstrumented: an unsampled layer costs a few coin draws and nothing else.
+When some are, the bias goes into the function: an unsampled forward is then torch's Linear
+forward (cuBLAS with the bias fused, as uninstrumented) instead of a GEMM and a separate add over
+the whole output, and the function returns the bias's gradient itself.
 """
 
 from __future__ import annotations
@@ -54,6 +57,13 @@ class _Site:
     def gemm(self, layout: Layout, a: torch.Tensor, b: torch.Tensor, sampled: bool | None) -> torch.Tensor:
         return run_gemm(self.h, self.layer, layout, a.to(BF16).contiguous(), b.to(BF16).contiguous(), sampled)
 
+    @staticmethod
+    def linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """torch's Linear forward of bf16 operands (an unsampled forward on the fast path): cuBLAS
+        with the bias fused into the GEMM, as F.linear (autocast's or not) computes it."""
+        with torch.autocast(x2.device.type, enabled=False):
+            return torch.addmm(bias.to(BF16), x2.to(BF16), weight.to(BF16).t())
+
     def fast(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether torch's own Linear computes what the unsampled path would (bf16 operands and result,
         on a CUDA device the sensors run on), so a layer none of whose GEMMs is sampled can run it."""
@@ -78,17 +88,22 @@ class _Site:
 
 
 class CheckedLinearFunction(torch.autograd.Function):
-    """Y = X·Wᵀ (no bias) with forward, dgrad and wgrad on the checked GEMM. ``decided``: the three
-    launches' sampling, drawn at forward time (None: each launch asks the controller itself)."""
+    """Y = X·Wᵀ (+ bias, given only with ``decided``) with forward, dgrad and wgrad on the checked
+    GEMM. ``decided``: the three launches' sampling, drawn at forward time (None: each launch asks
+    the controller itself)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, site: _Site, out_dtype: torch.dtype,
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, site: _Site, out_dtype: torch.dtype,
                 decided: tuple[bool, bool, bool] | None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        c = site.gemm(Layout.FWD, x2, weight, decided and decided[0])  # (tokens, out)
         ctx.save_for_backward(x, weight)
         ctx.site, ctx.decided = site, decided
-        return c.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        if bias is not None and not decided[0]:
+            return site.linear(x2, weight, bias).to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
+        c = site.gemm(Layout.FWD, x2, weight, decided and decided[0])  # (tokens, out)
+        y = c.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
+        return y if bias is None else y + bias.to(y.dtype)  # the checked kernel has no bias: added as outside
 
     @staticmethod
     def backward(ctx, gy: torch.Tensor):
@@ -96,24 +111,26 @@ class CheckedLinearFunction(torch.autograd.Function):
         site: _Site = ctx.site
         decided = ctx.decided
         g2 = gy.reshape(-1, weight.shape[0])  # (tokens, out)
-        dx = dw = None
+        dx = dw = db = None
+        if ctx.needs_input_grad[2]:  # as autograd derives it for the bias added outside
+            db = g2.sum(0).to(ctx.bias_dtype)
         if ctx.needs_input_grad[0]:
             dx = site.gemm(Layout.DGRAD, g2, weight, decided and decided[1]).to(x.dtype).reshape(x.shape)  # (tokens, in)
         if ctx.needs_input_grad[1]:
             dw = site.gemm(Layout.WGRAD, g2, x.reshape(-1, x.shape[-1]), decided and decided[2]).to(weight.dtype)  # (out, in)
-        return dx, dw, None, None, None
+        return dx, dw, db, None, None, None
 
 
 def _checked_forward(site: _Site, original):
     def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == 0 or self.weight.numel() == 0:  # an empty GEMM: nothing to check, and kernels refuse it
             return original(x)
-        decided = None
         if site.fast(x, self.weight, self.bias):
             decided = site.draw(x, self.weight)
             if decided is None:  # nothing sampled: torch's Linear, as uninstrumented (cuBLAS, fused bias)
                 return original(x)
-        y = CheckedLinearFunction.apply(x, self.weight, site, _out_dtype(x), decided)
+            return CheckedLinearFunction.apply(x, self.weight, self.bias, site, _out_dtype(x), decided)
+        y = CheckedLinearFunction.apply(x, self.weight, None, site, _out_dtype(x), None)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     return forward

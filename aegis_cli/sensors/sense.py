@@ -17,8 +17,10 @@ a fingerprinted checkpoint region (``SensorHandle.pinned``: its forward, its rec
 verifier's re-runs must compute the same bits).
 
 On CUDA a checked launch is only enqueued (``CudaDevice.prepare`` and ``run``), and so is its
-comparison (``sense``), timed by CUDA events: ``resolve`` reads every comparison of the step at the
-step boundary with one synchronisation (a fault while a kernel runs surfaces there too).
+comparison (``sense``: the reference kernel, one comparison kernel, a copy of its few summary
+numbers to pinned host memory), timed by CUDA events: ``resolve`` reads every comparison of the
+step at the step boundary, waiting for each check's end event, not for the whole device (a fault
+while a kernel runs surfaces there too).
 Self-tests run through ``Device.checked_gemm`` as a scan does.
 """
 
@@ -30,11 +32,13 @@ from dataclasses import dataclass
 
 import torch
 
+from aegis_cli.backends import cuda_compare
 from aegis_cli.backends.base import Device
 from aegis_cli.backends.cuda import CudaDevice
 from aegis_cli.checks import gemm as checks
 from aegis_cli.faults.spec import FaultPlan
 from aegis_cli.ops import numerics
+from aegis_cli.ops.errors import DeviceError
 from aegis_cli.ops.gemm import GemmOperands, GemmResult, Layout, ReferenceChecksums
 from aegis_cli.sensors.queue import nbytes
 
@@ -88,6 +92,31 @@ BIAS = 1 / 32
 WGRAD_BOUND = 2.0
 
 
+@dataclass(frozen=True)
+class Sigma:
+    """The coefficients of the sensors' σ of one check (``sigma_of``), from the device's noise model at K."""
+
+    u: float  # σ per ρ: the scan's unit·K^power
+    p: float  # σ per s at the device's accumulation bound (cap ÷ τ)
+    b: float  # the bias term per Σ|c|: BIAS·K·2⁻²⁴
+    w: float  # wgrad's σ per s: WGRAD_BOUND·p
+
+    @classmethod
+    def of(cls, noise: numerics.NoiseModel, k: int) -> Sigma:
+        per_s = noise.cap / numerics.DEFAULT_TAU
+        return cls(noise.unit * noise.depth(k), per_s, BIAS * k * 2.0**-24, WGRAD_BOUND * per_s)
+
+
+def sigma_of(s: torch.Tensor, rho: torch.Tensor | None, c_abs: torch.Tensor | None, c: Sigma) -> torch.Tensor:
+    """σ of sums with magnitudes ``s``: s·w without ρ (wgrad on a truncating device); else the
+    scan's min(ρ·u, s·p), plus the bias term Σ|c|·b given ``c_abs``, never above s·p. The torch
+    twin of kernels/sensor_compare.cu (the same operations in the same order)."""
+    if rho is None:
+        return s * c.w
+    base = torch.minimum(rho * c.u, s * c.p)  # NoiseModel.scale
+    return base if c_abs is None else torch.minimum(base + c_abs * c.b, s * c.p)
+
+
 def sensor_noise(ops: GemmOperands, res: GemmResult, ref: ReferenceChecksums, noise: numerics.NoiseModel,
                  truncating: bool, device: Device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The sensors' σ of the row and column sums: on a device whose accumulation chops
@@ -96,13 +125,12 @@ def sensor_noise(ops: GemmOperands, res: GemmResult, ref: ReferenceChecksums, no
     Σ|c| by ``device.tile_abs_sums`` (a kernel on CUDA), else torch's."""
     if not truncating:
         return ref.noise()
-    per_s = noise.cap / numerics.DEFAULT_TAU  # σ ÷ s at the device's accumulation bound
+    c = Sigma.of(noise, ops.mnk[2])
     if ops.layout is Layout.WGRAD:
-        return ref.row_scale * (WGRAD_BOUND * per_s), ref.col_scale * (WGRAD_BOUND * per_s)
-    k = ops.mnk[2]
+        return ref.row_scale * c.w, ref.col_scale * c.w
     tn = res.tile[1]
     c_abs = numerics.abs_col_tiles(res.c, tn) if device is None else device.tile_abs_sums(res.c, tn)  # Σ|c| per checksum
-    row = torch.minimum(ref.row_noise + c_abs * (BIAS * k * 2.0**-24), ref.row_scale * per_s)
+    row = torch.minimum(ref.row_noise + c_abs * c.b, ref.row_scale * c.p)
     return row, ref.col_noise
 
 
@@ -121,13 +149,22 @@ class Pending:
     tau: float
     floor: float
     parts: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]  # (check, normalised diff, sums, reference)
-    summary: torch.Tensor  # the largest diff of each part, then 1.0 if every input was finite, on the device
+    summary: torch.Tensor  # the largest diff of each part, then 1.0 if every input was finite: on the host (pinned on CUDA)
     versions: tuple[int, ...]
-    timer: tuple | float  # CUDA (start, end) events, or seconds on the CPU
+    timer: tuple | float  # CUDA (start, end) events, the end after the summary's copy to the host; or seconds on the CPU
     nbytes: int
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.ops.a, self.ops.b, self.res.c
+
+    def wait(self) -> None:
+        """Until the comparison and its summary's copy are done (the CUDA end event; nothing on the CPU)."""
+        if isinstance(self.timer, float):
+            return
+        try:
+            self.timer[1].synchronize()
+        except Exception as exc:
+            raise DeviceError(f"{self.device.identity.id}: asynchronous failure: {exc}") from exc
 
     def seconds(self) -> float:
         if isinstance(self.timer, float):
@@ -136,23 +173,49 @@ class Pending:
         return start.elapsed_time(end) / 1e3
 
 
+Side = tuple  # (check, sums, reference, s, ρ or None, Σ|c| or None, floor)
+
+
+def _sides(ops: GemmOperands, res: GemmResult, truncating: bool, device: Device | None) -> list[Side]:
+    """What a check compares: the row sums (wgrad also the column sums) with the lean references
+    (``Device.lean_side``: a kernel on CUDA; torch's without a device) and, for forward and dgrad on
+    a truncating device, Σ|c| (``tile_abs_sums``). wgrad's σ on a truncating device follows s alone:
+    no ρ computed there."""
+    side = numerics.lean_side if device is None else device.lean_side
+    tm, tn = res.tile
+    k = ops.mnk[2]
+    both = ops.layout is Layout.WGRAD
+    rho = not (both and truncating)
+    row, s, r = side(ops.a_mk, ops.b_kn, tn, rho)
+    c_abs = None
+    if truncating and not both:
+        c_abs = numerics.abs_col_tiles(res.c, tn) if device is None else device.tile_abs_sums(res.c, tn)
+    if not both:
+        return [("gemm.row_checksum", res.row_sums, row, s, r, c_abs, numerics.subnormal_slack(k, tn))]
+    floor = numerics.subnormal_slack(k, max(tm, tn))
+    col, cs, cr = (None if x is None else x.t() for x in side(ops.b_kn.t(), ops.a_mk.t(), tm, rho))
+    return [("gemm.row_checksum", res.row_sums, row, s, r, None, floor), ("gemm.col_checksum", res.col_sums, col, cs, cr, None, floor)]
+
+
 def enqueue(ops: GemmOperands, res: GemmResult, noise: numerics.NoiseModel, truncating: bool,
             device: Device | None = None):
     """The comparison, left on the device: (parts, summary). Differences are in units of the
-    sensors' σ (``sensor_noise``); non-finite inputs have no reference and are not flagged. The
+    sensors' σ (``sigma_of``); non-finite inputs have no reference and are not flagged. The
     reference and Σ|c| are ``device``'s (``Device.lean_side``, ``tile_abs_sums``: kernels on
-    CUDA), torch's without one."""
-    both = ops.layout is Layout.WGRAD
-    # wgrad's σ on a truncating device follows s alone (sensor_noise): no ρ, no scan σ to compute
-    ref = numerics.reference_checksums(ops, res.tile, None if both and truncating else noise, lean=True, cols=both,
-                                       side=None if device is None else device.lean_side)
-    row_unit, col_unit = sensor_noise(ops, res, ref, noise, truncating, device)
-    parts = [("gemm.row_checksum", numerics.normalised_diff(res.row_sums, ref.row, row_unit, ref.floor), res.row_sums, ref.row)]
-    if both:
-        parts.append(("gemm.col_checksum", numerics.normalised_diff(res.col_sums, ref.col, col_unit, ref.floor),
-                      res.col_sums, ref.col))
-    scales = (ref.row_scale, ref.col_scale) if both else (ref.row_scale,)
-    finite = torch.isfinite(torch.stack([x.sum() for x in scales])).all().double()
+    CUDA), torch's without one; on CUDA the σ, differences, maxima and finite flag are one kernel
+    (backends/cuda_compare.py), the bits of the torch path here."""
+    sides = _sides(ops, res, truncating, device)
+    c = Sigma.of(noise, ops.mnk[2])
+    home = res.row_sums.device
+    if isinstance(device, CudaDevice) and home.type == "cuda":
+        summary = cuda_compare.new_summary(len(sides), home)
+        args = [x[1:] for x in sides]
+        if cuda_compare.applies(args, summary):
+            ds = cuda_compare.compare(args, c.u, c.p, c.b, c.w, summary)
+            return [(name, d, sums, ref) for (name, sums, ref, *_), d in zip(sides, ds, strict=True)], summary
+    parts = [(name, numerics.normalised_diff(sums, ref, sigma_of(s, r, c_abs, c), floor), sums, ref)
+             for name, sums, ref, s, r, c_abs, floor in sides]
+    finite = torch.stack([torch.isfinite(x[3]).all() for x in sides]).all().double()
     return parts, torch.stack([d.max() for _, d, _, _ in parts] + [finite])
 
 
@@ -177,8 +240,9 @@ def snapshot(ops: GemmOperands, res: GemmResult) -> tuple[GemmOperands, GemmResu
 
 def sense(h, device: Device, layer: str, ops: GemmOperands, res: GemmResult, site: str, key: str) -> None:
     """Enqueue the comparison of one sampled launch at this operator's τ, timed on the device (CUDA
-    events) without a host synchronisation; ``resolve`` reads it at the step boundary, or here
-    when the launches waiting hold more than PENDING_BYTES (on the CPU: at once)."""
+    events) without a host synchronisation, and the copy of its summary (a few numbers) to pinned
+    host memory; ``resolve`` reads it at the step boundary, or here when the launches waiting hold
+    more than PENDING_BYTES (on the CPU: at once)."""
     floor = h.config.thresholds.tau
     tau = h.controller.tau(key, floor)
     cuda = isinstance(device, CudaDevice)
@@ -191,6 +255,8 @@ def sense(h, device: Device, layer: str, ops: GemmOperands, res: GemmResult, sit
     k = ops.mnk[2]
     parts, summary = enqueue(ops, res, device.noise_model(k), device.accumulation_bound(k) > 0, device)
     if cuda:
+        if summary.is_cuda:  # read back at the boundary by waiting for this check's end event alone
+            summary = torch.empty(summary.shape, dtype=summary.dtype, pin_memory=True).copy_(summary, non_blocking=True)
         end.record(stream)
     pend = Pending(layer, site, key, device, ops, res, tau, floor, parts, summary, tuple(t._version for t in (ops.a, ops.b, res.c)),
                    (start, end) if cuda else time.perf_counter() - t0, nbytes((ops.a, ops.b, res.c)))
@@ -201,21 +267,20 @@ def sense(h, device: Device, layer: str, ops: GemmOperands, res: GemmResult, sit
 
 
 def resolve(h) -> None:
-    """Read every enqueued comparison (one synchronisation, one read-back), charge each its device
-    time, and raise a suspicion for each flag. A flagged launch whose tensors were changed in place
-    since is not copied (the copy would not be what was checked): it is counted unverified."""
+    """Read every enqueued comparison, charge each its device time, and raise a suspicion for each
+    flag. The host waits for each check's own end event (its summary is then in host memory), never
+    for the whole device: the work queued after the step's last check (the rest of backward) keeps
+    the GPU busy while the host reads, copies what was flagged and issues the optimizer step. A
+    flagged launch is copied here, before anything the host issues later can change its tensors;
+    one whose tensors were changed in place since is not copied (the copy would not be what was
+    checked): it is counted unverified."""
     pend, h.unread, h.unread_bytes = h.unread, [], 0
-    if not pend:
-        return
-    for dev in {id(p.device): p.device for p in pend}.values():
-        dev.synchronize()
-    home = pend[0].summary.device
-    values = torch.cat([p.summary.to(home) for p in pend]).tolist()
-    at = 0
+    for p in pend:
+        p.wait()
     for p in pend:
         n = len(p.parts)
-        worst, finite = values[at:at + n], values[at + n]
-        at += n + 1
+        values = p.summary.tolist()
+        worst, finite = values[:n], values[n]
         seconds = p.seconds()
         h.controller.spent(p.key, seconds)
         h.add_sense_time(seconds)
@@ -276,7 +341,8 @@ def run_gemm(h, layer: str, layout: Layout, a: torch.Tensor, b: torch.Tensor, sa
         m, n, k = ops.mnk
         site = op_id(layer, layout, m, n, k)
         res = launch(device, ops, fault, site)
-        h.enqueued = True
-        if sampled:
+        if sampled:  # its failures surface when resolve waits for its comparison
             sense(h, device, layer, ops, res, site, key)
+        else:  # pinned: its failures surface at the step boundary's synchronisation
+            h.enqueued = True
     return res.c.to(home)

@@ -244,3 +244,32 @@ def test_a_layer_with_nothing_sampled_runs_torchs_own_linear(monkeypatch):
     h.step()
     uninstrument(model)
     assert h.stats.launches == h.stats.checked == 3 * 9 and h.stats.raised == 0
+
+
+def test_the_bias_inside_the_function_is_linears():
+    """The CUDA fast path's form (a layer with some launch sampled, its bias inside the function):
+    an unsampled forward is F.linear's own addmm, bit for bit; a sampled one adds the bias after the
+    checked GEMM; the bias's gradient is the sum autograd forms; x and W get theirs within bf16."""
+    import torch.nn.functional as F
+
+    from aegis_cli.sensors.linear import CheckedLinearFunction, _Site
+
+    model = mlp()
+    h = instrument(model, SensorConfig(sample_prob=0.0, overhead_budget=None, coverage_steps=10**9))
+    site = _Site(h, "probe")
+    g = torch.Generator().manual_seed(2)
+    x0, w0, b0 = (torch.randn(s, generator=g).to(torch.bfloat16) for s in ((3, 8, 32), (16, 32), (16,)))
+    want = [t.clone().requires_grad_() for t in (x0, w0, b0)]
+    y_want = F.linear(*want)
+    y_want.float().square().sum().backward()
+    for decided in ((False, True, False), (True, False, True)):
+        got = [t.clone().requires_grad_() for t in (x0, w0, b0)]
+        y = CheckedLinearFunction.apply(*got, site, torch.bfloat16, decided)
+        y.float().square().sum().backward()
+        if not decided[0]:
+            assert torch.equal(y, y_want)
+        assert rel(y.detach(), y_want.detach()) < 2e-2
+        assert torch.allclose(got[2].grad.float(), want[2].grad.float(), rtol=2e-2, atol=1e-2)
+        assert all(rel(a.grad, b.grad) < 3e-2 for a, b in zip(got[:2], want[:2], strict=True))
+    assert h.stats.checked == 3  # the three sampled launches were compared (CPU: at once)
+    uninstrument(model)

@@ -101,3 +101,33 @@ def test_sensor_noise_adds_the_bias_term_and_bounds_wgrad():
         want = torch.minimum(ref.row_noise + c_abs * (sense.BIAS * k * 2.0**-24), ref.row_scale * per_s)
         assert torch.allclose(row, want, rtol=1e-12, atol=0) and col is ref.col_noise
         assert (row >= ref.row_noise).all() and (row <= ref.row_scale * per_s * (1 + 1e-12)).all()
+
+
+def test_enqueued_comparison_is_the_reference_checksums_and_sensor_noise_one():
+    """sense.enqueue's torch path (``_sides`` + ``sigma_of``, the fused kernel's twin) gives the bits
+    of the composition it replaced: the lean reference_checksums, sensor_noise's σ, normalised_diff;
+    and the finite flag falls with a non-finite input."""
+    from aegis_cli.backends.cpu import CpuDevice
+    from aegis_cli.sensors import sense
+
+    k = 300
+    noise = _noise(k)
+    for layout in Layout:
+        ops = _ops(layout, 70, 200, k, "normal", 9)
+        res = CpuDevice().checked_gemm(ops)
+        res = type(res)(**{**res.__dict__, "tile": (64, 128)})
+        both = layout is Layout.WGRAD
+        for trunc in (False, True):
+            ref = numerics.reference_checksums(ops, (64, 128), None if both and trunc else noise, lean=True, cols=both)
+            row, col = sense.sensor_noise(ops, res, ref, noise, trunc)
+            want = [numerics.normalised_diff(res.row_sums, ref.row, row, ref.floor)]
+            if both:
+                want.append(numerics.normalised_diff(res.col_sums, ref.col, col, ref.floor))
+            parts, summary = sense.enqueue(ops, res, noise, trunc)
+            assert [p[0] for p in parts] == ["gemm.row_checksum", "gemm.col_checksum"][:len(want)]
+            assert all(torch.equal(p[1], w) for p, w in zip(parts, want, strict=True))
+            assert summary.tolist() == [float(w.max()) for w in want] + [1.0]
+    bad = ops.a.clone()
+    bad[1, 2] = float("inf")
+    res = CpuDevice().checked_gemm(GemmOperands(bad, ops.b, ops.layout))
+    assert float(sense.enqueue(GemmOperands(bad, ops.b, ops.layout), res, noise, True)[1][-1]) == 0.0

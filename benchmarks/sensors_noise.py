@@ -1,0 +1,82 @@
+"""The clean-noise study of ``benchmarks/sensors_overhead.py --noise-steps N``: steps with every
+launch checked, each check's clean normalised differences per layout and layer, under the sensors'
+σ and under candidate bias terms (how BIAS and WGRAD_BOUND of aegis_cli/sensors/sense.py were chosen)."""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+
+import torch
+
+from aegis_cli.sensors import SensorConfig
+from aegis_cli.sensors.sense import BIAS, WGRAD_BOUND
+
+BETAS = (0.0, 1 / 128, 1 / 64, 1 / 32, 1 / 16, 1 / 8)  # candidate bias terms: σ + β·K·2⁻²⁴·Σ|C| over the tile
+
+
+def _study_one(ops, res, noise) -> list[dict]:
+    """Clean normalised differences of one launch's checksums (rows; wgrad also columns) under the
+    sensors' σ and under σ + β·K·2⁻²⁴·Σ|c| (the truncating accumulator's bias follows the partial
+    sums, which for same-sign products grow with |c| rather than with ρ)."""
+    from aegis_cli.ops import numerics
+
+    k = ops.mnk[2]
+    tm, tn = res.tile
+    c = res.c.float().abs_()
+    sides = [(res.row_sums, numerics.lean_side(ops.a_mk, ops.b_kn, tn), numerics.sum_col_tiles(c, tn), "row")]
+    if ops.layout.value == "wgrad":
+        col = tuple(x.t() for x in numerics.lean_side(ops.b_kn.t(), ops.a_mk.t(), tm))
+        sides.append((res.col_sums, col, numerics.sum_row_tiles(c, tm), "col"))
+    out = []
+    for obs, (ref, s, rho), csum, side in sides:
+        delta = ((obs.double() - ref).abs() - numerics.subnormal_slack(k, max(tm, tn))).clamp_(min=0)
+        cap = s * (noise.cap / numerics.DEFAULT_TAU)
+        base = rho * (noise.unit * noise.depth(k))
+        xc = csum.double() * (k * 2.0**-24)
+        sensor = cap * WGRAD_BOUND if ops.layout.value == "wgrad" else torch.minimum(torch.minimum(base, cap) + BIAS * xc, cap)
+        vals = [(delta / torch.minimum(base, cap).clamp(min=1e-300)).amax(), (delta / xc.clamp(min=1e-300)).amax(),
+                (delta / cap.clamp(min=1e-300)).amax(), (s / rho.clamp(min=1e-300)).median(),
+                (delta / sensor.clamp(min=1e-300)).amax()]
+        vals += [(delta / torch.minimum(base + b * xc, cap).clamp(min=1e-300)).amax() for b in BETAS]
+        got = torch.stack(vals).tolist()
+        out.append({"side": side, "d": got[0], "d_over_xc": got[1], "d_over_cap": got[2], "s_over_rho": got[3],
+                    "d_sensor": got[4], "beta": dict(zip(BETAS, got[5:], strict=True))})
+    return out
+
+
+def noise_study(bench, steps: int, counter: itertools.count) -> dict:
+    """``steps`` steps with every launch checked, each check also measured by ``_study_one``;
+    summarised per layout and layer kind (the last two parts of the layer's name)."""
+    from aegis_cli.sensors import sense
+
+    real, seen = sense.sense, []
+
+    def spy(h, device, layer, ops, res, site, key):
+        for r in _study_one(ops, res, device.noise_model(ops.mnk[2])):
+            seen.append({"group": f"{ops.layout.value}:{'.'.join(layer.split('.')[-2:])}", **r})
+        return real(h, device, layer, ops, res, site, key)
+
+    sense.sense = spy
+    try:
+        w = bench.window("every", SensorConfig(sample_prob=1.0, overhead_budget=None, queue_size=16,
+                                               min_verify=0, verify_budget=0.0), steps, counter)
+    finally:
+        sense.sense = real
+    groups: dict[str, dict] = {}
+    for r in seen:
+        g = groups.setdefault(r["group"], {"checks": 0, "d": [], "d_over_xc": 0.0, "d_over_cap": 0.0, "s_over_rho": [], "d_sensor": 0.0,
+                                          "beta_max": dict.fromkeys(BETAS, 0.0), "beta_over_tau": dict.fromkeys(BETAS, 0)})
+        g["checks"] += 1
+        g["d"].append(r["d"])
+        g["s_over_rho"].append(r["s_over_rho"])
+        g["d_over_xc"], g["d_over_cap"] = max(g["d_over_xc"], r["d_over_xc"]), max(g["d_over_cap"], r["d_over_cap"])
+        g["d_sensor"] = max(g["d_sensor"], r["d_sensor"])
+        for b, v in r["beta"].items():
+            g["beta_max"][b] = max(g["beta_max"][b], v)
+            g["beta_over_tau"][b] += v > 3.5
+    for g in groups.values():
+        d = sorted(g.pop("d"))
+        g["d_max"], g["d_p50"], g["d_p99"] = d[-1], d[len(d) // 2], d[min(len(d) - 1, int(0.99 * len(d)))]
+        g["s_over_rho_median"] = statistics.median(g.pop("s_over_rho"))
+    return {"steps": steps, "checks": len(seen), "stats": w.get("stats"), "groups": groups}
