@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import torch
+from sensor_reference import timed  # benchmarks/ is on sys.path beside this module
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from aegis_cli.backends import cuda_compare
@@ -208,20 +209,6 @@ def table(prof: dict) -> list[str]:
     return lines
 
 
-def _gpu_ms(fn, reps: int = 5) -> float:
-    """Median GPU milliseconds of ``fn``'s work, its launches queued behind a GPU sleep (host gaps hidden)."""
-    times = []
-    for _ in range(reps):
-        torch.cuda._sleep(20_000_000)  # ~10 ms: the host queues fn's launches before the GPU reaches them
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def compare_costs(bench) -> list[dict]:
     """Per GEMM of the model (one Linear of each shape, every layout): GPU ms of the comparison given
     the references, by torch's elementwise path and by the fused kernel (the sensors' choice on CUDA)."""
@@ -254,7 +241,7 @@ def compare_costs(bench) -> list[dict]:
                 summary = cuda_compare.new_summary(len(sides), bench.dev)
                 cuda_compare.compare(sides, c.u, c.p, c.b, c.w, summary)
 
-            out.append({"gemm": f"{fin}x{fout}/{layout.value}", "mnk": [m, n, k], "torch_ms": _gpu_ms(torch_path),
-                        "fused_ms": _gpu_ms(fused), "reference_ms": _gpu_ms(lambda ops=ops, res=res: sense._sides(ops, res, True, dev))})
+            out.append({"gemm": f"{fin}x{fout}/{layout.value}", "mnk": [m, n, k], "torch_ms": timed(torch_path, 5),
+                        "fused_ms": timed(fused, 5), "reference_ms": timed(lambda ops=ops, res=res: sense._sides(ops, res, True, dev), 5)})
             del a, b, ops, res, sides
     return out
