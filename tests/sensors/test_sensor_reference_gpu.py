@@ -160,3 +160,39 @@ def test_tile_abs_sums_match_torch(dev):
         for t in (64, 128):
             got, want = dev.tile_abs_sums(x, t), numerics.abs_col_tiles(x, t)
             assert got.shape == want.shape and float(((got - want).abs() / want).max()) <= 1e-15
+
+
+def _stat_cases() -> list[tuple[str, torch.Tensor, int]]:
+    """(mode, bf16 (K, N) tensor, t): every mode of the statistics, ragged ends and the lane counts of t."""
+    rows = _bf16((300, 1008), 20, False)
+    wt = _bf16((1032, 520), 21, True)  # the transpose of a (520, 1032) row-major tensor: k contiguous
+    return [("vec-cols", rows[:, :1000], 128), ("vec-cols", rows[:, :1001], 64), ("vec-cols", rows[:, :1003], 96),
+            ("vec-cols", rows[:, :1001], 8), ("vec-cols", _bf16((70, 2056), 22, False)[:, :2049], 1024),
+            ("vec-cols", _bf16((5, 8), 23, False)[:, :7], 64), ("vec-cols", _bf16((3000, 520), 24, False, 0.02), 128),
+            ("vec-k", wt, 128), ("vec-k", wt[:1027], 64), ("vec-k", wt[:5, :300], 128), ("vec-k", wt[:100, :7], 8),
+            ("vec-k", _bf16((2048, 1000), 25, True, 0.02), 128),
+            ("cols", rows[:, 1:1000], 128), ("cols", rows[:, ::2], 64), ("cols", rows[:, :1000], 100),
+            ("k", _bf16((1031, 300), 26, True), 128), ("k", wt[1:], 64),
+            ("k", rows.t()[1:, ::3], 64), ("cols", _bf16((1031, 300), 26, True)[::2], 64)]
+
+
+def test_tile_statistics_in_every_mode_are_torch_sums(dev):
+    """Σ and Σ|·| of each (row, tile) equal torch's fp64 sums bit for bit (sums of bf16 values,
+    exact in fp64 in any order on such data), Σ·² within 2(t+2)·2⁻⁵³ relative (non-negative
+    terms, other orders); Σ|·| alone (tile_abs_sums) the statistics' bits; repeats bit-identical."""
+    from aegis_cli.backends import cuda_reference as cr
+
+    names = {cr.ST_VEC_COLS: "vec-cols", cr.ST_VEC_K: "vec-k", cr.ST_COLS: "cols", cr.ST_K: "k"}
+    for mode, x, t in _stat_cases():
+        assert names[cr.stats_mode(x, t)[0]] == mode, (mode, x.shape, x.stride(), t)
+        k, n = x.shape
+        nt = -(-n // t)
+        x3 = torch.nn.functional.pad(x, (0, nt * t - n)).reshape(k, nt, t).double()
+        got = cr.tile_stats(x, t, 0)
+        assert got.shape == (3, k, nt) and got.dtype == torch.float64
+        assert torch.equal(got[0], x3.sum(-1)) and torch.equal(got[1], x3.abs().sum(-1)), (mode, x.shape, t)
+        want_sq = x3.square().sum(-1)
+        assert float(((got[2] - want_sq).abs() / want_sq).max()) <= 2 * (t + 2) * 2.0**-53, (mode, x.shape, t)
+        assert torch.equal(cr.tile_stats(x, t, 0), got), (mode, x.shape, t)
+        abs_only = cr.tile_abs_sums(x, t)
+        assert torch.equal(abs_only, got[1]) and torch.equal(abs_only, numerics.abs_col_tiles(x, t)), (mode, x.shape, t)
