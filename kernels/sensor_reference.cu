@@ -8,17 +8,26 @@
 //     rho[i, j]  = sqrt(Σ_k L[i,k]² · rtq[k,j]) rtq = Σ_{c∈tile j} R[k,c]²
 // one pass over L (2 bytes an element, never an fp64 copy), three launches:
 //
-// aegis_sr_stats   rt, rta, rtq (K, nt) fp64 from the bf16 right operand (any strides): one warp
-//                  per (k, tile) where columns are contiguous (lanes in order, then a fixed
-//                  shuffle tree), else one thread per (k, tile), columns in order. Exact sums of
-//                  bf16 values (their exponents span less than fp64's 53 bits in any tile of real
-//                  data), else one fp64 rounding each.
+// aegis_sr_stats   rt, rta, rtq (K, nt) fp64 from the bf16 right operand (any strides), at memory
+//                  bandwidth where a dimension is contiguous and 16-byte aligned: columns
+//                  contiguous (t a multiple of 8), G lanes per (k, tile) (about 4 vectors of 8
+//                  columns a lane, G from t), 16-byte loads, then a xor tree over the G lanes; k
+//                  contiguous (aegis_sr_stats_k), a warp per (64 k, tile), 8 k a lane by 16-byte
+//                  loads, 4 column slices, then a xor tree over them. Else scalar loads: a warp
+//                  per (k, tile) (lanes in order, then a shuffle tree), or a thread per (k, tile)
+//                  along contiguous k. Exact sums of bf16 values (their exponents span less than
+//                  fp64's 53 bits in any tile of real data), else one fp64 rounding each; the
+//                  order follows the mode and t (the host's, from strides, alignment and t).
+//                  aegis_sr_abs(_k): rta alone, the same bits (the sensors' Σ|c|: C is the
+//                  largest tensor of a check).
 // aegis_sr_main    the three products on the fp64 tensor cores (DMMA: mma.sync f64, m16n8k8 on
 //                  sm_90, pairs of m8n8k4 before). One CTA: SR_BM rows × SR_BN tiles × one split
 //                  of K (a multiple of SR_BK), 4 warps of 32 rows × 16 tiles, 2 CTAs an SM on
-//                  sm_90 (240 registers). L's bf16 tile of each SR_BK-deep stage is staged through
+//                  sm_90 (246 registers). L's bf16 tile of each SR_BK-deep stage is staged through
 //                  shared memory (cp.async where rows or k are contiguous and aligned, else plain
-//                  loads; SR_STAGES in flight), then converted exactly to fp64 with its |·| and ·²
+//                  loads; SR_STAGES in flight; the k-major stage by 16-byte copies of 8 rows and
+//                  8-byte reads of a thread's 4 adjacent rows where rows are 16-byte aligned,
+//                  SR_KM_PACK), then converted exactly to fp64 with its |·| and ·²
 //                  (exact in fp64: 8-bit significands, exponents well inside fp64's range), so
 //                  2^±100 rows need nothing special and NaN/Inf stay in their rows. All three in
 //                  fp64 with fp64 accumulation: sums within (K+1)·2⁻⁵³·s, s and ρ² within
@@ -41,7 +50,7 @@ typedef long long i64;
 #define SR_BM 128                          // rows per CTA (32 per warp: two m16 blocks)
 #define SR_BN 16                           // tiles per CTA (two n8 blocks, every warp)
 #define SR_BK 32                           // k per stage (8 MMA k-steps of 4)
-#define SR_KM_LD (SR_BM + 8)               // row stride of the k-major stage (conflict-free reads)
+#define SR_KM_LD (SR_BM + 16)              // row stride of the k-major stage: k rows 8 banks apart (conflict-free reads)
 #define SR_A_BYTES (SR_BK * SR_KM_LD * 2)  // one stage of L, either layout
 #define SR_B_ELEMS (8 * 2 * 32)            // one statistic of one stage, in fragment order
 #define SR_STAGES 3                        // stages in flight: two stream in while one is multiplied
@@ -54,11 +63,15 @@ typedef long long i64;
 #ifndef SR_MMA_K
 #define SR_MMA_K 8                         // k of one fp64 MMA on sm_90 (4: m16n8k4)
 #endif
+#ifndef SR_KM_PACK
+#define SR_KM_PACK 1                       // k-major stage: 16-byte copies, a thread's 4 rows adjacent (0: 8-byte copies, rows 8 apart)
+#endif
 
 // load modes of the left operand (host-checked alignment)
 #define SR_SCALAR 0   // any strides: one element at a time
 #define SR_VEC_K 1    // k contiguous, rows 16-byte aligned: 8 k per 16-byte cp.async
 #define SR_VEC_R 2    // rows contiguous, 8-byte aligned: 4 rows per 8-byte cp.async
+#define SR_VEC_R16 3  // rows contiguous, 16-byte aligned: 8 rows per 16-byte cp.async (8-byte ones unless SR_KM_PACK)
 
 __device__ __forceinline__ float bf16_to_f32(u32 bits) { return __uint_as_float(bits << 16); }
 
@@ -297,7 +310,9 @@ aegis_sr_abs_k(const u16* __restrict__ x, i64 K, i64 N, i64 sk, i64 sn, int t, i
 // A stage of L in shared memory has one of two layouts (a template parameter):
 //   row-major  [SR_BM][SR_BK] (k contiguous; k-contiguous operands): MMA k-step s of the thread
 //              with threadID_in_group q reads k = 8q + s (its 8 k in one 16-byte read per row);
-//   k-major    [SR_BK][SR_KM_LD] (rows contiguous; transposed operands): k = 4s + q.
+//   k-major    [SR_BK][SR_KM_LD] (rows contiguous; transposed operands): k = 4s + q; with SR_KM_PACK
+//              the MMA rows of a thread (g, g + 8 of each m16 block) are 4 adjacent rows 4g … 4g + 3
+//              of its warp's 32, one 8-byte read per k (rows 8 apart, 2-byte reads, without).
 // The statistics of a stage are stored in fragment order, [stat][s][n8 block][lane], holding
 // stat[k(s, q)][block·8 + groupID] for lane = 4·groupID + q: one conflict-free 8-byte read each.
 
@@ -358,7 +373,14 @@ __device__ __forceinline__ void load_stage(u16* __restrict__ sa, double* __restr
             const i64 n = (row < R && k < ke) ? min((i64)8, ke - k) : 0;
             cp_async(sa + r * SR_BK + 8 * c, n ? left + row * sr + k : left, 16, (int)(2 * n));
         }
-    } else if (mode == SR_VEC_R) {  // k-major: 4 rows per 8-byte copy
+    } else if (mode == SR_VEC_R16 && SR_KM_PACK) {  // k-major: 8 rows per 16-byte copy
+        for (int e = tid; e < SR_BK * (SR_BM / 8); e += SR_THREADS) {
+            const int kk = e / (SR_BM / 8), r = 8 * (e % (SR_BM / 8));
+            const i64 row = r0 + r, k = k0 + kk;
+            const i64 n = (row < R && k < ke) ? min((i64)8, R - row) : 0;
+            cp_async(sa + kk * SR_KM_LD + r, n ? left + row + k * sk : left, 16, (int)(2 * n));
+        }
+    } else if (mode == SR_VEC_R || mode == SR_VEC_R16) {  // k-major: 4 rows per 8-byte copy
         for (int e = tid; e < SR_BK * (SR_BM / 4); e += SR_THREADS) {
             const int kk = e / (SR_BM / 4), r = 4 * (e % (SR_BM / 4));
             const i64 row = r0 + r, k = k0 + kk;
@@ -400,6 +422,8 @@ __device__ __forceinline__ void sr_main(u16* __restrict__ s_a, double* __restric
     const i64 ke = min(kb + k_split, K);
     const int stats = RHO ? 3 : 2;
     const int wr = warp * 32 + g;  // this thread's first row in the stage; then +8, +16, +24
+    const bool pack = KMAJ && SR_KM_PACK;
+    const int wp = warp * 32 + 4 * g;  // packed: this thread's 4 adjacent rows, MMA rows g, g + 8 of block 0, then of block 1
 
     double acc[3][2][2][4];  // [stat][m16 block][n8 block][fragment]
 #pragma unroll
@@ -440,12 +464,19 @@ __device__ __forceinline__ void sr_main(u16* __restrict__ s_a, double* __restric
         for (int s = 0; s < 8; s += 2) {
             // v[mb][step][half]: L of rows wr + 16·mb + 8·half at the steps' k, exact in fp64
             double v[2][2][2];
+            uint2 packed[2];
+            if (pack) {
+#pragma unroll
+                for (int u = 0; u < 2; ++u) packed[u] = *reinterpret_cast<const uint2*>(sa + (4 * (s + u) + q) * SR_KM_LD + wp);
+            }
 #pragma unroll
             for (int h = 0; h < 4; ++h)
 #pragma unroll
                 for (int u = 0; u < 2; ++u) {
                     u32 bits;
-                    if (KMAJ) {
+                    if (pack) {
+                        bits = ((h < 2 ? packed[u].x : packed[u].y) >> (16 * (h & 1))) & 0xffffu;
+                    } else if (KMAJ) {
                         bits = sa[(4 * (s + u) + q) * SR_KM_LD + wr + 8 * h];
                     } else {
                         const u32 w[4] = {rowv[h].x, rowv[h].y, rowv[h].z, rowv[h].w};
@@ -483,7 +514,7 @@ __device__ __forceinline__ void sr_main(u16* __restrict__ s_a, double* __restric
     for (int mb = 0; mb < 2; ++mb)
 #pragma unroll
         for (int i = 0; i < 4; i += 2) {
-            const i64 row = r0 + wr + 16 * mb + 4 * i;  // i = 2: 8 rows down
+            const i64 row = r0 + (pack ? wp + 2 * mb + (i >> 1) : wr + 16 * mb + 4 * i);  // i = 2: the block's row g + 8
             if (row >= R) continue;
 #pragma unroll
             for (int nb = 0; nb < 2; ++nb)
@@ -505,7 +536,7 @@ __device__ __forceinline__ void sr_entry(const u16* left, i64 R, i64 K, i64 sr, 
     extern __shared__ __align__(16) unsigned char sr_smem[];  // SR_SMEM bytes: the stages of L, then of the statistics
     u16* s_a = reinterpret_cast<u16*>(sr_smem);
     double* s_b = reinterpret_cast<double*>(sr_smem + SR_STAGES * SR_A_BYTES);
-    if (mode == SR_VEC_R || (mode == SR_SCALAR && sr < sk))
+    if (mode == SR_VEC_R || mode == SR_VEC_R16 || (mode == SR_SCALAR && sr < sk))
         sr_main<true, RHO>(s_a, s_b, left, R, K, sr, sk, mode, rt, rta, rtq, nt, k_split, part);
     else
         sr_main<false, RHO>(s_a, s_b, left, R, K, sr, sk, mode, rt, rta, rtq, nt, k_split, part);

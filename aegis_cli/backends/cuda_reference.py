@@ -25,12 +25,12 @@ from aegis_cli.backends import loader
 KERNEL = "sensor_reference.cu"
 ROWS, TILES, BK = 128, 16, 32  # SR_BM, SR_BN, SR_BK of the kernel
 MAIN_THREADS, STAT_THREADS, RED_THREADS = 128, 256, 256
-SMEM = 3 * (32 * 136 * 2 + 3 * 512 * 8)  # SR_SMEM: three stages of L (k-major: 32 × 136 bf16) and of the statistics
+SMEM = 3 * (32 * 144 * 2 + 3 * 512 * 8)  # SR_SMEM: three stages of L (k-major: 32 × 144 bf16) and of the statistics
 TARGET_CTAS = 1024  # enough CTAs for a few waves on a large GPU; fixed, so splits follow the shape only
 MIN_SPLIT = 8 * BK  # k per CTA at least: the partials' traffic stays small beside the products
 MAX_GRID = 1 << 16
-SCALAR, VEC_K, VEC_R = 0, 1, 2  # the kernel's load modes
-DEFINES: dict[str, int] = {}  # build defines (SR_MMA_K: 4 or 8); benchmarks/sensor_reference.py compares MMA shapes
+SCALAR, VEC_K, VEC_R, VEC_R16 = 0, 1, 2, 3  # the kernel's load modes
+DEFINES: dict[str, int] = {}  # build defines (SR_MMA_K, SR_KM_PACK); benchmarks/sensor_reference.py compares builds
 
 
 def applies(left: torch.Tensor, right: torch.Tensor) -> bool:
@@ -52,6 +52,8 @@ def _mode(left: torch.Tensor) -> int:
     sr, sk = left.stride()
     if sk == 1 and sr % 8 == 0 and left.data_ptr() % 16 == 0:
         return VEC_K
+    if sr == 1 and sk % 8 == 0 and left.data_ptr() % 16 == 0:
+        return VEC_R16
     if sr == 1 and sk % 4 == 0 and left.data_ptr() % 8 == 0:
         return VEC_R
     return SCALAR
