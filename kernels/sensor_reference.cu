@@ -25,9 +25,9 @@
 //                  of K (a multiple of SR_BK), 4 warps of 32 rows × 16 tiles, 2 CTAs an SM on
 //                  sm_90 (246 registers). L's bf16 tile of each SR_BK-deep stage is staged through
 //                  shared memory (cp.async where rows or k are contiguous and aligned, else plain
-//                  loads; SR_STAGES in flight; the k-major stage by 16-byte copies of 8 rows and
-//                  8-byte reads of a thread's 4 adjacent rows where rows are 16-byte aligned,
-//                  SR_KM_PACK), then converted exactly to fp64 with its |·| and ·²
+//                  loads; SR_STAGES in flight; the k-major stage by 16-byte copies of 8 rows where
+//                  rows are 16-byte aligned, and read 4 adjacent rows at a time: SR_KM_PACK), then
+//                  converted exactly to fp64 with its |·| and ·²
 //                  (exact in fp64: 8-bit significands, exponents well inside fp64's range), so
 //                  2^±100 rows need nothing special and NaN/Inf stay in their rows. All three in
 //                  fp64 with fp64 accumulation: sums within (K+1)·2⁻⁵³·s, s and ρ² within
