@@ -12,8 +12,11 @@ on CUDA; also from an idle GPU, the host's launch gaps counted), and its parts: 
 Checks the kernel against the torch reference (|Δ sums| in units of σ, s and ρ relative) and its
 repeatability, and lists the top kernels by CUDA time (torch.profiler) of one check each way.
 Also times the kernel's sides alone (``cuda_reference.lean_side`` of each side the check computes:
-statistics, products, reduction), their rate in fp64 multiply-adds per second, and the same with
-the products built on m16n8k4 instead of m16n8k8 (``--mma-k``, the kernel's SR_MMA_K).
+statistics, products, reduction), their rate in fp64 multiply-adds per second, and the same in
+other builds of the kernel (``--builds``, e.g. SR_KM_PACK=0: the k-major stage of 8-byte copies
+and 2-byte reads; SR_MMA_K=4: the products on m16n8k4); and the statistics alone (the right
+operand of each side, ``tile_stats``, and Σ|c|, ``tile_abs_sums``, where the check reads it) with
+the bytes they move a second.
 Writes DIR/sensor_reference.json (DIR: --out, else $OUT, else .) and prints a table last.
 """
 
@@ -94,9 +97,13 @@ def agreement(ops, res, noise, dev) -> dict:
     return out
 
 
-def sides_alone(ops, tile, rho: bool, reps: int, mma_k: list[int]) -> dict:
-    """The kernel's sides of one check alone (rows; wgrad also columns): ms per build of the
-    products' MMA shape, and the rate of the default build in fp64 multiply-adds per second."""
+def build_name(build: str) -> str:
+    return build.replace("=", "").lower()
+
+
+def sides_alone(ops, tile, rho: bool, reps: int, builds: list[str]) -> dict:
+    """The kernel's sides of one check alone (rows; wgrad also columns): ms of the default build
+    and of each of ``builds`` (NAME=VALUE defines), and the default's rate in fp64 multiply-adds per second."""
     sides = [(ops.a_mk, ops.b_kn, tile[1])]
     if ops.layout is Layout.WGRAD:
         sides.append((ops.b_kn.t(), ops.a_mk.t(), tile[0]))
@@ -105,16 +112,36 @@ def sides_alone(ops, tile, rho: bool, reps: int, mma_k: list[int]) -> dict:
         for left, right, t in sides:
             cuda_reference.lean_side(left, right, t, rho)
 
-    out = {}
-    for k in [8, *mma_k]:
+    out = {"sides_ms": timed(fn, reps)}
+    for build in builds:
+        name, value = build.split("=")
         cuda_reference.DEFINES.clear()
-        if k != 8:
-            cuda_reference.DEFINES["SR_MMA_K"] = k
-        out[f"sides_k{k}_ms"] = timed(fn, reps)
+        cuda_reference.DEFINES[name] = int(value)
+        out[f"sides_{build_name(build)}_ms"] = timed(fn, reps)
     cuda_reference.DEFINES.clear()
     fma = sum((3 if rho else 2) * left.shape[0] * left.shape[1] * -(-right.shape[1] // t) for left, right, t in sides)
-    out["sides_tfma"] = fma / out["sides_k8_ms"] / 1e9
+    out["sides_tfma"] = fma / out["sides_ms"] / 1e9
     return out
+
+
+def stats_alone(ops, res, reps: int) -> dict:
+    """The statistics of one check alone: those of the right operand of each side (rows; wgrad also
+    columns) and Σ|c| (forward and dgrad: wgrad's σ follows s): ms, and TB/s of bf16 read plus fp64 written."""
+    tm, tn = res.tile
+    wgrad = ops.layout is Layout.WGRAD
+    stats = [(ops.b_kn, tn)] + ([(ops.a_mk.t(), tm)] if wgrad else [])
+    abs_c = [] if wgrad else [(res.c, tn)]
+
+    def fn():
+        for x, t in stats:
+            cuda_reference.tile_stats(x, t, 0)
+        for x, t in abs_c:
+            cuda_reference.tile_abs_sums(x, t)
+
+    nbytes = sum(2 * x.numel() + 8 * w * x.shape[0] * -(-x.shape[1] // t) for w, group in ((3, stats), (1, abs_c))
+                 for x, t in group)
+    ms = timed(fn, reps)
+    return {"stats_ms": ms, "stats_tbs": nbytes / ms / 1e9}
 
 
 def top_kernels(fn, n: int = 8) -> list[dict]:
@@ -133,7 +160,7 @@ def top_kernels(fn, n: int = 8) -> list[dict]:
 def run(args) -> dict:
     dev = CudaDevice(0)
     cuda = "cuda:0"
-    out: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "mma_k": args.mma_k, "shapes": []}
+    out: dict = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "builds": args.builds, "shapes": []}
     for name in LINEARS:
         for layout in Layout:
             ops = operands(name, layout, cuda, 7)
@@ -166,7 +193,8 @@ def run(args) -> dict:
                    "enqueue_kernel_idle_ms": timed(lambda ops=ops, res=res, noise=noise, trunc=trunc:
                                                    sense.enqueue(ops, res, noise, trunc, dev), args.reps, busy=False),
                    **agreement(ops, res, noise, dev),
-                   **sides_alone(ops, res.tile, ref_noise is not None, args.reps, args.mma_k)}
+                   **sides_alone(ops, res.tile, ref_noise is not None, args.reps, args.builds),
+                   **stats_alone(ops, res, args.reps)}
             if row["op"] in args.profile:
                 row["profile_torch"] = top_kernels(lambda ops=ops, res=res, noise=noise, trunc=trunc: sense.enqueue(ops, res, noise, trunc))
                 row["profile_kernel"] = top_kernels(lambda ops=ops, res=res, noise=noise, trunc=trunc:
@@ -177,8 +205,8 @@ def run(args) -> dict:
             torch.cuda.empty_cache()
     # the coverage floor checks every operator equally often: 22 layers of the four block Linears, one head
     weights = [1 if r["op"].startswith("head") else 22 for r in out["shapes"]]
-    for key in ("enqueue_torch_ms", "enqueue_kernel_ms", "enqueue_kernel_idle_ms", "ref_kernel_ms", "sides_k8_ms",
-                *(f"sides_k{k}_ms" for k in args.mma_k)):
+    for key in ("enqueue_torch_ms", "enqueue_kernel_ms", "enqueue_kernel_idle_ms", "ref_kernel_ms", "sides_ms", "stats_ms",
+                *(f"sides_{build_name(b)}_ms" for b in args.builds)):
         out[f"per_check_{key}"] = sum(w * r[key] for w, r in zip(weights, out["shapes"], strict=True)) / sum(weights)
     return out
 
@@ -187,31 +215,33 @@ def table(out: dict) -> str:
     lines = [f"{out['gpu']}, torch {out['torch']}: one check (sense.enqueue), ms by CUDA events",
              f"{'op':<18} {'M×N×K':>19} {'gemm':>7} {'torch':>7} {'kernel':>7} {'idle':>7} {'ref t':>7} {'ref k':>7} {'σ,diff':>7}"
              f" {'Δ/σ':>8} {'s rel':>8} {'σ rel':>8} rep {'sides':>7} {'TFMA/s':>6}"
-             + "".join(f" {'k' + str(k):>7}" for k in out["mma_k"])]
+             + "".join(f" {b.rsplit('_', 1)[-1].lower()[-7:]:>7}" for b in out["builds"]) + f" {'stats':>7} {'TB/s':>5}"]
     for r in out["shapes"]:
         lines.append(f"{r['op']:<18} {'×'.join(map(str, r['mnk'])):>19} {r['gemm_ms']:7.3f} {r['enqueue_torch_ms']:7.3f} "
                      f"{r['enqueue_kernel_ms']:7.3f} {r['enqueue_kernel_idle_ms']:7.3f} {r['ref_torch_ms']:7.3f} "
                      f"{r['ref_kernel_ms']:7.3f} {r['noise_diff_ms']:7.3f} "
                      f"{r['sum_sigma']:8.1e} {r['s_rel']:8.1e} {r['sigma_rel']:8.1e} {'yes' if r['repeats'] else 'NO ':<3} "
-                     f"{r['sides_k8_ms']:7.3f} {r['sides_tfma']:6.1f}" + "".join(f" {r[f'sides_k{k}_ms']:7.3f}" for k in out["mma_k"]))
+                     f"{r['sides_ms']:7.3f} {r['sides_tfma']:6.1f}"
+                     + "".join(f" {r[f'sides_{build_name(b)}_ms']:7.3f}" for b in out["builds"])
+                     + f" {r['stats_ms']:7.3f} {r['stats_tbs']:5.2f}")
     lines.append(f"per check at the coverage floor (operators weighted as the model has them), GPU time: torch "
                  f"{out['per_check_enqueue_torch_ms']:.3f} ms, kernel {out['per_check_enqueue_kernel_ms']:.3f} ms "
                  f"(kernel from an idle GPU, host gaps included: {out['per_check_enqueue_kernel_idle_ms']:.3f} ms); "
-                 f"its reference {out['per_check_ref_kernel_ms']:.3f} ms, its sides alone {out['per_check_sides_k8_ms']:.3f} ms"
-                 + "".join(f", with m16n8k{k} {out[f'per_check_sides_k{k}_ms']:.3f} ms" for k in out["mma_k"]))
-    for r in out["shapes"]:
-        for key in ("profile_torch", "profile_kernel"):
-            for p in r.get(key, []):
-                lines.append(f"  {r['op']} {key[8:]:<6} {p['ms']:8.4f} ms  {p['calls']:>3}×  {p['kernel']}")
-    return "\n".join(lines)
+                 f"its reference {out['per_check_ref_kernel_ms']:.3f} ms, its sides alone {out['per_check_sides_ms']:.3f} ms"
+                 + "".join(f", built with {b} {out[f'per_check_sides_{build_name(b)}_ms']:.3f} ms" for b in out["builds"])
+                 + f"; its statistics alone {out['per_check_stats_ms']:.3f} ms")
+    profiles = [f"  {r['op']} {key[8:]:<6} {p['ms']:8.4f} ms  {p['calls']:>3}×  {p['kernel']}"
+                for r in out["shapes"] for key in ("profile_torch", "profile_kernel") for p in r.get(key, [])]
+    return "\n".join(profiles + lines)
 
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=10)
-    p.add_argument("--profile", nargs="*", default=["mlp.fc/wgrad", "head/dgrad"], help="ops whose top kernels to list")
+    p.add_argument("--profile", nargs="*", default=["mlp.fc/wgrad", "head/fwd", "head/wgrad"], help="ops whose top kernels to list")
     p.add_argument("--out", default=os.environ.get("OUT") or ".")
-    p.add_argument("--mma-k", type=int, nargs="*", default=[4], choices=[4], help="other MMA k of the products to time")
+    p.add_argument("--builds", nargs="*", default=["SR_KM_PACK=0"],
+                   help="other builds of the kernel to time the sides in, NAME=VALUE defines (SR_KM_PACK=0, SR_MMA_K=4)")
     args = p.parse_args(argv)
     out = run(args)
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -8,17 +8,26 @@
 //     rho[i, j]  = sqrt(Σ_k L[i,k]² · rtq[k,j]) rtq = Σ_{c∈tile j} R[k,c]²
 // one pass over L (2 bytes an element, never an fp64 copy), three launches:
 //
-// aegis_sr_stats   rt, rta, rtq (K, nt) fp64 from the bf16 right operand (any strides): one warp
-//                  per (k, tile) where columns are contiguous (lanes in order, then a fixed
-//                  shuffle tree), else one thread per (k, tile), columns in order. Exact sums of
-//                  bf16 values (their exponents span less than fp64's 53 bits in any tile of real
-//                  data), else one fp64 rounding each.
+// aegis_sr_stats   rt, rta, rtq (K, nt) fp64 from the bf16 right operand (any strides), at memory
+//                  bandwidth where a dimension is contiguous and 16-byte aligned: columns
+//                  contiguous (t a multiple of 8), G lanes per (k, tile) (about 4 vectors of 8
+//                  columns a lane, G from t), 16-byte loads, then a xor tree over the G lanes; k
+//                  contiguous (aegis_sr_stats_k), a warp per (64 k, tile), 8 k a lane by 16-byte
+//                  loads, 4 column slices, then a xor tree over them. Else scalar loads: a warp
+//                  per (k, tile) (lanes in order, then a shuffle tree), or a thread per (k, tile)
+//                  along contiguous k. Exact sums of bf16 values (their exponents span less than
+//                  fp64's 53 bits in any tile of real data), else one fp64 rounding each; the
+//                  order follows the mode and t (the host's, from strides, alignment and t).
+//                  aegis_sr_abs(_k): rta alone, the same bits (the sensors' Σ|c|: C is the
+//                  largest tensor of a check).
 // aegis_sr_main    the three products on the fp64 tensor cores (DMMA: mma.sync f64, m16n8k8 on
 //                  sm_90, pairs of m8n8k4 before). One CTA: SR_BM rows × SR_BN tiles × one split
 //                  of K (a multiple of SR_BK), 4 warps of 32 rows × 16 tiles, 2 CTAs an SM on
-//                  sm_90 (240 registers). L's bf16 tile of each SR_BK-deep stage is staged through
+//                  sm_90 (246 registers). L's bf16 tile of each SR_BK-deep stage is staged through
 //                  shared memory (cp.async where rows or k are contiguous and aligned, else plain
-//                  loads; SR_STAGES in flight), then converted exactly to fp64 with its |·| and ·²
+//                  loads; SR_STAGES in flight; the k-major stage by 16-byte copies of 8 rows where
+//                  rows are 16-byte aligned, and read 4 adjacent rows at a time: SR_KM_PACK), then
+//                  converted exactly to fp64 with its |·| and ·²
 //                  (exact in fp64: 8-bit significands, exponents well inside fp64's range), so
 //                  2^±100 rows need nothing special and NaN/Inf stay in their rows. All three in
 //                  fp64 with fp64 accumulation: sums within (K+1)·2⁻⁵³·s, s and ρ² within
@@ -41,85 +50,269 @@ typedef long long i64;
 #define SR_BM 128                          // rows per CTA (32 per warp: two m16 blocks)
 #define SR_BN 16                           // tiles per CTA (two n8 blocks, every warp)
 #define SR_BK 32                           // k per stage (8 MMA k-steps of 4)
-#define SR_KM_LD (SR_BM + 8)               // row stride of the k-major stage (conflict-free reads)
+#define SR_KM_LD (SR_BM + 16)              // row stride of the k-major stage: k rows 8 banks apart (conflict-free reads)
 #define SR_A_BYTES (SR_BK * SR_KM_LD * 2)  // one stage of L, either layout
 #define SR_B_ELEMS (8 * 2 * 32)            // one statistic of one stage, in fragment order
 #define SR_STAGES 3                        // stages in flight: two stream in while one is multiplied
 #define SR_STAGE_BYTES (SR_A_BYTES + 3 * SR_B_ELEMS * 8)
 #define SR_SMEM (SR_STAGES * SR_STAGE_BYTES)  // dynamic shared memory of aegis_sr_main (the host's SMEM)
 #define SR_STAT_THREADS 256
+#define SR_STAT_CTAS 4                     // statistics CTAs an SM (64 registers): loads in flight
+#define SR_STAT_K_CTAS 2                   // those of aegis_sr_stats_k (8 accumulators a lane: 88 registers)
 #define SR_RED_THREADS 256
 #ifndef SR_MMA_K
 #define SR_MMA_K 8                         // k of one fp64 MMA on sm_90 (4: m16n8k4)
+#endif
+#ifndef SR_KM_PACK
+#define SR_KM_PACK 1                       // k-major stage: 16-byte copies, a thread's 4 rows adjacent (0: 8-byte copies, rows 8 apart)
 #endif
 
 // load modes of the left operand (host-checked alignment)
 #define SR_SCALAR 0   // any strides: one element at a time
 #define SR_VEC_K 1    // k contiguous, rows 16-byte aligned: 8 k per 16-byte cp.async
 #define SR_VEC_R 2    // rows contiguous, 8-byte aligned: 4 rows per 8-byte cp.async
+#define SR_VEC_R16 3  // rows contiguous, 16-byte aligned: 8 rows per 16-byte cp.async (8-byte ones unless SR_KM_PACK)
 
 __device__ __forceinline__ float bf16_to_f32(u32 bits) { return __uint_as_float(bits << 16); }
 
-// rt, rta, rtq of (k, tile j) into slot k·nt + j.
-__device__ __forceinline__ void put_stats(double* rt, double* rta, double* rtq, i64 o, double sum, double sa, double sq) {
-    rt[o] = sum;
-    rta[o] = sa;
-    rtq[o] = sq;
+// ---- the tile statistics ---------------------------------------------------------------------
+// Accumulated in fp64 in a fixed order per layout and t (the host's mode and G follow the strides,
+// alignment and t only): Σ·, Σ|·|, Σ·² (ALL), or Σ|·| alone (the sensors' Σ|c|).
+struct SrAcc {
+    double sum, sa, sq;
+};
+
+template <bool ALL>
+__device__ __forceinline__ void acc_add(SrAcc& a, u32 bits) {  // bits: a bf16 in the low 16
+    const double v = (double)bf16_to_f32(bits & 0xffffu);
+    if (ALL) {
+        a.sum += v;
+        a.sq = fma(v, v, a.sq);
+    }
+    a.sa += fabs(v);
 }
 
-extern "C" __global__ void __launch_bounds__(SR_STAT_THREADS)
-aegis_sr_stats(const u16* __restrict__ right, i64 K, i64 N, i64 sk, i64 sn, int t, int nt, int k_fastest,
-               double* __restrict__ rt, double* __restrict__ rta, double* __restrict__ rtq) {
-    const i64 total = K * (i64)nt;
-    if (!k_fastest) {
-        // columns contiguous: one warp per (k, tile), lanes over its columns, then a fixed shuffle tree
-        const int lane = threadIdx.x & 31;
-        const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
-        for (i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; w < total; w += warps) {
-            const i64 k = w / nt;
-            const int j = (int)(w % nt);
-            const i64 c0 = (i64)j * t;
-            const i64 c1 = min(c0 + t, N);
-            double sum = 0.0, sa = 0.0, sq = 0.0;
-            for (i64 c = c0 + lane; c < c1; c += 32) {
-                const double v = (double)bf16_to_f32(right[k * sk + c * sn]);
-                sum += v;
-                sa += fabs(v);
-                sq = fma(v, v, sq);
-            }
+template <bool ALL>
+__device__ __forceinline__ void acc_add8(SrAcc& a, uint4 w) {  // 8 consecutive bf16, in order
+    const u32 x[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
-            for (int o = 16; o; o >>= 1) {
-                sum += __shfl_xor_sync(0xffffffffu, sum, o);
-                sa += __shfl_xor_sync(0xffffffffu, sa, o);
-                sq += __shfl_xor_sync(0xffffffffu, sq, o);
-            }
-            if (lane == 0) put_stats(rt, rta, rtq, k * nt + j, sum, sa, sq);
-        }
-        return;
+    for (int i = 0; i < 4; ++i) {
+        acc_add<ALL>(a, x[i]);
+        acc_add<ALL>(a, x[i] >> 16);
     }
-    // rows contiguous: one thread per (k, tile), consecutive threads on consecutive k (coalesced)
+}
+
+template <bool ALL>
+__device__ __forceinline__ void acc_xor(SrAcc& a, int o) {  // a fixed butterfly step: every lane ends with the same bits
+    if (ALL) {
+        a.sum += __shfl_xor_sync(0xffffffffu, a.sum, o);
+        a.sq += __shfl_xor_sync(0xffffffffu, a.sq, o);
+    }
+    a.sa += __shfl_xor_sync(0xffffffffu, a.sa, o);
+}
+
+// rt, rta, rtq of (k, tile j) into slot k·nt + j (rta alone unless ALL)
+template <bool ALL>
+__device__ __forceinline__ void put_stats(double* rt, double* rta, double* rtq, i64 o, const SrAcc& a) {
+    if (ALL) {
+        rt[o] = a.sum;
+        rtq[o] = a.sq;
+    }
+    rta[o] = a.sa;
+}
+
+#define ST_COLS 0      // any strides, columns the smaller stride: a warp per (k, tile), lanes in order, then a shuffle tree
+#define ST_K 1         // any strides, k contiguous: a thread per (k, tile), columns in order
+#define ST_VEC_COLS 2  // columns contiguous, rows 16-byte aligned, t a multiple of 8: G lanes per (k, tile)
+#define ST_VEC_K 3     // k contiguous, columns 16-byte aligned: a warp per (64 k, tile), 8 k a lane, 4 column slices
+#define ST_VEC 4       // 16-byte vectors of a lane batched before their sums (loads in flight)
+
+template <bool ALL>
+__device__ __forceinline__ void stats_scalar_cols(const u16* __restrict__ right, i64 K, i64 N, i64 sk, i64 sn, int t,
+                                                  int nt, double* rt, double* rta, double* rtq) {
+    const i64 total = K * (i64)nt;
+    const int lane = threadIdx.x & 31;
+    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
+    for (i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; w < total; w += warps) {
+        const i64 k = w / nt;
+        const int j = (int)(w % nt);
+        const i64 c1 = min((i64)j * t + t, N);
+        SrAcc a = {0.0, 0.0, 0.0};
+        for (i64 c = (i64)j * t + lane; c < c1; c += 32) acc_add<ALL>(a, right[k * sk + c * sn]);
+#pragma unroll
+        for (int o = 16; o; o >>= 1) acc_xor<ALL>(a, o);
+        if (lane == 0) put_stats<ALL>(rt, rta, rtq, k * nt + j, a);
+    }
+}
+
+template <bool ALL>
+__device__ __forceinline__ void stats_scalar_k(const u16* __restrict__ right, i64 K, i64 N, i64 sk, i64 sn, int t,
+                                               int nt, double* rt, double* rta, double* rtq) {
+    // consecutive threads on consecutive k (coalesced)
+    const i64 total = K * (i64)nt;
     for (i64 idx = (i64)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (i64)gridDim.x * blockDim.x) {
         const i64 k = idx % K;
         const int j = (int)(idx / K);
+        const i64 c1 = min((i64)j * t + t, N);
+        SrAcc a = {0.0, 0.0, 0.0};
+        for (i64 c = (i64)j * t; c < c1; ++c) acc_add<ALL>(a, right[k * sk + c * sn]);
+        put_stats<ALL>(rt, rta, rtq, k * nt + j, a);
+    }
+}
+
+// Columns contiguous: G lanes (a power of two ≤ 32) per (k, tile); lane l of a group sums the
+// tile's 8-column vectors l, l + G, … in order (16-byte loads, ST_VEC batched), the ragged end of
+// the row by scalars, then a xor tree over the group. Groups run along rows (coalesced), and
+// every lane of a warp stays in the loop (shuffles) with the groups past the end idle.
+template <bool ALL>
+__device__ __forceinline__ void stats_vec_cols(const u16* __restrict__ right, i64 K, i64 N, i64 sk, int t, int nt,
+                                               int G, double* rt, double* rta, double* rtq) {
+    const int lane = threadIdx.x & 31, sub = lane & (G - 1);
+    const i64 per_warp = 32 / G;
+    const i64 total = K * (i64)nt;
+    const i64 warp0 = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    const i64 step = (i64)gridDim.x * (blockDim.x >> 5) * per_warp;  // groups per sweep of the grid
+    const i64 dk = step / nt;
+    const int dj = (int)(step % nt);
+    const i64 gid = warp0 * per_warp + lane / G;
+    i64 k = gid / nt;
+    int j = (int)(gid % nt);
+    const int vecs = t >> 3;
+    for (i64 base = warp0 * per_warp; base < total; base += step) {
+        SrAcc a = {0.0, 0.0, 0.0};
+        if (k < K) {
+            const u16* row = right + k * sk;
+            const i64 c0 = (i64)j * t;
+            const i64 c1 = min(c0 + t, N);
+            const int full = min(vecs, (int)((c1 - c0) >> 3));  // whole vectors of this tile
+            const int mine = full > sub ? (full - sub + G - 1) / G : 0;
+            const uint4* p = reinterpret_cast<const uint4*>(row + c0) + sub;
+            int v = 0;
+            for (; v + ST_VEC <= mine; v += ST_VEC) {
+                uint4 w[ST_VEC];
+#pragma unroll
+                for (int u = 0; u < ST_VEC; ++u) w[u] = __ldg(p + (i64)(v + u) * G);
+#pragma unroll
+                for (int u = 0; u < ST_VEC; ++u) acc_add8<ALL>(a, w[u]);
+            }
+            for (; v < mine; ++v) acc_add8<ALL>(a, __ldg(p + (i64)v * G));
+            if (sub == full % G)  // the lane next in turn takes the ragged end (< 8 columns)
+                for (i64 c = c0 + 8 * (i64)full; c < c1; ++c) acc_add<ALL>(a, row[c]);
+        }
+        for (int o = G >> 1; o; o >>= 1) acc_xor<ALL>(a, o);
+        if (sub == 0 && k < K) put_stats<ALL>(rt, rta, rtq, k * nt + j, a);
+        j += dj;
+        k += dk;
+        if (j >= nt) {
+            j -= nt;
+            ++k;
+        }
+    }
+}
+
+// k contiguous: a warp per (64 k, tile); lane = 8·slice + chunk holds k = 64·block + 8·chunk … + 7
+// (one 16-byte load a column, 128 contiguous bytes a column for 8 lanes) and sums the tile's
+// columns slice, slice + 4, … in order (ST_VEC batched); then a xor tree over the 4 slices, and
+// slice s writes k 2s, 2s + 1 of its chunk. A ragged K's last chunk loads by scalars.
+template <bool ALL>
+__device__ __forceinline__ void stats_vec_k(const u16* __restrict__ right, i64 K, i64 N, i64 sn, int t, int nt,
+                                            double* rt, double* rta, double* rtq) {
+    const int lane = threadIdx.x & 31, chunk = lane & 7, slice = lane >> 3;
+    const i64 kblocks = (K + 63) >> 6;
+    const i64 units = kblocks * nt;
+    const i64 warps = (i64)gridDim.x * (blockDim.x >> 5);
+    for (i64 u = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; u < units; u += warps) {
+        const i64 k0 = (u % kblocks) * 64 + 8 * chunk;
+        const int j = (int)(u / kblocks);
         const i64 c0 = (i64)j * t;
         const i64 c1 = min(c0 + t, N);
-        double sum = 0.0, sa = 0.0, sq = 0.0;
-        const u16* p = right + k * sk;
-        for (i64 c = c0; c < c1; ++c) {
-            const double v = (double)bf16_to_f32(p[c * sn]);
-            sum += v;
-            sa += fabs(v);
-            sq = fma(v, v, sq);
+        SrAcc a[8];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) a[e] = {0.0, 0.0, 0.0};
+        const u16* p = right + k0;
+        if (k0 + 8 <= K) {
+            const i64 n = c1 - c0 > slice ? (c1 - c0 - slice + 3) >> 2 : 0;  // this slice's columns
+            const u16* q = p + (c0 + slice) * sn;
+            i64 v = 0;
+            for (; v + ST_VEC <= n; v += ST_VEC) {
+                uint4 w[ST_VEC];
+#pragma unroll
+                for (int x = 0; x < ST_VEC; ++x) w[x] = __ldg(reinterpret_cast<const uint4*>(q + (v + x) * 4 * sn));
+#pragma unroll
+                for (int x = 0; x < ST_VEC; ++x) {
+                    const u32 h[4] = {w[x].x, w[x].y, w[x].z, w[x].w};
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) acc_add<ALL>(a[e], h[e >> 1] >> (16 * (e & 1)));
+                }
+            }
+            for (; v < n; ++v) {
+                const uint4 w = __ldg(reinterpret_cast<const uint4*>(q + v * 4 * sn));
+                const u32 h[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+                for (int e = 0; e < 8; ++e) acc_add<ALL>(a[e], h[e >> 1] >> (16 * (e & 1)));
+            }
+        } else if (k0 < K) {
+            for (i64 c = c0 + slice; c < c1; c += 4)
+#pragma unroll
+                for (int e = 0; e < 8; ++e)
+                    if (k0 + e < K) acc_add<ALL>(a[e], p[c * sn + e]);
         }
-        put_stats(rt, rta, rtq, k * nt + j, sum, sa, sq);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            acc_xor<ALL>(a[e], 8);
+            acc_xor<ALL>(a[e], 16);
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+            if ((e >> 1) == slice && k0 + e < K) put_stats<ALL>(rt, rta, rtq, (k0 + e) * nt + j, a[e]);
     }
+}
+
+template <bool ALL>
+__device__ __forceinline__ void stats_entry(const u16* right, i64 K, i64 N, i64 sk, i64 sn, int t, int nt, int mode,
+                                            int G, double* rt, double* rta, double* rtq) {
+    if (mode == ST_VEC_COLS)
+        stats_vec_cols<ALL>(right, K, N, sk, t, nt, G, rt, rta, rtq);
+    else if (mode == ST_K)
+        stats_scalar_k<ALL>(right, K, N, sk, sn, t, nt, rt, rta, rtq);
+    else
+        stats_scalar_cols<ALL>(right, K, N, sk, sn, t, nt, rt, rta, rtq);
+}
+
+// ST_COLS, ST_K, ST_VEC_COLS (64 registers, 4 CTAs an SM); ST_VEC_K has entries of its own (its 8
+// accumulators a lane need more registers)
+extern "C" __global__ void __launch_bounds__(SR_STAT_THREADS, SR_STAT_CTAS)
+aegis_sr_stats(const u16* __restrict__ right, i64 K, i64 N, i64 sk, i64 sn, int t, int nt, int mode, int G,
+               double* __restrict__ rt, double* __restrict__ rta, double* __restrict__ rtq) {
+    stats_entry<true>(right, K, N, sk, sn, t, nt, mode, G, rt, rta, rtq);
+}
+
+extern "C" __global__ void __launch_bounds__(SR_STAT_THREADS, SR_STAT_K_CTAS)
+aegis_sr_stats_k(const u16* __restrict__ right, i64 K, i64 N, i64 sk, i64 sn, int t, int nt, int mode, int G,
+                 double* __restrict__ rt, double* __restrict__ rta, double* __restrict__ rtq) {
+    stats_vec_k<true>(right, K, N, sn, t, nt, rt, rta, rtq);
+}
+
+// Σ|·| alone (the sensors' Σ|c|, C the largest tensor of a check): the same sums as the statistics' rta
+extern "C" __global__ void __launch_bounds__(SR_STAT_THREADS, SR_STAT_CTAS)
+aegis_sr_abs(const u16* __restrict__ x, i64 K, i64 N, i64 sk, i64 sn, int t, int nt, int mode, int G,
+             double* __restrict__ rta) {
+    stats_entry<false>(x, K, N, sk, sn, t, nt, mode, G, nullptr, rta, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(SR_STAT_THREADS, SR_STAT_CTAS)
+aegis_sr_abs_k(const u16* __restrict__ x, i64 K, i64 N, i64 sk, i64 sn, int t, int nt, int mode, int G,
+               double* __restrict__ rta) {
+    stats_vec_k<false>(x, K, N, sn, t, nt, nullptr, rta, nullptr);
 }
 
 // ---- the products --------------------------------------------------------------------------
 // A stage of L in shared memory has one of two layouts (a template parameter):
 //   row-major  [SR_BM][SR_BK] (k contiguous; k-contiguous operands): MMA k-step s of the thread
 //              with threadID_in_group q reads k = 8q + s (its 8 k in one 16-byte read per row);
-//   k-major    [SR_BK][SR_KM_LD] (rows contiguous; transposed operands): k = 4s + q.
+//   k-major    [SR_BK][SR_KM_LD] (rows contiguous; transposed operands): k = 4s + q; with SR_KM_PACK
+//              the MMA rows of a thread (g, g + 8 of each m16 block) are 4 adjacent rows 4g … 4g + 3
+//              of its warp's 32, one 8-byte read per k (rows 8 apart, 2-byte reads, without).
 // The statistics of a stage are stored in fragment order, [stat][s][n8 block][lane], holding
 // stat[k(s, q)][block·8 + groupID] for lane = 4·groupID + q: one conflict-free 8-byte read each.
 
@@ -180,7 +373,14 @@ __device__ __forceinline__ void load_stage(u16* __restrict__ sa, double* __restr
             const i64 n = (row < R && k < ke) ? min((i64)8, ke - k) : 0;
             cp_async(sa + r * SR_BK + 8 * c, n ? left + row * sr + k : left, 16, (int)(2 * n));
         }
-    } else if (mode == SR_VEC_R) {  // k-major: 4 rows per 8-byte copy
+    } else if (mode == SR_VEC_R16 && SR_KM_PACK) {  // k-major: 8 rows per 16-byte copy
+        for (int e = tid; e < SR_BK * (SR_BM / 8); e += SR_THREADS) {
+            const int kk = e / (SR_BM / 8), r = 8 * (e % (SR_BM / 8));
+            const i64 row = r0 + r, k = k0 + kk;
+            const i64 n = (row < R && k < ke) ? min((i64)8, R - row) : 0;
+            cp_async(sa + kk * SR_KM_LD + r, n ? left + row + k * sk : left, 16, (int)(2 * n));
+        }
+    } else if (mode == SR_VEC_R || mode == SR_VEC_R16) {  // k-major: 4 rows per 8-byte copy
         for (int e = tid; e < SR_BK * (SR_BM / 4); e += SR_THREADS) {
             const int kk = e / (SR_BM / 4), r = 4 * (e % (SR_BM / 4));
             const i64 row = r0 + r, k = k0 + kk;
@@ -222,6 +422,8 @@ __device__ __forceinline__ void sr_main(u16* __restrict__ s_a, double* __restric
     const i64 ke = min(kb + k_split, K);
     const int stats = RHO ? 3 : 2;
     const int wr = warp * 32 + g;  // this thread's first row in the stage; then +8, +16, +24
+    const bool pack = KMAJ && SR_KM_PACK;
+    const int wp = warp * 32 + 4 * g;  // packed: this thread's 4 adjacent rows, MMA rows g, g + 8 of block 0, then of block 1
 
     double acc[3][2][2][4];  // [stat][m16 block][n8 block][fragment]
 #pragma unroll
@@ -262,12 +464,19 @@ __device__ __forceinline__ void sr_main(u16* __restrict__ s_a, double* __restric
         for (int s = 0; s < 8; s += 2) {
             // v[mb][step][half]: L of rows wr + 16·mb + 8·half at the steps' k, exact in fp64
             double v[2][2][2];
+            uint2 packed[2];
+            if (pack) {
+#pragma unroll
+                for (int u = 0; u < 2; ++u) packed[u] = *reinterpret_cast<const uint2*>(sa + (4 * (s + u) + q) * SR_KM_LD + wp);
+            }
 #pragma unroll
             for (int h = 0; h < 4; ++h)
 #pragma unroll
                 for (int u = 0; u < 2; ++u) {
                     u32 bits;
-                    if (KMAJ) {
+                    if (pack) {
+                        bits = ((h < 2 ? packed[u].x : packed[u].y) >> (16 * (h & 1))) & 0xffffu;
+                    } else if (KMAJ) {
                         bits = sa[(4 * (s + u) + q) * SR_KM_LD + wr + 8 * h];
                     } else {
                         const u32 w[4] = {rowv[h].x, rowv[h].y, rowv[h].z, rowv[h].w};
@@ -305,7 +514,7 @@ __device__ __forceinline__ void sr_main(u16* __restrict__ s_a, double* __restric
     for (int mb = 0; mb < 2; ++mb)
 #pragma unroll
         for (int i = 0; i < 4; i += 2) {
-            const i64 row = r0 + wr + 16 * mb + 4 * i;  // i = 2: 8 rows down
+            const i64 row = r0 + (pack ? wp + 2 * mb + (i >> 1) : wr + 16 * mb + 4 * i);  // i = 2: the block's row g + 8
             if (row >= R) continue;
 #pragma unroll
             for (int nb = 0; nb < 2; ++nb)
@@ -327,7 +536,7 @@ __device__ __forceinline__ void sr_entry(const u16* left, i64 R, i64 K, i64 sr, 
     extern __shared__ __align__(16) unsigned char sr_smem[];  // SR_SMEM bytes: the stages of L, then of the statistics
     u16* s_a = reinterpret_cast<u16*>(sr_smem);
     double* s_b = reinterpret_cast<double*>(sr_smem + SR_STAGES * SR_A_BYTES);
-    if (mode == SR_VEC_R || (mode == SR_SCALAR && sr < sk))
+    if (mode == SR_VEC_R || mode == SR_VEC_R16 || (mode == SR_SCALAR && sr < sk))
         sr_main<true, RHO>(s_a, s_b, left, R, K, sr, sk, mode, rt, rta, rtq, nt, k_split, part);
     else
         sr_main<false, RHO>(s_a, s_b, left, R, K, sr, sk, mode, rt, rta, rtq, nt, k_split, part);

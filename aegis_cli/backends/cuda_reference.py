@@ -25,12 +25,12 @@ from aegis_cli.backends import loader
 KERNEL = "sensor_reference.cu"
 ROWS, TILES, BK = 128, 16, 32  # SR_BM, SR_BN, SR_BK of the kernel
 MAIN_THREADS, STAT_THREADS, RED_THREADS = 128, 256, 256
-SMEM = 3 * (32 * 136 * 2 + 3 * 512 * 8)  # SR_SMEM: three stages of L (k-major: 32 × 136 bf16) and of the statistics
+SMEM = 3 * (32 * 144 * 2 + 3 * 512 * 8)  # SR_SMEM: three stages of L (k-major: 32 × 144 bf16) and of the statistics
 TARGET_CTAS = 1024  # enough CTAs for a few waves on a large GPU; fixed, so splits follow the shape only
 MIN_SPLIT = 8 * BK  # k per CTA at least: the partials' traffic stays small beside the products
 MAX_GRID = 1 << 16
-SCALAR, VEC_K, VEC_R = 0, 1, 2  # the kernel's load modes
-DEFINES: dict[str, int] = {}  # build defines (SR_MMA_K: 4 or 8); benchmarks/sensor_reference.py compares MMA shapes
+SCALAR, VEC_K, VEC_R, VEC_R16 = 0, 1, 2, 3  # the kernel's load modes
+DEFINES: dict[str, int] = {}  # build defines (SR_MMA_K, SR_KM_PACK); benchmarks/sensor_reference.py compares builds
 
 
 def applies(left: torch.Tensor, right: torch.Tensor) -> bool:
@@ -52,6 +52,8 @@ def _mode(left: torch.Tensor) -> int:
     sr, sk = left.stride()
     if sk == 1 and sr % 8 == 0 and left.data_ptr() % 16 == 0:
         return VEC_K
+    if sr == 1 and sk % 8 == 0 and left.data_ptr() % 16 == 0:
+        return VEC_R16
     if sr == 1 and sk % 4 == 0 and left.data_ptr() % 8 == 0:
         return VEC_R
     return SCALAR
@@ -63,26 +65,54 @@ def _launch(entry: str, dev: int, grid: tuple[int, ...], block: int, args: list,
                   label=entry)
 
 
+ST_COLS, ST_K, ST_VEC_COLS, ST_VEC_K = 0, 1, 2, 3  # the statistics' modes
+
+
+def stats_mode(x: torch.Tensor, t: int) -> tuple[int, int]:
+    """(mode, lanes per (k, tile)) of the statistics of bf16 ``x`` (K, N) over tiles of ``t``
+    columns: 16-byte vectors where the contiguous dimension's rows and the data are 16-byte
+    aligned (columns contiguous: also t a multiple of 8), else scalar loads. From the strides,
+    alignment and t alone, so the summation order (and the bits) follow them."""
+    sk, sn = x.stride()
+    aligned = x.data_ptr() % 16 == 0
+    if sn == 1 and sk % 8 == 0 and t % 8 == 0 and aligned:
+        return ST_VEC_COLS, min(32, 1 << max(0, (t // 32).bit_length() - 1))  # about 4 vectors of 8 columns a lane
+    if sk == 1 and sn % 8 == 0 and aligned:
+        return ST_VEC_K, 32
+    return (ST_K if sk == 1 and sn != 1 else ST_COLS), 32
+
+
+def _stats(x: torch.Tensor, t: int, dev: int, outs: list[torch.Tensor]) -> None:
+    """Enqueue the statistics of ``x`` over tiles of ``t`` columns into ``outs`` (rt, rta, rtq; or rta alone)."""
+    k, n = x.shape
+    nt = -(-n // t)
+    sk, sn = x.stride()
+    mode, lanes = stats_mode(x, t)
+    threads = {ST_VEC_COLS: k * nt * lanes, ST_VEC_K: -(-k // 64) * nt * 32, ST_K: k * nt}.get(mode, k * nt * 32)
+    entry = ("aegis_sr_stats" if len(outs) == 3 else "aegis_sr_abs") + ("_k" if mode == ST_VEC_K else "")
+    _launch(entry, dev, (max(1, min(-(-threads // STAT_THREADS), MAX_GRID)),), STAT_THREADS,
+            [ctypes.c_uint64(x.data_ptr()), ctypes.c_int64(k), ctypes.c_int64(n), ctypes.c_int64(sk), ctypes.c_int64(sn),
+             ctypes.c_int(t), ctypes.c_int(nt), ctypes.c_int(mode), ctypes.c_int(lanes),
+             *(ctypes.c_uint64(s.data_ptr()) for s in outs)])
+
+
 def tile_stats(x: torch.Tensor, t: int, dev: int) -> torch.Tensor:
     """(3, K, ceil(N/t)) fp64: Σ, Σ|·| and Σ·² of each row of bf16 ``x`` (K, N) over tiles of ``t``
     columns (any strides), enqueued without a sync."""
     k, n = x.shape
-    nt = -(-n // t)
-    stats = torch.empty((3, k, nt), dtype=torch.float64, device=x.device)
-    sk, sn = x.stride()
-    k_fastest = sk == 1 and sn != 1  # a thread per (k, tile) along contiguous k, else a warp per (k, tile)
-    threads = k * nt * (1 if k_fastest else 32)
-    _launch("aegis_sr_stats", dev, (min(-(-threads // STAT_THREADS), MAX_GRID),), STAT_THREADS,
-            [ctypes.c_uint64(x.data_ptr()), ctypes.c_int64(k), ctypes.c_int64(n), ctypes.c_int64(sk), ctypes.c_int64(sn),
-             ctypes.c_int(t), ctypes.c_int(nt), ctypes.c_int(int(k_fastest)), *(ctypes.c_uint64(s.data_ptr()) for s in stats)])
+    stats = torch.empty((3, k, -(-n // t)), dtype=torch.float64, device=x.device)
+    _stats(x, t, dev, list(stats))
     return stats
 
 
 def tile_abs_sums(x: torch.Tensor, t: int) -> torch.Tensor:
     """Σ|x| over tiles of ``t`` columns of a bf16 CUDA tensor (M, N): (M, ceil(N/t)) fp64, exact
-    (bf16 values summed in fp64), enqueued without a sync."""
+    (bf16 values summed in fp64), the bits of ``tile_stats(x, t)[1]``; Σ|·| alone, enqueued without a sync."""
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return tile_stats(x, t, dev)[1]
+    m, n = x.shape
+    out = torch.empty((m, -(-n // t)), dtype=torch.float64, device=x.device)
+    _stats(x, t, dev, [out])
+    return out
 
 
 def lean_side(left: torch.Tensor, right: torch.Tensor, t: int,

@@ -1,7 +1,7 @@
 """The sensors' reference kernel (kernels/sensor_reference.cu, ``CudaDevice.lean_side``) against its
 torch reference (``numerics.lean_side``, fp64) on the same CUDA tensors (tier 2, ``gpu``): random
 and ragged shapes (not multiples of the MMA tiles, the CTA tiles or the 32-deep stages), every load
-mode of the left operand (16-byte k vectors, 8-byte row vectors, scalar loads into either layout,
+mode of the left operand (16-byte k vectors, 16- and 8-byte row vectors, scalar loads into either layout,
 ragged views whose vectors end mid-way), every stored layout of the right one, rows near the ends
 of the range, NaN/Inf, bit-identical repeats, and the sensors' comparison."""
 
@@ -63,7 +63,7 @@ def _mode(left: torch.Tensor) -> str:
 
     mode = cr._mode(left)
     sr, sk = left.stride()
-    return {cr.VEC_K: "vec-k", cr.VEC_R: "vec-r"}.get(mode, "scalar-kmajor" if sr < sk else "scalar-rows")
+    return {cr.VEC_K: "vec-k", cr.VEC_R: "vec-r", cr.VEC_R16: "vec-r16"}.get(mode, "scalar-kmajor" if sr < sk else "scalar-rows")
 
 
 @pytest.mark.parametrize("left_t", [False, True], ids=["left-rows", "left-cols"])
@@ -83,17 +83,18 @@ def test_kernel_matches_the_torch_reference(dev, left_t, right_t):
         assert all(torch.equal(a, b) for a, b in zip(got, again, strict=True)), (r, k, n, t)
         sums, s, rho = dev.lean_side(left, right, t, rho=False)  # the build without ρ: the same sums and s
         assert rho is None and torch.equal(sums, got[0]) and torch.equal(s, got[1]), (r, k, n, t)
-    assert modes >= ({"vec-r", "scalar-kmajor"} if left_t else {"vec-k", "scalar-rows"}), modes
+    assert modes >= ({"vec-r16", "vec-r", "scalar-kmajor"} if left_t else {"vec-k", "scalar-rows"}), modes
 
 
 def test_views_whose_vectors_end_mid_way(dev):
     """Vector loads of views narrower than their stride: a k vector ending inside the last 8 k (K
-    1027 of rows 1032 apart), a row vector ending inside the last 4 rows (R 1030 of 1036): the
-    elements beyond the view (nonzero in the storage) stay out."""
+    1027 of rows 1032 apart), row vectors ending inside the last 4 or 8 rows (R 1030 of 1036 or of
+    1040): the elements beyond the view (nonzero in the storage) stay out."""
     left_k = _bf16((300, 1032), 11, False)[:, :1027]
     left_r = _bf16((1036, 700), 12, True)[:1030]
-    assert _mode(left_k) == "vec-k" and _mode(left_r) == "vec-r"
-    for left in (left_k, left_r):
+    left_r16 = _bf16((1040, 700), 13, True)[:1030]
+    assert _mode(left_k) == "vec-k" and _mode(left_r) == "vec-r" and _mode(left_r16) == "vec-r16"
+    for left in (left_k, left_r, left_r16):
         k = left.shape[1]
         right = _bf16((k, 900), k, False, 0.02)
         _check(dev.lean_side(left, right, 128), numerics.lean_side(left, right, 128), k)
@@ -160,3 +161,56 @@ def test_tile_abs_sums_match_torch(dev):
         for t in (64, 128):
             got, want = dev.tile_abs_sums(x, t), numerics.abs_col_tiles(x, t)
             assert got.shape == want.shape and float(((got - want).abs() / want).max()) <= 1e-15
+
+
+def _stat_cases() -> list[tuple[str, torch.Tensor, int]]:
+    """(mode, bf16 (K, N) tensor, t): every mode of the statistics, ragged ends and the lane counts of t."""
+    rows = _bf16((300, 1008), 20, False)
+    wt = _bf16((1032, 520), 21, True)  # the transpose of a (520, 1032) row-major tensor: k contiguous
+    return [("vec-cols", rows[:, :1000], 128), ("vec-cols", rows[:, :1001], 64), ("vec-cols", rows[:, :1003], 96),
+            ("vec-cols", rows[:, :1001], 8), ("vec-cols", _bf16((70, 2056), 22, False)[:, :2049], 1024),
+            ("vec-cols", _bf16((5, 8), 23, False)[:, :7], 64), ("vec-cols", _bf16((3000, 520), 24, False, 0.02), 128),
+            ("vec-k", wt, 128), ("vec-k", wt[:1027], 64), ("vec-k", wt[:5, :300], 128), ("vec-k", wt[:100, :7], 8),
+            ("vec-k", _bf16((2048, 1000), 25, True, 0.02), 128),
+            ("cols", rows[:, 1:1000], 128), ("cols", rows[:, ::2], 64), ("cols", rows[:, :1000], 100),
+            ("k", _bf16((1031, 300), 26, True), 128), ("k", wt[1:], 64),
+            ("k", rows.t()[1:, ::3], 64), ("cols", _bf16((1031, 300), 26, True)[::2], 64)]
+
+
+def test_tile_statistics_in_every_mode_are_torch_sums(dev):
+    """Σ and Σ|·| of each (row, tile) equal torch's fp64 sums bit for bit (sums of bf16 values,
+    exact in fp64 in any order on such data), Σ·² within 2(t+2)·2⁻⁵³ relative (non-negative
+    terms, other orders); Σ|·| alone (tile_abs_sums) the statistics' bits; repeats bit-identical."""
+    from aegis_cli.backends import cuda_reference as cr
+
+    names = {cr.ST_VEC_COLS: "vec-cols", cr.ST_VEC_K: "vec-k", cr.ST_COLS: "cols", cr.ST_K: "k"}
+    for mode, x, t in _stat_cases():
+        assert names[cr.stats_mode(x, t)[0]] == mode, (mode, x.shape, x.stride(), t)
+        k, n = x.shape
+        nt = -(-n // t)
+        x3 = torch.nn.functional.pad(x, (0, nt * t - n)).reshape(k, nt, t).double()
+        got = cr.tile_stats(x, t, 0)
+        assert got.shape == (3, k, nt) and got.dtype == torch.float64
+        assert torch.equal(got[0], x3.sum(-1)) and torch.equal(got[1], x3.abs().sum(-1)), (mode, x.shape, t)
+        want_sq = x3.square().sum(-1)
+        assert float(((got[2] - want_sq).abs() / want_sq).max()) <= 2 * (t + 2) * 2.0**-53, (mode, x.shape, t)
+        assert torch.equal(cr.tile_stats(x, t, 0), got), (mode, x.shape, t)
+        abs_only = cr.tile_abs_sums(x, t)
+        assert torch.equal(abs_only, got[1]) and torch.equal(abs_only, numerics.abs_col_tiles(x, t)), (mode, x.shape, t)
+
+
+def test_packed_kmajor_stage_keeps_the_bits(dev):
+    """The k-major stage by 16-byte copies and packed reads (SR_KM_PACK) moves rows to other MMA
+    rows, never k to other slots: the same bits as the 8-byte copies and 2-byte reads."""
+    from aegis_cli.backends import cuda_reference as cr
+
+    left = _bf16((1040, 700), 14, True)[:1030]
+    right = _bf16((700, 520), 15, False, 0.02)
+    assert _mode(left) == "vec-r16"
+    got = cr.lean_side(left, right, 64)
+    try:
+        cr.DEFINES["SR_KM_PACK"] = 0
+        old = cr.lean_side(left, right, 64)
+    finally:
+        cr.DEFINES.pop("SR_KM_PACK", None)
+    assert all(torch.equal(a, b) for a, b in zip(got, old, strict=True))
