@@ -5,8 +5,10 @@ Sampling. Each operator (a layer's forward, dgrad or wgrad; a checkpointed regio
 probability p. At each step boundary the budget B = overhead_budget × (the step's time without
 sensors and verifier) is shared by water-filling: operators sorted by their demand d = launches
 per step × measured seconds per check, each takes min(d, what is left ÷ operators left), so cheap
-operators are checked every time and the expensive ones share the rest; p = share ÷ d. Whatever the
-budget, an operator unchecked for ``coverage_steps - 1`` steps is checked at its next launch.
+operators are checked every time and the expensive ones share the rest. Whatever the budget, an
+operator unchecked for ``coverage_steps - 1`` steps is checked at its next launch; those forced
+checks are paid from the operator's share first (``_share``), so sensing keeps to the budget
+unless the coverage floor alone exceeds it.
 The coin is a private generator seeded by the config: the model's own random stream is untouched.
 
 Thresholds. An operator's τ is its floor (Thresholds.tau, in units of the device's noise scale σ)
@@ -105,13 +107,22 @@ class Controller:
             st.launches = st.checks = 0
 
     def _share(self, budget_s: float) -> None:
+        """Water-fill ``budget_s`` over the operators, the coverage floor included: an operator's
+        coin checks cost p·d a step and its forced checks (none in ``coverage - 1`` steps) at most
+        f = cost ÷ coverage, so its share pays f first and the coin gets the rest; an operator whose
+        share is below f is checked only when due (coverage wins over the budget). Each is charged its
+        expected cost, forced checks included (a cycle ends at a coin check or at the forced one), and
+        what it leaves of its share goes to the dearer ones."""
         demand = sorted(((st.launches * st.cost_s, st) for st in self.ops.values() if st.launches and st.cost_s),
                         key=lambda x: x[0])
         left = budget_s
         for i, (d, st) in enumerate(demand):
             share = left / (len(demand) - i)
-            st.prob = min(1.0, share / d) if d > 0 else 1.0
-            left -= st.prob * d
+            floor = st.cost_s / self.coverage
+            st.prob = min(1.0, max(0.0, share - floor) / d)
+            q = (1.0 - st.prob) ** st.launches  # P(a step without a coin check)
+            per_step = (1.0 - q) / (1.0 - q**self.coverage) if q < 1.0 else 1.0 / self.coverage  # steps with a check
+            left -= st.cost_s * (per_step + st.prob * st.launches - (1.0 - q))  # + launches beyond the first in a step
 
     def to_dict(self) -> dict:
         return {op: st.to_dict() for op, st in sorted(self.ops.items())}

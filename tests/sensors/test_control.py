@@ -28,9 +28,32 @@ def test_budget_is_shared_by_water_filling():
     c.end_step(1.0)  # budget 10 ms: demands 0.1, 2 and 40 ms
     p = {op: st.prob for op, st in c.ops.items()}
     assert p["cheap"] == 1.0 and p["mid"] == 1.0
-    assert p["dear"] == pytest.approx((10e-3 - 0.1e-3 - 2e-3) / 40e-3)
-    spent = sum(p[op] * d for op, d in (("cheap", 1e-4), ("mid", 2e-3), ("dear", 4e-2)))
-    assert spent == pytest.approx(10e-3)
+    # the dear one's share (what is left) pays its coverage floor (one check in 5 steps) first
+    assert p["dear"] == pytest.approx((10e-3 - 0.1e-3 - 2e-3 - 1e-2 / 5) / 40e-3)
+
+
+def test_sensing_keeps_to_the_budget_with_the_coverage_floor():
+    """Forced coverage checks are paid from the budget: over many steps the checks cost the budget
+    (within the coin's noise), not the budget plus the floor; a budget under the floor buys the
+    floor alone, and every operator is still checked once per window."""
+    for budget, expect in ((0.01, 0.01), (0.002, None)):
+        c = controller(sample_prob=1.0, budget=budget, coverage_steps=20)
+        costs = {f"op{i}": 1e-4 * (1 + i % 7) for i in range(60)}
+        spent, last, gap = 0.0, dict.fromkeys(costs, 0), 0
+        for step in range(1500):
+            for op, cost in costs.items():
+                if c.want(op):
+                    c.spent(op, cost)
+                    spent += cost if step >= 100 else 0.0
+                    gap, last[op] = max(gap, step - last[op]), step
+            c.end_step(0.2)
+        rate = spent / 1400 / 0.2
+        floor = sum(costs.values()) / 20 / 0.2
+        assert gap <= 20
+        if expect is None:  # the floor (0.6 %) is above this budget: it is what sensing costs
+            assert rate == pytest.approx(floor, rel=0.03)
+        else:
+            assert floor < expect and rate == pytest.approx(expect, rel=0.06)
 
 
 def test_every_operator_is_checked_within_the_coverage_window():
