@@ -30,19 +30,9 @@ def check_attention(ck, w: str, v: dict) -> dict:
     rows = a["batch"] * a["q_heads"] * a["seq"]
     if rows * a["head_dim"] > 1 << 31:
         raise ck.fail(f"{w}: attention of {rows}×{a['head_dim']} query values is over the limit of 2³¹")
-    if not isinstance(v["scale"], list) or len(v["scale"]) != 2:
-        raise ck.fail(f"{w}: scale must be a list of two integers (the exponents of V and dO)")
-    for j, e in enumerate(v["scale"]):
-        ck.int_(e, f"{w}: scale[{j}]", -126, 127)
-    th = ck.obj(v["threshold"], f"{w}: threshold", {"tau"}, {"confirm_margin", "normalisation"})
-    ck.num(th["tau"], f"{w}: threshold.tau", 1e-300, TAU_MAX)
-    if "confirm_margin" in th:
-        ck.num(th["confirm_margin"], f"{w}: threshold.confirm_margin", 1.0, 1e12)
-    if "normalisation" in th:
-        ck.str_(th["normalisation"], f"{w}: threshold.normalisation", None, ("rounding-spread",))
-    names = ck.obj(v["tensors"], f"{w}: tensors", set(ATTENTION_INPUTS), set(ATTENTION_ROLES) - set(ATTENTION_INPUTS))
-    for role, name in names.items():
-        ck.str_(name, f"{w}: tensors.{role}")
+    ck.exponents(v["scale"], f"{w}: scale", "the exponents of V and dO")
+    ck.threshold(v["threshold"], f"{w}: threshold", (1e-300, TAU_MAX), ("rounding-spread",))
+    names = ck.tensor_names(v["tensors"], f"{w}: tensors", set(ATTENTION_INPUTS), set(ATTENTION_ROLES) - set(ATTENTION_INPUTS))
     return names
 
 

@@ -139,6 +139,32 @@ class Check:
             raise self.fail(f"{where} must be strictly increasing")
         return list(v)
 
+    def exponents(self, v, where: str, what: str) -> list[int]:
+        """A pair of power-of-two exponents (an entry's ``scale``); ``what`` names them in the message."""
+        if not isinstance(v, list) or len(v) != 2:
+            raise self.fail(f"{where} must be a list of two integers ({what})")
+        for j, e in enumerate(v):
+            self.int_(e, f"{where}[{j}]", -126, 127)
+        return v
+
+    def threshold(self, v, where: str, tau: tuple[float, float], normalisations: tuple[str, ...]) -> dict:
+        """An entry's ``threshold``: τ in ``tau``; confirm_margin and normalisation optional but,
+        when present, not null (absent means the default, null means nothing a reader can use)."""
+        th = self.obj(v, where, {"tau"}, {"confirm_margin", "normalisation"})
+        self.num(th["tau"], f"{where}.tau", *tau)
+        if "confirm_margin" in th:
+            self.num(th["confirm_margin"], f"{where}.confirm_margin", 1.0, 1e12)
+        if "normalisation" in th:
+            self.str_(th["normalisation"], f"{where}.normalisation", None, normalisations)
+        return th
+
+    def tensor_names(self, v, where: str, required: set[str], optional: set[str]) -> dict:
+        """An entry's ``tensors``: role → the name of its tensor in the bundle."""
+        names = self.obj(v, where, required, optional)
+        for role, name in names.items():
+            self.str_(name, f"{where}.{role}")
+        return names
+
     def str_map(self, v, where: str) -> dict:
         if not isinstance(v, dict) or len(v) > 256:
             raise self.fail(f"{where} must be an object of at most 256 strings")
@@ -199,23 +225,12 @@ def _check_gemm(ck: Check, w: str, v: dict, version: int) -> dict:
             if not g[key]:
                 raise ck.fail(f"{w}: gemm.{key} must not be empty (use null for all)")
         ck.indices(g.get(f"flagged_{key}", []), f"{w}: gemm.flagged_{key}", g[dim], strict=True)
-    if not isinstance(v["scale"], list) or len(v["scale"]) != 2:
-        raise ck.fail(f"{w}: scale must be a list of two integers (ea, eb)")
-    for j, e in enumerate(v["scale"]):
-        ck.int_(e, f"{w}: scale[{j}]", -126, 127)
-    th = ck.obj(v["threshold"], f"{w}: threshold", {"tau"}, {"confirm_margin", "normalisation"})
-    ck.num(th["tau"], f"{w}: threshold.tau", *TAU_RANGE)
-    # optional, but not nullable: absent means the default, null means nothing a reader can use
-    if "confirm_margin" in th:
-        ck.num(th["confirm_margin"], f"{w}: threshold.confirm_margin", 1.0, 1e12)
-    if "normalisation" in th:
-        # version 1 knew only "abs-product" (docs/bundle-format.md §7)
-        ck.str_(th["normalisation"], f"{w}: threshold.normalisation", None, NORMALISATIONS if version >= 2 else NORMALISATIONS[:1])
+    ck.exponents(v["scale"], f"{w}: scale", "ea, eb")
+    # version 1 knew only "abs-product" (docs/bundle-format.md §7)
+    th = ck.threshold(v["threshold"], f"{w}: threshold", TAU_RANGE, NORMALISATIONS if version >= 2 else NORMALISATIONS[:1])
     if th.get("normalisation", "abs-product") == "abs-product":  # a difference is never more than 1·s off
         ck.num(th["tau"], f"{w}: threshold.tau (abs-product)", TAU_RANGE[0], 0.999999)
-    names = ck.obj(v["tensors"], f"{w}: tensors", {"a", "b"}, set(GEMM_ROLES) - {"a", "b"})
-    for role, name in names.items():
-        ck.str_(name, f"{w}: tensors.{role}")
+    names = ck.tensor_names(v["tensors"], f"{w}: tensors", {"a", "b"}, set(GEMM_ROLES) - {"a", "b"})
     if "row_sums" in names and g.get("cols") is not None:
         raise ck.fail(f"{w}: tensors.row_sums is only allowed when gemm.cols is null")
     if "col_sums" in names and g.get("rows") is not None:
