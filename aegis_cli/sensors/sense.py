@@ -1,7 +1,8 @@
 """The GEMM sensor (docs/sensors.md §2): each launch of an instrumented GEMM first asks the
 controller whether it is sampled. A sampled launch runs the device's checked GEMM (fused
 fp32-accumulator checksums) and compares those checksums with fp64 references read from its
-operands (``numerics.reference_checksums(lean=True)``), by the scan's own check (checks/gemm.py
+operands (``Device.lean_side``: the tile sums of one operand multiplied by the other, ``_sides``),
+in units of the sensors' σ (``sigma_of``), flagged by the scan's own check (checks/gemm.py
 ``checksum_signal``), and pushes a suspicion when one is over τ; its result is the one it checked.
 A launch that is not sampled runs torch's own GEMM of the same bf16 operands (cuBLAS on CUDA; on
 the CPU path the very product the CPU checked GEMM forms, so there the bits do not depend on
