@@ -8,7 +8,8 @@ stores them (seeded: activations ~N(0,1), weights ~N(0,0.02²), gradients ~N(0,1
 CUDA events queued behind a GPU sleep (the GPU's work alone; median of --reps after a warm-up), the whole comparison of a sampled launch with the
 torch reference (``numerics.lean_side``) and with the device's (``Device.lean_side``, the kernel
 on CUDA; also from an idle GPU, the host's launch gaps counted), and its parts: the reference alone, and the σ and normalised differences
-(``sense.sensor_noise``, ``normalised_diff``) given the reference; the checked GEMM for scale.
+by the torch path (``sense.sigma_of``, ``normalised_diff``) given the references and Σ|c| (on CUDA
+the sensors run them as one kernel: benchmarks/sensors_profile.py times both); the checked GEMM for scale.
 Checks the kernel against the torch reference (|Δ sums| in units of σ, s and ρ relative) and its
 repeatability, and lists the top kernels by CUDA time (torch.profiler) of one check each way.
 Also times the kernel's sides alone (``cuda_reference.lean_side`` of each side the check computes:
@@ -171,12 +172,11 @@ def run(args) -> dict:
             ref_noise = None if both and trunc else noise  # as sense.enqueue: wgrad's σ follows s, no ρ
             ref = numerics.reference_checksums(ops, res.tile, ref_noise, lean=True, cols=both, side=dev.lean_side)
 
-            def rest(ops=ops, res=res, ref=ref, noise=noise, trunc=trunc):
-                row, col = sense.sensor_noise(ops, res, ref, noise, trunc, dev)
-                d = [numerics.normalised_diff(res.row_sums, ref.row, row, ref.floor)]
-                if ops.layout is Layout.WGRAD:
-                    d.append(numerics.normalised_diff(res.col_sums, ref.col, col, ref.floor))
-                return d
+            sides, sig = sense._sides(ops, res, trunc, dev), sense.Sigma.of(noise, k)
+
+            def rest(sides=sides, sig=sig):  # σ and differences by the torch path, given the references and Σ|c|
+                return [numerics.normalised_diff(sums, r, sense.sigma_of(sc, rho, c_abs, sig), floor)
+                        for _, sums, r, sc, rho, c_abs, floor in sides]
 
             row = {"op": f"{name}/{layout.value}", "mnk": [m, n, k],
                    "gemm_ms": timed(lambda ops=ops: sense.launch(dev, ops, None, "train/bench"), args.reps),

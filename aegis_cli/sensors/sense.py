@@ -40,7 +40,7 @@ from aegis_cli.checks import gemm as checks
 from aegis_cli.faults.spec import FaultPlan
 from aegis_cli.ops import numerics
 from aegis_cli.ops.errors import DeviceError
-from aegis_cli.ops.gemm import GemmOperands, GemmResult, Layout, ReferenceChecksums
+from aegis_cli.ops.gemm import GemmOperands, GemmResult, Layout
 from aegis_cli.sensors.queue import nbytes
 
 PENDING_BYTES = 4 << 30  # the tensors enqueued comparisons may hold until the step boundary (they are read earlier beyond it)
@@ -116,23 +116,6 @@ def sigma_of(s: torch.Tensor, rho: torch.Tensor | None, c_abs: torch.Tensor | No
         return s * c.w
     base = torch.minimum(rho * c.u, s * c.p)  # NoiseModel.scale
     return base if c_abs is None else torch.minimum(base + c_abs * c.b, s * c.p)
-
-
-def sensor_noise(ops: GemmOperands, res: GemmResult, ref: ReferenceChecksums, noise: numerics.NoiseModel,
-                 truncating: bool, device: Device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sensors' σ of the row and column sums: on a device whose accumulation chops
-    (``truncating``: Device.accumulation_bound > 0) the scan's plus the bias term (forward, dgrad),
-    or the strict accumulation bound (wgrad); elsewhere (rounding to nearest: the CPU) the scan's.
-    Σ|c| by ``device.tile_abs_sums`` (a kernel on CUDA), else torch's."""
-    if not truncating:
-        return ref.noise()
-    c = Sigma.of(noise, ops.mnk[2])
-    if ops.layout is Layout.WGRAD:
-        return ref.row_scale * c.w, ref.col_scale * c.w
-    tn = res.tile[1]
-    c_abs = numerics.abs_col_tiles(res.c, tn) if device is None else device.tile_abs_sums(res.c, tn)  # Σ|c| per checksum
-    row = torch.minimum(ref.row_noise + c_abs * c.b, ref.row_scale * c.p)
-    return row, ref.col_noise
 
 
 @dataclass

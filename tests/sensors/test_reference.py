@@ -77,9 +77,26 @@ def test_lean_reference_keeps_tiny_and_huge_rows_and_flags_nonfinite(monkeypatch
     assert torch.isfinite(lean.row_scale[:2]).all() and not torch.isfinite(lean.row_scale[2:]).any()
 
 
-def test_sensor_noise_adds_the_bias_term_and_bounds_wgrad():
-    """On a truncating device the sensors' σ is the scan's plus BIAS·K·2⁻²⁴·Σ|c| (forward, dgrad),
-    never above the accumulation bound's, and WGRAD_BOUND × that bound for wgrad; elsewhere the scan's."""
+def _composed_sigma(ops, res, ref, noise, truncating):
+    """The sensors' σ composed from the scan's lean reference (docs/sensors.md §2.1): on a
+    truncating device the scan's plus BIAS·K·2⁻²⁴·Σ|c| (forward, dgrad), never above the
+    accumulation bound's, and WGRAD_BOUND × that bound for wgrad; elsewhere the scan's. The oracle
+    of ``sense.sigma_of``."""
+    from aegis_cli.sensors import sense
+
+    if not truncating:
+        return ref.noise()
+    per_s = noise.cap / numerics.DEFAULT_TAU
+    if ops.layout is Layout.WGRAD:
+        return ref.row_scale * (sense.WGRAD_BOUND * per_s), ref.col_scale * (sense.WGRAD_BOUND * per_s)
+    c_abs = numerics.sum_col_tiles(res.c.double().abs(), res.tile[1])
+    return torch.minimum(ref.row_noise + c_abs * (sense.BIAS * ops.mnk[2] * 2.0**-24), ref.row_scale * per_s), ref.col_noise
+
+
+def test_sensor_sigma_adds_the_bias_term_and_bounds_wgrad():
+    """sense.sigma_of over the sides the sensors compare (``_sides``) is the composed σ: the scan's
+    plus the bias term on a truncating device (forward, dgrad), never above the accumulation
+    bound's; WGRAD_BOUND × that bound for wgrad; the scan's elsewhere."""
     from aegis_cli.backends.cpu import CpuDevice
     from aegis_cli.sensors import sense
 
@@ -90,22 +107,19 @@ def test_sensor_noise_adds_the_bias_term_and_bounds_wgrad():
         ops = _ops(layout, 70, 200, k, "uniform", 5)
         res = CpuDevice().checked_gemm(ops)
         res = type(res)(**{**res.__dict__, "tile": (64, 128)})
-        ref = numerics.reference_checksums(ops, (64, 128), noise, lean=True)
-        assert all(a is b for a, b in zip(sense.sensor_noise(ops, res, ref, noise, False), ref.noise(), strict=True))
-        row, col = sense.sensor_noise(ops, res, ref, noise, True)
-        if layout is Layout.WGRAD:
-            assert torch.equal(row, ref.row_scale * (sense.WGRAD_BOUND * per_s))
-            assert torch.equal(col, ref.col_scale * (sense.WGRAD_BOUND * per_s))
-            continue
-        c_abs = numerics.sum_col_tiles(res.c.double().abs(), 128)
-        want = torch.minimum(ref.row_noise + c_abs * (sense.BIAS * k * 2.0**-24), ref.row_scale * per_s)
-        assert torch.allclose(row, want, rtol=1e-12, atol=0) and col is ref.col_noise
-        assert (row >= ref.row_noise).all() and (row <= ref.row_scale * per_s * (1 + 1e-12)).all()
+        ref = numerics.reference_checksums(ops, (64, 128), noise, lean=True, cols=layout is Layout.WGRAD)
+        for trunc in (False, True):
+            got = [sense.sigma_of(s, r, c_abs, sense.Sigma.of(noise, k)) for _, _, _, s, r, c_abs, _ in sense._sides(ops, res, trunc, None)]
+            want = _composed_sigma(ops, res, ref, noise, trunc)
+            assert all(torch.allclose(g, w, rtol=1e-12, atol=0) for g, w in zip(got, want, strict=False))
+        if layout is not Layout.WGRAD:
+            assert (got[0] >= ref.row_noise * (1 - 1e-12)).all() and (got[0] <= ref.row_scale * per_s * (1 + 1e-12)).all()
+            assert (got[0] > ref.row_noise * (1 + 1e-9)).any()  # the bias term is there
 
 
-def test_enqueued_comparison_is_the_reference_checksums_and_sensor_noise_one():
+def test_enqueued_comparison_is_the_composed_one():
     """sense.enqueue's torch path (``_sides`` + ``sigma_of``, the fused kernel's twin) gives the bits
-    of the composition it replaced: the lean reference_checksums, sensor_noise's σ, normalised_diff;
+    of the composition it replaced: the lean reference_checksums, the composed σ, normalised_diff;
     and the finite flag falls with a non-finite input."""
     from aegis_cli.backends.cpu import CpuDevice
     from aegis_cli.sensors import sense
@@ -119,7 +133,7 @@ def test_enqueued_comparison_is_the_reference_checksums_and_sensor_noise_one():
         both = layout is Layout.WGRAD
         for trunc in (False, True):
             ref = numerics.reference_checksums(ops, (64, 128), None if both and trunc else noise, lean=True, cols=both)
-            row, col = sense.sensor_noise(ops, res, ref, noise, trunc)
+            row, col = _composed_sigma(ops, res, ref, noise, trunc)
             want = [numerics.normalised_diff(res.row_sums, ref.row, row, ref.floor)]
             if both:
                 want.append(numerics.normalised_diff(res.col_sums, ref.col, col, ref.floor))
