@@ -9,8 +9,7 @@ import statistics
 
 import torch
 
-from aegis_cli.sensors import SensorConfig
-from aegis_cli.sensors.sense import BIAS, WGRAD_BOUND
+from aegis_cli.sensors import SensorConfig, sense
 
 BETAS = (0.0, 1 / 128, 1 / 64, 1 / 32, 1 / 16, 1 / 8)  # candidate bias terms: σ + β·K·2⁻²⁴·Σ|C| over the tile
 
@@ -22,6 +21,7 @@ def _study_one(ops, res, noise) -> list[dict]:
     from aegis_cli.ops import numerics
 
     k = ops.mnk[2]
+    sig = sense.Sigma.of(noise, k)
     tm, tn = res.tile
     c = res.c.float().abs_()
     sides = [(res.row_sums, numerics.lean_side(ops.a_mk, ops.b_kn, tn), numerics.sum_col_tiles(c, tn), "row")]
@@ -31,10 +31,9 @@ def _study_one(ops, res, noise) -> list[dict]:
     out = []
     for obs, (ref, s, rho), csum, side in sides:
         delta = ((obs.double() - ref).abs() - numerics.subnormal_slack(k, max(tm, tn))).clamp_(min=0)
-        cap = s * (noise.cap / numerics.DEFAULT_TAU)
-        base = rho * (noise.unit * noise.depth(k))
+        cap, base = s * sig.p, rho * sig.u
         xc = csum.double() * (k * 2.0**-24)
-        sensor = cap * WGRAD_BOUND if ops.layout.value == "wgrad" else torch.minimum(torch.minimum(base, cap) + BIAS * xc, cap)
+        sensor = sense.sigma_of(s, None, None, sig) if ops.layout.value == "wgrad" else sense.sigma_of(s, rho, csum.double(), sig)
         vals = [(delta / torch.minimum(base, cap).clamp(min=1e-300)).amax(), (delta / xc.clamp(min=1e-300)).amax(),
                 (delta / cap.clamp(min=1e-300)).amax(), (s / rho.clamp(min=1e-300)).median(),
                 (delta / sensor.clamp(min=1e-300)).amax()]
@@ -48,8 +47,6 @@ def _study_one(ops, res, noise) -> list[dict]:
 def noise_study(bench, steps: int, counter: itertools.count) -> dict:
     """``steps`` steps with every launch checked, each check also measured by ``_study_one``;
     summarised per layout and layer kind (the last two parts of the layer's name)."""
-    from aegis_cli.sensors import sense
-
     real, seen = sense.sense, []
 
     def spy(h, device, layer, ops, res, site, key):
