@@ -373,7 +373,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="measured steps per mode and round")
     p.add_argument("--rounds", type=int, default=2, help="rounds of the interleaved modes")
     p.add_argument("--sample-prob", type=float, default=0.01, help="the sampled mode's per-launch probability")
-    p.add_argument("--modes", type=lambda v: v.split(","), default=list(MODES[:-1]),
+    p.add_argument("--modes", type=lambda v: v.split(","), default=[m for m in MODES if m != "drained"],
                    help=f"interleaved modes (plain always): {','.join(MODES)} (default: all but drained)")
     p.add_argument("--clean-steps", type=int, default=1000, help="steps of the clean run (0: none)")
     p.add_argument("--clean-config", choices=("default", "coverage"), default="default",
