@@ -50,8 +50,7 @@ def _inward(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 def limits(ref: ReferenceChecksums, tau: float) -> Limits:
     """The screening bounds of ``ref`` at ``tau`` (once per input set and scale), in the units the
     scan's checks use (ReferenceChecksums.noise: the device's noise scale σ where ``ref`` has it)."""
-    row_unit, col_unit = ref.noise()
-    row_l, col_l = row_unit.clamp(min=numerics.SMALLEST_SCALE) * tau + ref.floor, col_unit.clamp(min=numerics.SMALLEST_SCALE) * tau + ref.floor
+    row_l, col_l = (unit.clamp(min=numerics.SMALLEST_SCALE) * tau + ref.floor for unit in ref.noise())
     return Limits(*_inward(ref.row - row_l, ref.row + row_l), *_inward(ref.col - col_l, ref.col + col_l))
 
 

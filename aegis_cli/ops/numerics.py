@@ -168,17 +168,29 @@ def abs_col_tiles(x: torch.Tensor, t: int) -> torch.Tensor:
 LeanSide = Callable[[torch.Tensor, torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]  # as lean_side
 
 
+def lean_sides(ops: GemmOperands, tile: tuple[int, int], rho: bool, cols: bool,
+               side: LeanSide) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """The lean references' (sums, s, ρ) of the rows, as A·(tile sums of B), and with ``cols`` also
+    of the columns, as (Bᵀ·(tile sums of Aᵀ))ᵀ, each by ``side`` (``lean_side`` or a Device's);
+    ``rho=False``: ρ None. Shared by reference_checksums(lean=True) and the sensors' comparison."""
+    tm, tn = tile
+    out = [side(ops.a_mk, ops.b_kn, tn, rho)]
+    if cols:
+        out.append(tuple(None if x is None else x.t() for x in side(ops.b_kn.t(), ops.a_mk.t(), tm, rho)))
+    return out
+
+
 def _lean_reference(ops: GemmOperands, tile: tuple[int, int], noise: NoiseModel | None, cols: bool,
                     side: LeanSide) -> ReferenceChecksums:
-    """reference_checksums(lean=True): rows as A·(tile sums of B), columns as (Bᵀ·(tile sums of Aᵀ))ᵀ."""
+    """reference_checksums(lean=True): the values of ``lean_sides``, with σ given ``noise``."""
     tm, tn = tile
     k = ops.mnk[2]
     rho = noise is not None  # ρ only feeds σ
-    row, row_scale, row_rho = side(ops.a_mk, ops.b_kn, tn, rho)
+    (row, row_scale, row_rho), *col_side = lean_sides(ops, tile, rho, cols, side)
     row_noise = noise.scale(row_rho, row_scale, k) if rho else None
     if not cols:
         return _rows_only(row, row_scale, row_noise, ops.mnk, tn)
-    col, col_scale, col_rho = (None if x is None else x.t() for x in side(ops.b_kn.t(), ops.a_mk.t(), tm, rho))
+    col, col_scale, col_rho = col_side[0]
     col_noise = noise.scale(col_rho, col_scale, k) if rho else None
     return ReferenceChecksums(row=row, col=col, row_scale=row_scale, col_scale=col_scale,
                               floor=subnormal_slack(k, max(tm, tn)), row_noise=row_noise, col_noise=col_noise)

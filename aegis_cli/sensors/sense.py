@@ -165,20 +165,17 @@ def _sides(ops: GemmOperands, res: GemmResult, truncating: bool, device: Device 
     (``Device.lean_side``: a kernel on CUDA; torch's without a device) and, for forward and dgrad on
     a truncating device, Σ|c| (``tile_abs_sums``). wgrad's σ on a truncating device follows s alone:
     no ρ computed there."""
-    side = numerics.lean_side if device is None else device.lean_side
     tm, tn = res.tile
     k = ops.mnk[2]
     both = ops.layout is Layout.WGRAD
-    rho = not (both and truncating)
-    row, s, r = side(ops.a_mk, ops.b_kn, tn, rho)
-    c_abs = None
-    if truncating and not both:
-        c_abs = numerics.abs_col_tiles(res.c, tn) if device is None else device.tile_abs_sums(res.c, tn)
+    refs = numerics.lean_sides(ops, res.tile, not (both and truncating), both, numerics.lean_side if device is None else device.lean_side)
     if not both:
-        return [("gemm.row_checksum", res.row_sums, row, s, r, c_abs, numerics.subnormal_slack(k, tn))]
+        c_abs = None
+        if truncating:
+            c_abs = numerics.abs_col_tiles(res.c, tn) if device is None else device.tile_abs_sums(res.c, tn)
+        return [("gemm.row_checksum", res.row_sums, *refs[0], c_abs, numerics.subnormal_slack(k, tn))]
     floor = numerics.subnormal_slack(k, max(tm, tn))
-    col, cs, cr = (None if x is None else x.t() for x in side(ops.b_kn.t(), ops.a_mk.t(), tm, rho))
-    return [("gemm.row_checksum", res.row_sums, row, s, r, None, floor), ("gemm.col_checksum", res.col_sums, col, cs, cr, None, floor)]
+    return [("gemm.row_checksum", res.row_sums, *refs[0], None, floor), ("gemm.col_checksum", res.col_sums, *refs[1], None, floor)]
 
 
 def enqueue(ops: GemmOperands, res: GemmResult, noise: numerics.NoiseModel, truncating: bool,
