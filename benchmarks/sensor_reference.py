@@ -175,8 +175,7 @@ def run(args) -> dict:
             sides, sig = sense._sides(ops, res, trunc, dev), sense.Sigma.of(noise, k)
 
             def rest(sides=sides, sig=sig):  # σ and differences by the torch path, given the references and Σ|c|
-                return [numerics.normalised_diff(sums, r, sense.sigma_of(sc, rho, c_abs, sig), floor)
-                        for _, sums, r, sc, rho, c_abs, floor in sides]
+                return sense.compare_torch(sides, sig)
 
             row = {"op": f"{name}/{layout.value}", "mnk": [m, n, k],
                    "gemm_ms": timed(lambda ops=ops: sense.launch(dev, ops, None, "train/bench"), args.reps),

@@ -33,7 +33,6 @@ from sensor_reference import timed  # benchmarks/ is on sys.path beside this mod
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from aegis_cli.backends import cuda_compare
-from aegis_cli.ops import numerics
 
 PHASES = ("fwd", "bwd", "sensors", "opt")
 KINDS = (("aegis_sc", "aegis compare"), ("aegis_sr", "aegis reference"), ("gemm_wgmma", "aegis checked GEMM"),
@@ -229,13 +228,12 @@ def compare_costs(bench) -> list[dict]:
             ops = GemmOperands(a, b, layout)
             res = sense.launch(dev, ops, None, "train/profile")
             noise = dev.noise_model(k)
-            sides = [x[1:] for x in sense._sides(ops, res, True, dev)]
+            named = sense._sides(ops, res, True, dev)
+            sides = [x[1:] for x in named]
             c = sense.Sigma.of(noise, k)
 
-            def torch_path(sides=sides, c=c):
-                ds = [numerics.normalised_diff(su, r, sense.sigma_of(s, rho, ca, c), fl) for su, r, s, rho, ca, fl in sides]
-                finite = torch.stack([torch.isfinite(x[2]).all() for x in sides]).all().double()
-                return torch.stack([d.max() for d in ds] + [finite])
+            def torch_path(named=named, c=c):
+                return sense.compare_torch(named, c)
 
             def fused(sides=sides, c=c):
                 summary = cuda_compare.new_summary(len(sides), bench.dev)
@@ -243,5 +241,5 @@ def compare_costs(bench) -> list[dict]:
 
             out.append({"gemm": f"{fin}x{fout}/{layout.value}", "mnk": [m, n, k], "torch_ms": timed(torch_path, 5),
                         "fused_ms": timed(fused, 5), "reference_ms": timed(lambda ops=ops, res=res: sense._sides(ops, res, True, dev), 5)})
-            del a, b, ops, res, sides
+            del a, b, ops, res, sides, named
     return out

@@ -178,6 +178,15 @@ def _sides(ops: GemmOperands, res: GemmResult, truncating: bool, device: Device 
     return [("gemm.row_checksum", res.row_sums, *refs[0], None, floor), ("gemm.col_checksum", res.col_sums, *refs[1], None, floor)]
 
 
+def compare_torch(sides: list[Side], c: Sigma) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The comparison by torch's operations (the CPU path, and the reference of the fused CUDA
+    kernel): each side's normalised differences, and the summary (each side's largest, then 1.0
+    if every s is finite)."""
+    ds = [numerics.normalised_diff(sums, ref, sigma_of(s, r, c_abs, c), floor) for _, sums, ref, s, r, c_abs, floor in sides]
+    finite = torch.stack([torch.isfinite(x[3]).all() for x in sides]).all().double()
+    return ds, torch.stack([d.max() for d in ds] + [finite])
+
+
 def enqueue(ops: GemmOperands, res: GemmResult, noise: numerics.NoiseModel, truncating: bool,
             device: Device | None = None):
     """The comparison, left on the device: (parts, summary). Differences are in units of the
@@ -188,16 +197,15 @@ def enqueue(ops: GemmOperands, res: GemmResult, noise: numerics.NoiseModel, trun
     sides = _sides(ops, res, truncating, device)
     c = Sigma.of(noise, ops.mnk[2])
     home = res.row_sums.device
+    ds = None
     if isinstance(device, CudaDevice) and home.type == "cuda":
         summary = cuda_compare.new_summary(len(sides), home)
         args = [x[1:] for x in sides]
         if cuda_compare.applies(args, summary):
             ds = cuda_compare.compare(args, c.u, c.p, c.b, c.w, summary)
-            return [(name, d, sums, ref) for (name, sums, ref, *_), d in zip(sides, ds, strict=True)], summary
-    parts = [(name, numerics.normalised_diff(sums, ref, sigma_of(s, r, c_abs, c), floor), sums, ref)
-             for name, sums, ref, s, r, c_abs, floor in sides]
-    finite = torch.stack([torch.isfinite(x[3]).all() for x in sides]).all().double()
-    return parts, torch.stack([d.max() for _, d, _, _ in parts] + [finite])
+    if ds is None:
+        ds, summary = compare_torch(sides, c)
+    return [(name, d, sums, ref) for (name, sums, ref, *_), d in zip(sides, ds, strict=True)], summary
 
 
 def judge_parts(parts, worst: list[float], finite: float, tau: float) -> tuple[list[checks.Signal], float, bool]:
