@@ -120,7 +120,7 @@ def _referee(name: str, key: str, results: dict[str, dict], ids: list[str], devi
         bound = numerics.U_BF16 * exact.abs() + 2 * k * numerics.U_FP32 * scale
         for d in ids:
             got = results[d][name][key].cpu().double().reshape(-1)[torch.tensor([r["index"] for r in recs])]
-            ratio = ((got - exact).abs() / bound.clamp(min=2.0**-1022)).nan_to_num(nan=float("inf"))
+            ratio = ((got - exact).abs() / bound.clamp(min=numerics.SMALLEST_SCALE)).nan_to_num(nan=float("inf"))
             out[d] = float(ratio.max())
         return out
     tile = devices[ids[0]].tile  # one model per comparison group: one tile
