@@ -85,15 +85,11 @@ def catalog_shapes(seqs: tuple[int, ...] = RAGGED_SEQ) -> list[tuple[str, tuple]
     return out
 
 
-def _on(device) -> torch.device:
-    return getattr(device, "torch_device", torch.device("cpu"))
-
-
 def operands(shape, dist: str, qs: float, seed: int, device, host: bool = False) -> A.AttentionOperands:
     """Seeded Q·qs, K, V, dO of ``shape``: drawn on the device, or on the CPU and copied (``host``:
     the same bits on every device)."""
     b, hq, hkv, s, d, causal = shape
-    gen = (lambda sh, i: generate_bf16(sh, dist, seed * 16 + i, "cpu").to(_on(device))) if host else \
+    gen = (lambda sh, i: generate_bf16(sh, dist, seed * 16 + i, "cpu").to(device.torch_device)) if host else \
         (lambda sh, i: device.generate(sh, dist, seed * 16 + i))
     q = (gen((b, hq, s, d), 0).float() * qs).bfloat16()
     return A.AttentionOperands(q, gen((b, hkv, s, d), 1), gen((b, hkv, s, d), 2), gen((b, hq, s, d), 3), causal)
@@ -174,10 +170,6 @@ def bit_class(bit: int) -> str:
     return next(name for name, bits in BIT_CLASSES if bit in bits)
 
 
-def _plan(text: str) -> FaultPlan:
-    return FaultPlan.parse(text)
-
-
 def trial(device, stage: str, t: int, rng: np.random.Generator) -> dict:
     shape_i = int(rng.integers(len(SHAPES)))
     dist = DISTS[int(rng.integers(len(DISTS)))]
@@ -189,8 +181,8 @@ def trial(device, stage: str, t: int, rng: np.random.Generator) -> dict:
     rec = {"stage": stage, "trial": t, "shape": shape_i, "dist": dist, "bit": bit, "index": af.index, "fired": [],
            "change": 0.0}
     ref = A.reference(ops, ops.shape.scale)
-    clean = checks.outputs_of(*run_pass(device, ops, _plan(f"perturb:{where},r=0"), cid))
-    fault = _plan(f"mask:{where},mask={af.xor:#x}")
+    clean = checks.outputs_of(*run_pass(device, ops, FaultPlan.parse(f"perturb:{where},r=0"), cid))
+    fault = FaultPlan.parse(f"mask:{where},mask={af.xor:#x}")
     f, b = run_pass(device, ops, fault, cid)
     got = checks.outputs_of(f, b)
     if all(torch.equal(int_view(got[k]), int_view(clean[k])) for k in got):
