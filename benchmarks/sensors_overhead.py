@@ -88,6 +88,10 @@ def clean_config(args) -> SensorConfig:
     return SensorConfig(seed=args.seed)
 
 
+def _unmarked(_name: str) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
 class Bench:
     def __init__(self, args):
         self.args = args
@@ -109,20 +113,26 @@ class Bench:
         if self.dev.type == "cuda":
             torch.cuda.synchronize(self.dev)
 
-    def step(self, i: int, handle, drain: bool = False) -> tuple[float, Action]:
+    def step(self, i: int, handle, drain: bool = False, mark=_unmarked) -> tuple[float, Action]:
         """One training step, timed from a synchronised start to a synchronised end (``drain``: the
-        device synchronised before the sensors' step boundary too)."""
+        device synchronised before the sensors' step boundary too; ``mark(name)``: a context around
+        the step and each of its phases, step fwd bwd sensors opt: sensors_profile annotates them)."""
         x, y = self.batches[i % len(self.batches)]
         self.sync()
         t0 = time.perf_counter()
-        self.opt.zero_grad(set_to_none=True)
-        _, loss = self.model(x, y)
-        loss.backward()
-        if drain:
+        with mark("step"):
+            with mark("fwd"):
+                self.opt.zero_grad(set_to_none=True)
+                _, loss = self.model(x, y)
+            with mark("bwd"):
+                loss.backward()
+            with mark("sensors"):
+                if drain:
+                    self.sync()
+                action = handle.step() if handle is not None else Action.CONTINUE
+            with mark("opt"):
+                self.opt.step()
             self.sync()
-        action = handle.step() if handle is not None else Action.CONTINUE
-        self.opt.step()
-        self.sync()
         return time.perf_counter() - t0, action
 
     def window(self, name: str, cfg: SensorConfig | None, steps: int, counter: itertools.count) -> dict:

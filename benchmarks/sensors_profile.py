@@ -47,24 +47,9 @@ def kind(name: str) -> str:
     return next((label for key, label in KINDS if key in low), "other")
 
 
-def _step(bench, i: int, handle, drain: bool) -> None:
-    """Bench.step with its phases annotated (and the device drained before the boundary with ``drain``)."""
-    x, y = bench.batches[i % len(bench.batches)]
-    bench.sync()
-    with record_function("aegis:step"):
-        with record_function("aegis:fwd"):
-            bench.opt.zero_grad(set_to_none=True)
-            _, loss = bench.model(x, y)
-        with record_function("aegis:bwd"):
-            loss.backward()
-        with record_function("aegis:sensors"):
-            if drain:
-                bench.sync()
-            if handle is not None:
-                handle.step()
-        with record_function("aegis:opt"):
-            bench.opt.step()
-        bench.sync()
+def _annotated(name: str):
+    """Bench.step's phase marks as profiler annotations (aegis:step, aegis:fwd, …: ``attribute`` reads them)."""
+    return record_function(f"aegis:{name}")
 
 
 def _union(intervals: list[tuple[float, float]]) -> float:
@@ -154,11 +139,11 @@ def run(bench, cfg, steps: int, counter) -> dict:
         handle = instrument(bench.model, cfg) if mode != "plain" else None
         try:
             for _ in range(2):  # unprofiled: the handle's first steps
-                _step(bench, next(counter), handle, mode == "drained")
+                bench.step(next(counter), handle, mode == "drained", _annotated)
             checked0 = handle.stats.checked if handle else 0
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(steps):
-                    _step(bench, next(counter), handle, mode == "drained")
+                    bench.step(next(counter), handle, mode == "drained", _annotated)
             checks = (handle.stats.checked - checked0) if handle else 0
         finally:
             if handle is not None:
