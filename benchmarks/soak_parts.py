@@ -69,7 +69,7 @@ def burst_ms(fns: list, n: int, reps: int = 3) -> float:
 def old_flagged(r, c, ref):
     """The screen before: fp64 differences of stacked checksums against fp64 limits."""
     row_unit, col_unit = ref.noise()
-    rl, cl = row_unit.clamp(min=2.0**-1022) * 3.5 + ref.floor, col_unit.clamp(min=2.0**-1022) * 3.5 + ref.floor
+    rl, cl = row_unit.clamp(min=numerics.SMALLEST_SCALE) * 3.5 + ref.floor, col_unit.clamp(min=numerics.SMALLEST_SCALE) * 3.5 + ref.floor
     r, c = torch.stack([r]), torch.stack([c])
     return ((r - ref.row).abs_() <= rl).sum((1, 2)) + ((c - ref.col).abs_() <= cl).sum((1, 2))
 
