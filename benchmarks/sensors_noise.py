@@ -9,6 +9,7 @@ import statistics
 
 import torch
 
+from aegis_cli.ops import numerics
 from aegis_cli.sensors import SensorConfig, sense
 
 BETAS = (0.0, 1 / 128, 1 / 64, 1 / 32, 1 / 16, 1 / 8)  # candidate bias terms: σ + β·K·2⁻²⁴·Σ|C| over the tile
@@ -18,8 +19,6 @@ def _study_one(ops, res, noise) -> list[dict]:
     """Clean normalised differences of one launch's checksums (rows; wgrad also columns) under the
     sensors' σ and under σ + β·K·2⁻²⁴·Σ|c| (the truncating accumulator's bias follows the partial
     sums, which for same-sign products grow with |c| rather than with ρ)."""
-    from aegis_cli.ops import numerics
-
     k = ops.mnk[2]
     sig = sense.Sigma.of(noise, k)
     tm, tn = res.tile
