@@ -187,14 +187,15 @@ def section_soak(out: Path) -> dict:
 
 def section_sensors(out: Path) -> dict:
     """The in-training sensors' overhead on the example's ~1.2B GPT at sequence 4096 (plain vs
-    checked kernels vs every Linear checked vs sampled, then a clean run at the sampled setting):
-    benchmarks/sensors_overhead.py with its defaults, its JSON beside this section's log."""
+    instrumented unsampled vs checked kernels vs every Linear checked vs sampled, then 1,000 clean
+    steps at the default config): benchmarks/sensors_overhead.py with its defaults, its JSON
+    beside this section's log."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import sensors_overhead
 
     res = sensors_overhead.main(["--out", str(out)])
     inter = res.get("interleaved") or {}
-    modes = {name: {k: r.get(k) for k in ("mean_s", "overhead", "overhead_vs_kernels", "error")}
+    modes = {name: {k: r.get(k) for k in ("mean_s", "overhead", "overhead_vs_unsampled", "error")}
              for name, r in inter.items() if isinstance(r, dict)}
     clean = {k: v for k, v in (res.get("clean") or {}).items() if k not in ("confirmed_events", "latency", "traceback")}
     errors = {k: v["error"] for k, v in res.items() if isinstance(v, dict) and "error" in v}
