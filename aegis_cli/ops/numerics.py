@@ -62,13 +62,19 @@ def n_tiles(n: int, t: int) -> int:
     return -(-n // t)
 
 
+def _col_tiles(x: torch.Tensor, t: int) -> torch.Tensor:
+    """(M, N) → (M, ceil(N/t), t): x's tiles of ``t`` columns, the last zero-padded (a view when
+    none is needed). The one tiling that sum_col_tiles, abs_col_tiles and lean_side reduce over."""
+    m, n = x.shape
+    nt = n_tiles(n, t)
+    if nt * t != n:
+        x = torch.nn.functional.pad(x, (0, nt * t - n))
+    return x.reshape(m, nt, t)
+
+
 def sum_col_tiles(x: torch.Tensor, tn: int) -> torch.Tensor:
     """(M, N) → (M, ceil(N/tn)): Σ over each tile of tn columns (zero-padded)."""
-    m, n = x.shape
-    nt = n_tiles(n, tn)
-    if nt * tn != n:
-        x = torch.nn.functional.pad(x, (0, nt * tn - n))
-    return x.reshape(m, nt, tn).sum(-1)
+    return _col_tiles(x, tn).sum(-1)
 
 
 def sum_row_tiles(x: torch.Tensor, tm: int) -> torch.Tensor:
@@ -137,10 +143,8 @@ def lean_side(left: torch.Tensor, right: torch.Tensor, t: int,
     at most about 10⁻⁵ of the CUDA kernels' σ and 10⁻³ of the CPU path's. ``rho=False``: ρ is
     None (not computed; sums and s are the same bits)."""
     r, k = left.shape
-    n = right.shape[1]
-    nt = n_tiles(n, t)
-    x = right if nt * t == n else torch.nn.functional.pad(right, (0, nt * t - n))
-    x3 = x.reshape(k, nt, t)
+    x3 = _col_tiles(right, t)
+    nt = x3.shape[1]
     rt = x3.sum(-1, dtype=torch.float64)  # (K, nt), exact: bf16 values summed in fp64
     rt_abs = torch.linalg.vector_norm(x3, 1, dim=-1, dtype=torch.float64)
     rt_sq = torch.linalg.vector_norm(x3, 2, dim=-1, dtype=torch.float64).square_() if rho else None
@@ -159,10 +163,7 @@ def lean_side(left: torch.Tensor, right: torch.Tensor, t: int,
 def abs_col_tiles(x: torch.Tensor, t: int) -> torch.Tensor:
     """Σ|x| over each tile of ``t`` columns of x (M, N): (M, ceil(N/t)) fp64, read straight from x
     (the sensors' Σ|c|; Device.tile_abs_sums)."""
-    m, n = x.shape
-    nt = n_tiles(n, t)
-    x = x if nt * t == n else torch.nn.functional.pad(x, (0, nt * t - n))
-    return torch.linalg.vector_norm(x.reshape(m, nt, t), 1, dim=-1, dtype=torch.float64)
+    return torch.linalg.vector_norm(_col_tiles(x, t), 1, dim=-1, dtype=torch.float64)
 
 
 LeanSide = Callable[[torch.Tensor, torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]  # as lean_side
