@@ -113,15 +113,15 @@ def reference_checksums(ops: GemmOperands, tile: tuple[int, int], noise: NoiseMo
         row_noise = noise.scale((a @ sum_col_tiles(b, tn)).sqrt_(), row_scale, k)
         col_noise = noise.scale((sum_row_tiles(a, tm) @ b).sqrt_(), col_scale, k)
     ref = ReferenceChecksums(row=row, col=col, row_scale=row_scale, col_scale=col_scale,
-                             floor=subnormal_slack(ops.mnk[2], max(tm, tn)), row_noise=row_noise, col_noise=col_noise)
-    return ref if cols else _rows_only(ref.row, ref.row_scale, ref.row_noise, ops.mnk, tn)
+                             floor=checksum_floor(ops.mnk[2], tile), row_noise=row_noise, col_noise=col_noise)
+    return ref if cols else _rows_only(ref.row, ref.row_scale, ref.row_noise, ops.mnk, tile)
 
 
 def _rows_only(row: torch.Tensor, row_scale: torch.Tensor, row_noise: torch.Tensor | None, mnk: tuple[int, int, int],
-               tn: int) -> ReferenceChecksums:
+               tile: tuple[int, int]) -> ReferenceChecksums:
     """Row references alone: empty column fields, the floor of the row sums."""
     empty = row.new_zeros((0, mnk[1]))
-    return ReferenceChecksums(row=row, col=empty, row_scale=row_scale, col_scale=empty, floor=subnormal_slack(mnk[2], tn),
+    return ReferenceChecksums(row=row, col=empty, row_scale=row_scale, col_scale=empty, floor=checksum_floor(mnk[2], tile, cols=False),
                               row_noise=row_noise, col_noise=None if row_noise is None else empty)
 
 
@@ -184,17 +184,16 @@ def lean_sides(ops: GemmOperands, tile: tuple[int, int], rho: bool, cols: bool,
 def _lean_reference(ops: GemmOperands, tile: tuple[int, int], noise: NoiseModel | None, cols: bool,
                     side: LeanSide) -> ReferenceChecksums:
     """reference_checksums(lean=True): the values of ``lean_sides``, with σ given ``noise``."""
-    tm, tn = tile
     k = ops.mnk[2]
     rho = noise is not None  # ρ only feeds σ
     (row, row_scale, row_rho), *col_side = lean_sides(ops, tile, rho, cols, side)
     row_noise = noise.scale(row_rho, row_scale, k) if rho else None
     if not cols:
-        return _rows_only(row, row_scale, row_noise, ops.mnk, tn)
+        return _rows_only(row, row_scale, row_noise, ops.mnk, tile)
     col, col_scale, col_rho = col_side[0]
     col_noise = noise.scale(col_rho, col_scale, k) if rho else None
     return ReferenceChecksums(row=row, col=col, row_scale=row_scale, col_scale=col_scale,
-                              floor=subnormal_slack(k, max(tm, tn)), row_noise=row_noise, col_noise=col_noise)
+                              floor=checksum_floor(k, tile), row_noise=row_noise, col_noise=col_noise)
 
 
 @dataclass(frozen=True)
@@ -247,6 +246,13 @@ def subnormal_slack(k: int, outputs: int = 1) -> float:
     our CUDA kernels compile) or rounded as a subnormal, losing < 2^-126 each. Far below any
     value that matters; without it, inputs whose products are subnormal read as faults."""
     return (2 * k + 2) * outputs * FP32_MIN_NORMAL
+
+
+def checksum_floor(k: int, tile: tuple[int, int], cols: bool = True) -> float:
+    """ReferenceChecksums.floor of references at checksum ``tile`` (tm, tn): subnormal_slack over
+    the most outputs one checksum sums, max(tm, tn); a row checksum's tn alone without ``cols``."""
+    tm, tn = tile
+    return subnormal_slack(k, max(tm, tn) if cols else tn)
 
 
 SMALLEST_SCALE = 2.0**-1022  # a zero noise scale divides by the smallest fp64 normal instead

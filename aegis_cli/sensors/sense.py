@@ -165,7 +165,7 @@ def _sides(ops: GemmOperands, res: GemmResult, truncating: bool, device: Device 
     (``Device.lean_side``: a kernel on CUDA; torch's without a device) and, for forward and dgrad on
     a truncating device, Σ|c| (``tile_abs_sums``). wgrad's σ on a truncating device follows s alone:
     no ρ computed there."""
-    tm, tn = res.tile
+    tn = res.tile[1]
     k = ops.mnk[2]
     both = ops.layout is Layout.WGRAD
     refs = numerics.lean_sides(ops, res.tile, not (both and truncating), both, numerics.lean_side if device is None else device.lean_side)
@@ -173,8 +173,8 @@ def _sides(ops: GemmOperands, res: GemmResult, truncating: bool, device: Device 
         c_abs = None
         if truncating:
             c_abs = numerics.abs_col_tiles(res.c, tn) if device is None else device.tile_abs_sums(res.c, tn)
-        return [("gemm.row_checksum", res.row_sums, *refs[0], c_abs, numerics.subnormal_slack(k, tn))]
-    floor = numerics.subnormal_slack(k, max(tm, tn))
+        return [("gemm.row_checksum", res.row_sums, *refs[0], c_abs, numerics.checksum_floor(k, res.tile, cols=False))]
+    floor = numerics.checksum_floor(k, res.tile)
     return [("gemm.row_checksum", res.row_sums, *refs[0], None, floor), ("gemm.col_checksum", res.col_sums, *refs[1], None, floor)]
 
 
