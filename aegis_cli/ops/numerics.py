@@ -62,13 +62,19 @@ def n_tiles(n: int, t: int) -> int:
     return -(-n // t)
 
 
+def _col_tiles(x: torch.Tensor, t: int) -> torch.Tensor:
+    """(M, N) → (M, ceil(N/t), t): x's tiles of ``t`` columns, the last zero-padded (a view when
+    none is needed). The one tiling that sum_col_tiles, abs_col_tiles and lean_side reduce over."""
+    m, n = x.shape
+    nt = n_tiles(n, t)
+    if nt * t != n:
+        x = torch.nn.functional.pad(x, (0, nt * t - n))
+    return x.reshape(m, nt, t)
+
+
 def sum_col_tiles(x: torch.Tensor, tn: int) -> torch.Tensor:
     """(M, N) → (M, ceil(N/tn)): Σ over each tile of tn columns (zero-padded)."""
-    m, n = x.shape
-    nt = n_tiles(n, tn)
-    if nt * tn != n:
-        x = torch.nn.functional.pad(x, (0, nt * tn - n))
-    return x.reshape(m, nt, tn).sum(-1)
+    return _col_tiles(x, tn).sum(-1)
 
 
 def sum_row_tiles(x: torch.Tensor, tm: int) -> torch.Tensor:
@@ -107,15 +113,15 @@ def reference_checksums(ops: GemmOperands, tile: tuple[int, int], noise: NoiseMo
         row_noise = noise.scale((a @ sum_col_tiles(b, tn)).sqrt_(), row_scale, k)
         col_noise = noise.scale((sum_row_tiles(a, tm) @ b).sqrt_(), col_scale, k)
     ref = ReferenceChecksums(row=row, col=col, row_scale=row_scale, col_scale=col_scale,
-                             floor=subnormal_slack(ops.mnk[2], max(tm, tn)), row_noise=row_noise, col_noise=col_noise)
-    return ref if cols else _rows_only(ref.row, ref.row_scale, ref.row_noise, ops.mnk, tn)
+                             floor=checksum_floor(ops.mnk[2], tile), row_noise=row_noise, col_noise=col_noise)
+    return ref if cols else _rows_only(ref.row, ref.row_scale, ref.row_noise, ops.mnk, tile)
 
 
 def _rows_only(row: torch.Tensor, row_scale: torch.Tensor, row_noise: torch.Tensor | None, mnk: tuple[int, int, int],
-               tn: int) -> ReferenceChecksums:
+               tile: tuple[int, int]) -> ReferenceChecksums:
     """Row references alone: empty column fields, the floor of the row sums."""
     empty = row.new_zeros((0, mnk[1]))
-    return ReferenceChecksums(row=row, col=empty, row_scale=row_scale, col_scale=empty, floor=subnormal_slack(mnk[2], tn),
+    return ReferenceChecksums(row=row, col=empty, row_scale=row_scale, col_scale=empty, floor=checksum_floor(mnk[2], tile, cols=False),
                               row_noise=row_noise, col_noise=None if row_noise is None else empty)
 
 
@@ -137,10 +143,8 @@ def lean_side(left: torch.Tensor, right: torch.Tensor, t: int,
     at most about 10⁻⁵ of the CUDA kernels' σ and 10⁻³ of the CPU path's. ``rho=False``: ρ is
     None (not computed; sums and s are the same bits)."""
     r, k = left.shape
-    n = right.shape[1]
-    nt = n_tiles(n, t)
-    x = right if nt * t == n else torch.nn.functional.pad(right, (0, nt * t - n))
-    x3 = x.reshape(k, nt, t)
+    x3 = _col_tiles(right, t)
+    nt = x3.shape[1]
     rt = x3.sum(-1, dtype=torch.float64)  # (K, nt), exact: bf16 values summed in fp64
     rt_abs = torch.linalg.vector_norm(x3, 1, dim=-1, dtype=torch.float64)
     rt_sq = torch.linalg.vector_norm(x3, 2, dim=-1, dtype=torch.float64).square_() if rho else None
@@ -159,10 +163,7 @@ def lean_side(left: torch.Tensor, right: torch.Tensor, t: int,
 def abs_col_tiles(x: torch.Tensor, t: int) -> torch.Tensor:
     """Σ|x| over each tile of ``t`` columns of x (M, N): (M, ceil(N/t)) fp64, read straight from x
     (the sensors' Σ|c|; Device.tile_abs_sums)."""
-    m, n = x.shape
-    nt = n_tiles(n, t)
-    x = x if nt * t == n else torch.nn.functional.pad(x, (0, nt * t - n))
-    return torch.linalg.vector_norm(x.reshape(m, nt, t), 1, dim=-1, dtype=torch.float64)
+    return torch.linalg.vector_norm(_col_tiles(x, t), 1, dim=-1, dtype=torch.float64)
 
 
 LeanSide = Callable[[torch.Tensor, torch.Tensor, int, bool], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]  # as lean_side
@@ -183,17 +184,16 @@ def lean_sides(ops: GemmOperands, tile: tuple[int, int], rho: bool, cols: bool,
 def _lean_reference(ops: GemmOperands, tile: tuple[int, int], noise: NoiseModel | None, cols: bool,
                     side: LeanSide) -> ReferenceChecksums:
     """reference_checksums(lean=True): the values of ``lean_sides``, with σ given ``noise``."""
-    tm, tn = tile
     k = ops.mnk[2]
     rho = noise is not None  # ρ only feeds σ
     (row, row_scale, row_rho), *col_side = lean_sides(ops, tile, rho, cols, side)
     row_noise = noise.scale(row_rho, row_scale, k) if rho else None
     if not cols:
-        return _rows_only(row, row_scale, row_noise, ops.mnk, tn)
+        return _rows_only(row, row_scale, row_noise, ops.mnk, tile)
     col, col_scale, col_rho = col_side[0]
     col_noise = noise.scale(col_rho, col_scale, k) if rho else None
     return ReferenceChecksums(row=row, col=col, row_scale=row_scale, col_scale=col_scale,
-                              floor=subnormal_slack(k, max(tm, tn)), row_noise=row_noise, col_noise=col_noise)
+                              floor=checksum_floor(k, tile), row_noise=row_noise, col_noise=col_noise)
 
 
 @dataclass(frozen=True)
@@ -246,6 +246,13 @@ def subnormal_slack(k: int, outputs: int = 1) -> float:
     our CUDA kernels compile) or rounded as a subnormal, losing < 2^-126 each. Far below any
     value that matters; without it, inputs whose products are subnormal read as faults."""
     return (2 * k + 2) * outputs * FP32_MIN_NORMAL
+
+
+def checksum_floor(k: int, tile: tuple[int, int], cols: bool = True) -> float:
+    """ReferenceChecksums.floor of references at checksum ``tile`` (tm, tn): subnormal_slack over
+    the most outputs one checksum sums, max(tm, tn); a row checksum's tn alone without ``cols``."""
+    tm, tn = tile
+    return subnormal_slack(k, max(tm, tn) if cols else tn)
 
 
 SMALLEST_SCALE = 2.0**-1022  # a zero noise scale divides by the smallest fp64 normal instead

@@ -139,7 +139,11 @@ class Pending:
     nbytes: int
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.ops.a, self.ops.b, self.res.c
+        return _watched(self.ops, self.res)
+
+    def changed(self) -> bool:
+        """Whether its tensors were changed in place since it was enqueued (their versions moved)."""
+        return _versions(self.tensors()) != self.versions
 
     def wait(self) -> None:
         """Until the comparison and its summary's copy are done (the CUDA end event; nothing on the CPU)."""
@@ -157,6 +161,15 @@ class Pending:
         return start.elapsed_time(end) / 1e3
 
 
+def _watched(ops: GemmOperands, res: GemmResult) -> tuple[torch.Tensor, ...]:
+    """The tensors a Pending holds until the step boundary (A, B, C), watched for in-place changes."""
+    return ops.a, ops.b, res.c
+
+
+def _versions(tensors) -> tuple[int, ...]:
+    return tuple(t._version for t in tensors)
+
+
 Side = tuple  # (check, sums, reference, s, ρ or None, Σ|c| or None, floor)
 
 
@@ -165,7 +178,7 @@ def _sides(ops: GemmOperands, res: GemmResult, truncating: bool, device: Device 
     (``Device.lean_side``: a kernel on CUDA; torch's without a device) and, for forward and dgrad on
     a truncating device, Σ|c| (``tile_abs_sums``). wgrad's σ on a truncating device follows s alone:
     no ρ computed there."""
-    tm, tn = res.tile
+    tn = res.tile[1]
     k = ops.mnk[2]
     both = ops.layout is Layout.WGRAD
     refs = numerics.lean_sides(ops, res.tile, not (both and truncating), both, numerics.lean_side if device is None else device.lean_side)
@@ -173,8 +186,8 @@ def _sides(ops: GemmOperands, res: GemmResult, truncating: bool, device: Device 
         c_abs = None
         if truncating:
             c_abs = numerics.abs_col_tiles(res.c, tn) if device is None else device.tile_abs_sums(res.c, tn)
-        return [("gemm.row_checksum", res.row_sums, *refs[0], c_abs, numerics.subnormal_slack(k, tn))]
-    floor = numerics.subnormal_slack(k, max(tm, tn))
+        return [("gemm.row_checksum", res.row_sums, *refs[0], c_abs, numerics.checksum_floor(k, res.tile, cols=False))]
+    floor = numerics.checksum_floor(k, res.tile)
     return [("gemm.row_checksum", res.row_sums, *refs[0], None, floor), ("gemm.col_checksum", res.col_sums, *refs[1], None, floor)]
 
 
@@ -247,8 +260,9 @@ def sense(h, device: Device, layer: str, ops: GemmOperands, res: GemmResult, sit
         if summary.is_cuda:  # read back at the boundary by waiting for this check's end event alone
             summary = torch.empty(summary.shape, dtype=summary.dtype, pin_memory=True).copy_(summary, non_blocking=True)
         end.record(stream)
-    pend = Pending(layer, site, key, device, ops, res, tau, floor, parts, summary, tuple(t._version for t in (ops.a, ops.b, res.c)),
-                   (start, end) if cuda else time.perf_counter() - t0, nbytes((ops.a, ops.b, res.c)))
+    watched = _watched(ops, res)
+    pend = Pending(layer, site, key, device, ops, res, tau, floor, parts, summary, _versions(watched),
+                   (start, end) if cuda else time.perf_counter() - t0, nbytes(watched))
     h.unread.append(pend)
     h.unread_bytes += pend.nbytes
     if not cuda or h.unread_bytes > PENDING_BYTES:  # on the CPU the work is done already: read it now
@@ -280,7 +294,7 @@ def resolve(h) -> None:
             h.stats.skipped_nonfinite += 1
         elif not signals:
             h.stats.clean_max_ratio = max(h.stats.clean_max_ratio, worst_f / p.tau)
-        elif tuple(t._version for t in p.tensors()) != p.versions:
+        elif p.changed():
             h.unverifiable(p.layer, p.site, signals[0].check, "its operands or output were changed in place before the step "
                            "boundary, so what was checked can no longer be copied for the verifier")
         else:
