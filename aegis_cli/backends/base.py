@@ -111,6 +111,11 @@ class Device(abc.ABC):
 
         return numerics.reference_checksums(ops, tile, self.noise_model(ops.mnk[2]))
 
+    def plain_gemm(self, ops: GemmOperands) -> torch.Tensor:
+        """C (bf16) of a GEMM nobody checks (the sensors' unsampled launches): torch's product of
+        the bf16 operands (cuBLAS on CUDA, fp32 accumulation)."""
+        return ops.a_mk @ ops.b_kn
+
     def lean_side(self, left: torch.Tensor, right: torch.Tensor, t: int,
                   rho: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The sensors' reference of one side (numerics.lean_side): row checksums of left (R, K) ·

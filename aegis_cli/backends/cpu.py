@@ -84,6 +84,11 @@ def meminfo_available(path: str = "/proc/meminfo") -> int | None:
     return None
 
 
+def _accumulate(a_mk: torch.Tensor, b_kn: torch.Tensor) -> torch.Tensor:
+    """(M, N) fp32 accumulator of the CPU path's GEMM."""
+    return a_mk.float() @ b_kn.float()
+
+
 class CpuDevice(Device):
     shape_independent_sums = False  # BLAS picks its summation order by the GEMM's shape
 
@@ -110,6 +115,11 @@ class CpuDevice(Device):
     def memory_free(self) -> int | None:
         return meminfo_available()
 
+    def plain_gemm(self, ops: GemmOperands) -> torch.Tensor:
+        """The product checked_gemm forms, rounded as it rounds C: an unsampled launch gives the
+        bits a checked one would (on the CPU path the bits do not depend on sampling)."""
+        return _accumulate(ops.a_mk, ops.b_kn).to(torch.bfloat16)
+
     def checked_gemm(self, ops: GemmOperands, fault: FaultPlan | None = None, op: str = "",
                      clean_median: float | None = None) -> GemmResult:
         m, n, _ = ops.mnk
@@ -120,7 +130,7 @@ class CpuDevice(Device):
         if fault is not None:
             ctx = LaunchContext(self.identity.id, op, self.tile, tile_sm, clean_median)
             a_mk, b_kn = corrupt.apply_operands(fault, ctx, a_mk, b_kn)
-        acc = a_mk.float() @ b_kn.float()  # (M, N) fp32 accumulator
+        acc = _accumulate(a_mk, b_kn)
         if fault is not None:
             corrupt.apply_acc(fault, ctx, acc, a_mk, b_kn)
         acc64 = acc.double()

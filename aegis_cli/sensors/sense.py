@@ -315,18 +315,10 @@ def launch(device: Device, ops: GemmOperands, fault: FaultPlan | None, site: str
     return device.checked_gemm(ops, fault, op=site)
 
 
-def plain_gemm(device: Device, ops: GemmOperands) -> torch.Tensor:
-    """C of an unsampled launch, bf16: torch's GEMM of the bf16 operands (cuBLAS on CUDA, fp32
-    accumulation); on the CPU path the product ``CpuDevice.checked_gemm`` forms, bit for bit."""
-    if device.identity.backend == "cpu":
-        return (ops.a_mk.float() @ ops.b_kn.float()).to(torch.bfloat16)
-    return ops.a_mk @ ops.b_kn
-
-
 def run_gemm(h, layer: str, layout: Layout, a: torch.Tensor, b: torch.Tensor, sampled: bool | None = None) -> torch.Tensor:
     """One instrumented GEMM of bf16 ``a`` and ``b`` (stored per ``layout``): the controller decides
     first (``sampled``: already decided and counted by the caller); sampled, the device's checked
-    GEMM and its comparison; else torch's GEMM (``plain_gemm``), unless the bits must not depend
+    GEMM and its comparison; else torch's GEMM (``Device.plain_gemm``), unless the bits must not depend
     on sampling (a fault plan, a pinned region). Returns C (bf16) on ``a``'s device."""
     device = h.device_for(a)
     home = a.device
@@ -340,7 +332,7 @@ def run_gemm(h, layer: str, layout: Layout, a: torch.Tensor, b: torch.Tensor, sa
     fault = h.fault_for(device)
     with torch.autocast(home.type, enabled=False):  # the GEMM's own precision, never autocast's
         if not sampled and fault is None and not h.pinned:
-            return plain_gemm(device, ops).to(home)
+            return device.plain_gemm(ops).to(home)
         m, n, k = ops.mnk
         site = op_id(layer, layout, m, n, k)
         res = launch(device, ops, fault, site)

@@ -203,12 +203,13 @@ def test_unsampled_launches_skip_the_checked_gemm_and_give_the_same_bits_on_the_
 def test_fingerprinted_regions_pin_every_gemm_to_the_checked_kernel(monkeypatch):
     """Inside a fingerprinted region (forward and recompute) every GEMM runs the checked kernel, sampled
     or not: on a GPU its bits differ from torch's GEMM, and the recompute must repeat the forward."""
+    from aegis_cli.backends.cpu import CpuDevice
     from aegis_cli.sensors import sense
 
     pinned, plain = [], []
-    real_launch, real_plain = sense.launch, sense.plain_gemm
+    real_launch, real_plain = sense.launch, CpuDevice.plain_gemm
     monkeypatch.setattr(sense, "launch", lambda *a: pinned.append(a[3]) or real_launch(*a))
-    monkeypatch.setattr(sense, "plain_gemm", lambda *a: plain.append(1) or real_plain(*a))
+    monkeypatch.setattr(CpuDevice, "plain_gemm", lambda *a: plain.append(1) or real_plain(*a))
     model = gpt(checkpointing=True)
     # p = 0, but every operator due at its first launch of each step: each region is fingerprinted, each
     # GEMM compared once; a block's recompute repeats its forward GEMMs, unsampled, yet on the checked kernel
