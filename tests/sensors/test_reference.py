@@ -8,10 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from aegis_cli.backends.cuda import CUDA_NOISE
 from aegis_cli.ops import numerics
 from aegis_cli.ops.gemm import GemmOperands, Layout
 
-NOISE = numerics.NoiseModel(unit=8e-9, power=1.0, cap=numerics.S_FLOOR)  # the CUDA kernels' (backends/cuda.py)
+NOISE = CUDA_NOISE["wgmma"]  # the CUDA kernels' noise model (importable without a GPU)
 SHAPES = [(64, 256, 8192), (200, 300, 517), (77, 1000, 128), (96, 130, 2048), (3, 5, 7), (130, 64, 4096)]
 
 
