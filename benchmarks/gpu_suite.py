@@ -195,7 +195,7 @@ def section_sensors(out: Path) -> dict:
 
     res = sensors_overhead.main(["--out", str(out)])
     inter = res.get("interleaved") or {}
-    modes = {name: {k: r.get(k) for k in ("mean_s", "overhead", "overhead_vs_unsampled", "error")}
+    modes = {name: {k: r.get(k) for k in ("mean_s", "overhead", "overhead_se", "overhead_vs_unsampled", "error")}
              for name, r in inter.items() if isinstance(r, dict)}
     clean = {k: v for k, v in (res.get("clean") or {}).items() if k not in ("confirmed_events", "latency", "traceback")}
     errors = {k: v["error"] for k, v in res.items() if isinstance(v, dict) and "error" in v}

@@ -6,7 +6,11 @@
 The example's GPT (examples/train_gpt/gpt.py; ``1b``: ~1.2B parameters, sequence 4096) in bf16,
 AdamW, one training step = forward, backward, the sensors' step boundary, optimizer step. Modes,
 measured interleaved in ``--rounds`` rounds of ``--steps`` steps each (after ``--warmup`` steps of
-each mode, excluded), each step timed to a device synchronisation:
+each mode, excluded), the order of the modes reversed every other round so that a drift of the
+GPU's clocks falls on both sides alike, each step timed to a device synchronisation; the first
+``--skip`` steps of each window (the model just instrumented or restored) are left out of the
+figures. A mode's overhead is the mean of its rounds' ratios to the same round's plain window, with
+its standard error over the rounds:
 
   plain      the model as it is: torch's own GEMMs (cuBLAS), no sensors
   unsampled  instrumented, nothing sampled: every Linear through the sensors' autograd function,
@@ -16,7 +20,9 @@ each mode, excluded), each step timed to a device synchronisation:
   every      every Linear launch compared with the fp64 references (forward and dgrad rows,
              wgrad rows and columns)
   sampled    each launch sampled with p = --sample-prob (0.01): on average every operator once per
-             100 steps; the clean run below checks each exactly at that rate (coverage only)
+             100 steps, and none unchecked for longer (the coverage floor)
+  coverage   p = 0: each operator exactly once per 100 steps, the floor alone (its phases spread
+             over the steps): the least sampling the issue allows
   drained    sampled, the device drained (synchronised) before the step boundary: what the
              boundary cost when the sensors read their comparisons that way (before session 13)
 
@@ -62,7 +68,7 @@ from sensors_noise import noise_study  # noqa: E402
 
 from aegis_cli.sensors import Action, SensorConfig, instrument, uninstrument  # noqa: E402
 
-MODES = ("plain", "unsampled", "kernels", "every", "sampled", "drained")
+MODES = ("plain", "unsampled", "kernels", "every", "sampled", "coverage", "drained")
 NEVER = 10**9  # coverage_steps that never forces a check within a run
 
 
@@ -74,6 +80,7 @@ def configs(args) -> dict[str, SensorConfig | None]:
         "kernels": SensorConfig(**never),  # run pinned (Bench.window)
         "every": SensorConfig(sample_prob=1.0, overhead_budget=None, queue_size=16, seed=args.seed),
         "sampled": sampled_config(args),
+        "coverage": SensorConfig(sample_prob=0.0, overhead_budget=None, coverage_steps=100, seed=args.seed),
         "drained": sampled_config(args),  # drained at the boundary (Bench.window)
     }
 
@@ -135,11 +142,12 @@ class Bench:
             self.sync()
         return time.perf_counter() - t0, action
 
-    def window(self, name: str, cfg: SensorConfig | None, steps: int, counter: itertools.count) -> dict:
+    def window(self, name: str, cfg: SensorConfig | None, steps: int, counter: itertools.count, skip: int = 0) -> dict:
+        """``steps`` timed steps of one mode after ``skip`` more (kept apart: the model just instrumented or restored)."""
         handle = instrument(self.model, cfg) if cfg is not None else None
         times, stops = [], 0
         try:
-            for _ in range(steps):
+            for _ in range(skip + steps):
                 with handle.pin() if name == "kernels" else contextlib.nullcontext():
                     dt, action = self.step(next(counter), handle, name == "drained")
                 times.append(dt)
@@ -147,7 +155,7 @@ class Bench:
         finally:
             if handle is not None:
                 uninstrument(self.model)
-        out = {"mode": name, "times": times, "stops": stops}
+        out = {"mode": name, "times": times[skip:], "skipped": times[:skip], "stops": stops}
         if handle is not None:
             s = handle.stats_dict()
             out["stats"] = {k: s[k] for k in ("launches", "checked", "raised", "cleared", "confirmed", "dropped", "sense_s",
@@ -175,6 +183,17 @@ def gemm_work(model: torch.nn.Module, tokens: int, tile: tuple[int, int] = (64, 
 def summarise(times: list[float]) -> dict:
     return {"steps": len(times), "mean_s": statistics.fmean(times) if times else None,
             "median_s": statistics.median(times) if times else None, "min_s": min(times) if times else None}
+
+
+def paired(ws: list[dict], plain: list[dict]) -> dict:
+    """A mode's overhead from its rounds: each round's mean step over the same round's plain mean,
+    their mean and standard error (rounds are paired so that drift between rounds cancels)."""
+    ratios = [statistics.fmean(w["times"]) / statistics.fmean(p["times"]) - 1
+              for w, p in zip(ws, plain) if w["times"] and p["times"]]
+    if not ratios:
+        return {"overhead": None}
+    se = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else None
+    return {"overhead": statistics.fmean(ratios), "overhead_se": se, "round_overheads": [round(x, 6) for x in ratios]}
 
 
 def part(result: dict, name: str, fn) -> None:
@@ -223,11 +242,11 @@ def run(args) -> dict:
 
     failed: dict[str, str] = {}  # a mode that failed once is not run again
 
-    def safe_window(name: str, steps: int) -> dict | None:
+    def safe_window(name: str, steps: int, skip: int = 0) -> dict | None:
         if name in failed:
             return None
         try:
-            return bench.window(name, modes[name], steps, counter)
+            return bench.window(name, modes[name], steps, counter, skip)
         except Exception as exc:  # one broken mode must not cost the others their figures
             failed[name] = f"{type(exc).__name__}: {exc}"
             print(f"{name} FAILED: {exc}\n{traceback.format_exc()[-3000:]}", flush=True)
@@ -245,8 +264,8 @@ def run(args) -> dict:
     def interleaved() -> dict:
         windows: dict[str, list] = {name: [] for name in modes}
         for r in range(args.rounds):
-            for name in modes:
-                w = safe_window(name, args.steps)
+            for name in (list(modes) if r % 2 == 0 else list(reversed(modes))):
+                w = safe_window(name, args.steps, args.skip)
                 if w is None:
                     continue
                 windows[name].append(w)
@@ -260,12 +279,10 @@ def run(args) -> dict:
                 out[name]["error"] = failed[name]
             if ws and "stats" in ws[0]:
                 out[name]["stats"] = [w["stats"] for w in ws]
-        plain = out["plain"]["mean_s"]
         for name in modes:
-            m = out[name]["mean_s"]
-            out[name]["overhead"] = (m / plain - 1) if plain and m else None
+            out[name].update(paired(windows[name], windows["plain"]))
         k = out.get("unsampled", {}).get("mean_s")
-        for name in ("every", "sampled"):  # the sensing alone, beside the instrumentation
+        for name in ("every", "sampled", "coverage"):  # the sensing alone, beside the instrumentation
             if name not in out:
                 continue
             m = out[name]["mean_s"]
@@ -332,19 +349,21 @@ def table(result: dict) -> str:
                      f"{w['reference_fp64_tflop']:.3f} TFLOP ({100 * w['reference_share']:.2f}% of the GEMMs' FLOPs, in fp64)")
     inter = result.get("interleaved") or {}
     plain = (inter.get("plain") or {}).get("mean_s")
-    lines.append("mode                      mean step   overhead vs plain   vs unsampled")
+    lines.append("mode                      mean step   overhead vs plain (± s.e., rounds)   vs unsampled")
     for name, label in (("plain", "plain (torch GEMMs)"), ("unsampled", "instrumented, unsampled"),
                         ("kernels", "checked kernels, pinned"), ("every", "every Linear checked"),
                         ("sampled", f"sampled p={result['args']['sample_prob']} (window)"),
+                        ("coverage", "each once per 100 steps"),
                         ("drained", "sampled, drained boundary")):
         r = inter.get(name) or {}
         if r.get("mean_s") is None:
             lines.append(f"{label:<25} {'-':>9}   {r.get('error', inter.get('error', 'not run'))[:60]}")
             continue
-        ov = r.get("overhead")
+        ov, se = r.get("overhead") or 0.0, r.get("overhead_se")
         vk = r.get("overhead_vs_unsampled")
-        lines.append(f"{label:<25} {r['mean_s']:>8.4f}s   {100 * ov:>+16.2f}%   "
-                     + (f"{100 * vk:>+17.2f}%" if vk is not None else f"{'':>18}"))
+        spread = f" ± {100 * se:.2f}% ({len(r.get('round_overheads', []))})" if se is not None else ""
+        lines.append(f"{label:<25} {r['mean_s']:>8.4f}s   {f'{100 * ov:+.2f}%{spread}':>33}   "
+                     + (f"{100 * vk:>+13.2f}%" if vk is not None else f"{'':>14}"))
         (checks, sense_s), steps = (sum(w[x] for w in r.get("stats") or []) for x in ("checked", "sense_s")), len(r["times"]) or 1
         if checks and plain:  # the checks' own GPU time (CUDA events), per check and as a share of the plain step
             lines.append(f"{'':<25} {checks / steps:.2f} checks a step, {1e3 * sense_s / checks:.3f} ms each: "
@@ -381,7 +400,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--warmup", type=int, default=3, help="steps of each mode before measuring (excluded)")
     p.add_argument("--steps", type=int, default=10, help="measured steps per mode and round")
-    p.add_argument("--rounds", type=int, default=2, help="rounds of the interleaved modes")
+    p.add_argument("--rounds", type=int, default=2, help="rounds of the interleaved modes (the order reversed every other round)")
+    p.add_argument("--skip", type=int, default=1, help="first steps of each window left out of the figures (just instrumented)")
     p.add_argument("--sample-prob", type=float, default=0.01, help="the sampled mode's per-launch probability")
     p.add_argument("--modes", type=lambda v: v.split(","), default=[m for m in MODES if m != "drained"],
                    help=f"interleaved modes (plain always): {','.join(MODES)} (default: all but drained)")

@@ -64,7 +64,35 @@ def test_every_operator_is_checked_within_the_coverage_window():
             c.spent("op", 1e-3)
             checked_at.append(step)
         c.end_step(1.0)
-    assert checked_at == [4, 9, 14, 19]  # never sampled, so forced once per 5 steps
+    # never sampled, so forced: first within the window (at its phase), then once per 5 steps
+    assert checked_at[0] < 5 and all(b - a == 5 for a, b in zip(checked_at, checked_at[1:]))
+    assert checked_at[-1] >= 15
+
+
+def test_the_coverage_floor_spreads_over_the_steps():
+    """Operators' first forced checks fall at phases of their own (from the seed and the name), so the
+    floor checks about operators ÷ coverage a step, not all of them in one step out of 100."""
+    ops = [f"layer{i}.{site}" for i in range(90) for site in ("forward", "dgrad", "wgrad")]
+    per_step, firsts = [], {}
+    c = controller(sample_prob=0.0, budget=None, coverage_steps=100)
+    for step in range(300):
+        n = 0
+        for op in ops:
+            if c.want(op):
+                c.spent(op, 1e-3)
+                firsts.setdefault(op, step)
+                n += 1
+        per_step.append(n)
+        c.end_step(1.0)
+    assert sum(per_step) == 3 * len(ops)  # each exactly once per 100 steps
+    assert max(per_step) <= 12  # 2.7 a step on average; all 270 at once before the phases
+    assert max(firsts.values()) <= 99 and len(set(firsts.values())) > 50
+    again = controller(sample_prob=0.0, budget=None, coverage_steps=100)
+    backwards = [again._op(op).phase for op in reversed(ops)][::-1]
+    fresh = controller(sample_prob=0.0, budget=None, coverage_steps=100)
+    assert backwards == [fresh._op(op).phase for op in ops]  # from the seed and the name, not the order
+    other = controller(sample_prob=0.0, budget=None, coverage_steps=100, seed=1)
+    assert backwards != [other._op(op).phase for op in ops]
 
 
 def test_a_cleared_spike_raises_tau_which_decays_back_per_check(caplog):
