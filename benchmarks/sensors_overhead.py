@@ -187,9 +187,10 @@ def summarise(times: list[float]) -> dict:
 
 def paired(ws: list[dict], plain: list[dict]) -> dict:
     """A mode's overhead from its rounds: each round's mean step over the same round's plain mean,
-    their mean and standard error (rounds are paired so that drift between rounds cancels)."""
+    their mean and standard error (rounds are paired so that drift between rounds cancels; a mode
+    that failed ran its first rounds only)."""
     ratios = [statistics.fmean(w["times"]) / statistics.fmean(p["times"]) - 1
-              for w, p in zip(ws, plain) if w["times"] and p["times"]]
+              for w, p in zip(ws, plain, strict=False) if w["times"] and p["times"]]
     if not ratios:
         return {"overhead": None}
     se = statistics.stdev(ratios) / len(ratios) ** 0.5 if len(ratios) > 1 else None

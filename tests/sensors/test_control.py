@@ -3,6 +3,7 @@ the verifier's budget, events and the last clean step."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import pytest
@@ -65,7 +66,7 @@ def test_every_operator_is_checked_within_the_coverage_window():
             checked_at.append(step)
         c.end_step(1.0)
     # never sampled, so forced: first within the window (at its phase), then once per 5 steps
-    assert checked_at[0] < 5 and all(b - a == 5 for a, b in zip(checked_at, checked_at[1:]))
+    assert checked_at[0] < 5 and all(b - a == 5 for a, b in itertools.pairwise(checked_at))
     assert checked_at[-1] >= 15
 
 
