@@ -216,6 +216,23 @@ __device__ __forceinline__ void burn(float seed, float* sink) {
     if (t == -1.2345f) *sink = t;
 }
 #endif
+#if defined(AEGIS_PROBE_ROWS) || defined(AEGIS_PROBE_COLS)
+// Experiment knobs (benchmarks/abft_floor.py): the tensor-core cost of in-GEMM ABFT checksum
+// columns, timed without their data. AEGIS_PROBE_ROWS: one m64n8k16 a consumer per k16 beside the
+// m64n256k16 (B's tile sums, three bf16 pieces per 128-column checksum tile, as 8 extra columns:
+// the row check's expected sums); AEGIS_PROBE_COLS: two m64n8k16 a consumer with B's stage as the
+// A operand (its 256 columns as rows) and 8 columns (A's tile sums, in pieces) as B: the column
+// check's. They read the stages' own bf16 data and accumulate into registers nothing reads: C and
+// the sums are the plain build's.
+template <int TA, int TB>
+__device__ __forceinline__ void wgmma_n8(float* e, uint64_t da, uint64_t db) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0,%1,%2,%3}, %4, %5, p, 1, 1, %6, %7;\n}"
+        : "+f"(e[0]), "+f"(e[1]), "+f"(e[2]), "+f"(e[3])
+        : "l"(da), "l"(db), "n"(TA), "n"(TB));
+}
+#endif
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int N>
@@ -345,6 +362,9 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
     float d[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) d[i] = 0.f;  // never read: each tile's first wgmma has scale-d 0
+#if defined(AEGIS_PROBE_ROWS) || defined(AEGIS_PROBE_COLS)
+    float probe[12] = {};
+#endif
     int it = 0, ti = 0;  // k-block counter (ring position), tile counter (scratch parity)
     // Wait for ring position `it`, issue k-block kt of the current tile (the first one overwrites
     // the accumulator: scale-d 0) and commit the group (retired later). Returns the stage it read.
@@ -359,6 +379,18 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
             uint64_t da = A_KMAJOR ? make_desc(a0 + ks * 32, 16, 1024) : make_desc(a0 + ks * 2048, MN_LBO, MN_SBO);
             uint64_t db = B_KMAJOR ? make_desc(b0 + ks * 32, 16, 1024) : make_desc(b0 + ks * 2048, MN_LBO, MN_SBO);
             wgmma_256<A_KMAJOR ? 0 : 1, B_KMAJOR ? 0 : 1>(d, da, db, (kt == 0 && ks == 0) ? 0 : 1);
+#ifdef AEGIS_PROBE_ROWS
+            wgmma_n8<A_KMAJOR ? 0 : 1, B_KMAJOR ? 0 : 1>(probe, da, db);  // B's first 8 rows stand in for the sums
+#endif
+#ifdef AEGIS_PROBE_COLS
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {  // this consumer's 128 of B's columns as two m64 A operands
+                const uint32_t bj = b0 + (2 * c + j) * 8192;
+                const uint64_t dbt = B_KMAJOR ? make_desc(bj + ks * 32, 16, 1024) : make_desc(bj + ks * 2048, MN_LBO, MN_SBO);
+                const uint64_t dat = A_KMAJOR ? make_desc(a0 + ks * 32, 16, 1024) : make_desc(a0 + ks * 2048, MN_LBO, MN_SBO);
+                wgmma_n8<B_KMAJOR ? 0 : 1, A_KMAJOR ? 0 : 1>(probe + 4 * (1 + j), dbt, dat);
+            }
+#endif
         }
         wgmma_commit();
         ++it;
