@@ -33,16 +33,36 @@ import gemm
 from sensor_reference import LINEARS, TOKENS, operands, timed
 
 from aegis_cli.backends.cuda import CudaDevice
-from aegis_cli.ops.gemm import Layout
+from aegis_cli.ops import numerics
+from aegis_cli.ops.gemm import GemmOperands, Layout
 
 LAYERS = 22
 VARIANTS = {"plain": ("nosums", {}), "checked": ("", {}), "rows": ("", {"AEGIS_PROBE_ROWS": 1}),
-            "cols": ("", {"AEGIS_PROBE_COLS": 1}), "both": ("", {"AEGIS_PROBE_ROWS": 1, "AEGIS_PROBE_COLS": 1})}
+            "cols": ("", {"AEGIS_PROBE_COLS": 1}), "both": ("", {"AEGIS_PROBE_ROWS": 1, "AEGIS_PROBE_COLS": 1}),
+            "tsums": ("", {"AEGIS_PROBE_TSUMS": 1})}
 
 
 def shape(name: str, layout: Layout) -> tuple[int, int, int]:
     fin, fout = LINEARS[name]
     return {Layout.FWD: (TOKENS, fout, fin), Layout.DGRAD: (TOKENS, fin, fout), Layout.WGRAD: (fout, fin, TOKENS)}[layout]
+
+
+def accuracy(dev, layout: Layout, m: int, n: int, k: int) -> dict:
+    """The TSUMS build's row sums (expected: A times B's tile sums made in the kernel, in three bf16
+    pieces) against the checked build's (observed: sums of the fp32 accumulator) and both against
+    the fp64 reference, in units of s = Σ|a||b| over the tile; C must be the same bits."""
+    sets = gemm._input_sets(dev, layout, m, n, k, 300)[:1]
+    launches = gemm._variant_launches(dev, {v: VARIANTS[v] for v in ("checked", "tsums")}, sets, layout)
+    outs = {}
+    for v, (launch,) in launches.items():
+        launch.run()
+        outs[v] = [t.clone() for t in launch.outputs]
+    ops = GemmOperands(*sets[0], layout)
+    ref, scale, _ = numerics.lean_side(ops.a_mk, ops.b_kn, 128, rho=False)
+    obs, exp = outs["checked"][1].double(), outs["tsums"][1].double()
+    err = lambda x: ((x - ref).abs() / scale).max().item()
+    return {"c_same": torch.equal(outs["checked"][0], outs["tsums"][0]), "observed_err": err(obs), "expected_err": err(exp),
+            "expected_vs_observed": ((exp - obs).abs() / scale).max().item()}
 
 
 def run(reps: int) -> list[dict]:
@@ -51,51 +71,59 @@ def run(reps: int) -> list[dict]:
     for name in LINEARS:
         for layout in Layout:
             m, n, k = shape(name, layout)
-            variants = {v: VARIANTS[v] for v in (("plain", "checked", "rows", "cols", "both") if layout is Layout.WGRAD
-                                                   else ("plain", "checked", "rows"))}
+            wgrad = layout is Layout.WGRAD
+            variants = {v: VARIANTS[v] for v in (("plain", "checked", "rows", "tsums", "cols", "both") if wgrad
+                                                   else ("plain", "checked", "rows", "tsums"))}
             (row,) = gemm.compare(variants, [(m, n, k)], reps=reps, layout=layout)
             flop = 2.0 * m * n * k
             row["ms"] = {v[: -len("_tflops")]: flop / (tf * 1e9) for v, tf in row.items() if v.endswith("_tflops")}
             ops = operands(name, layout, "cuda", 7)
-            # the right operand as (K, N) over 128-column tiles; wgrad's left as (K, M) over 64-row tiles
-            sides = [(ops.b.t() if layout is Layout.FWD else ops.b, 128)] + ([(ops.a, 64)] if layout is Layout.WGRAD else [])
-            row["tile_sums_ms"] = sum(timed(lambda x=x, t=t: dev.tile_abs_sums(x, t), reps) for x, t in sides)
+            # passes over memory for the tile sums: the right operand as (K, N) over 128-column tiles,
+            # and wgrad's left as (K, M) over 64-row tiles (its column check)
+            right = ops.b.t() if layout is Layout.FWD else ops.b
+            row["b_pass_ms"] = timed(lambda x=right: dev.tile_abs_sums(x, 128), reps)
+            row["a_pass_ms"] = timed(lambda x=ops.a: dev.tile_abs_sums(x, 64), reps) if wgrad else 0.0
+            row["accuracy"] = accuracy(dev, layout, m, n, k)
             row.update(op=f"{name}/{layout.value}", count=1 if name == "head" else LAYERS)
             rows.append(row)
-            print(f"{row['op']:<16} " + "  ".join(f"{v} {t:.3f}" for v, t in row["ms"].items()) + f"  tile sums {row['tile_sums_ms']:.3f} ms",
-                  flush=True)
+            print(f"{row['op']:<16} " + "  ".join(f"{v} {t:.3f}" for v, t in row["ms"].items())
+                  + f"  passes {row['b_pass_ms']:.3f} + {row['a_pass_ms']:.3f} ms; {row['accuracy']}", flush=True)
     return rows
 
 
 def totals(rows: list[dict], step_ms: float) -> dict:
-    """Per step (launch counts applied), ms and the share of the plain step over cuBLAS."""
-    def total(key) -> float:
-        return sum(r["count"] * (key(r) if callable(key) else r["ms"][key]) for r in rows)
+    """Per step (launch counts applied), ms, and what checking every Linear adds over cuBLAS as a
+    share of the plain step: with the tile sums made by passes over memory, or in the kernel."""
+    def total(fn) -> float:
+        return sum(r["count"] * fn(r) for r in rows)
 
-    full = lambda r: r["ms"]["both" if "both" in r["ms"] else "rows"]
-    out = {"cublas": total("cublas"), "plain": total("plain"), "checked": total("checked"), "rows": total("rows"),
-           "rows_and_wgrad_cols": total(full), "tile_sums": total(lambda r: r["tile_sums_ms"])}
-    out["every_linear_floor_ms"] = out["rows_and_wgrad_cols"] + out["tile_sums"] - out["cublas"]
-    out["every_linear_floor_share"] = out["every_linear_floor_ms"] / step_ms
+    wg = lambda r: "cols" in r["ms"]
+    cols_extra = lambda r: r["ms"]["cols"] - r["ms"]["checked"] if wg(r) else 0.0
+    out = {key: total(lambda r, key=key: r["ms"][key]) for key in ("cublas", "plain", "checked", "rows", "tsums")}
+    out["passes"] = total(lambda r: r["b_pass_ms"] + r["a_pass_ms"])
+    out["with_passes_ms"] = total(lambda r: r["ms"]["both" if wg(r) else "rows"] + r["b_pass_ms"] + r["a_pass_ms"]) - out["cublas"]
+    out["in_kernel_ms"] = total(lambda r: r["ms"]["tsums"] + cols_extra(r) + r["a_pass_ms"]) - out["cublas"]
     out["step_ms"] = step_ms
     return out
 
 
 def table(rows: list[dict], tot: dict) -> str:
-    lines = [f"{'GEMM':<16} {'M×N×K':>18} {'cuBLAS':>7} {'plain':>7} {'checked':>8} {'+rows':>7} {'+cols':>7} {'both':>7} "
-             f"{'sums pass':>9}  (ms; bits same as checked)"]
+    lines = [f"{'GEMM':<16} {'M×N×K':>18} {'cuBLAS':>7} {'plain':>7} {'checked':>8} {'+rows':>7} {'tsums':>7} {'+cols':>7} "
+             f"{'both':>7} {'B pass':>7} {'A pass':>7}  probes' bits; TSUMS sums' max error ÷ s: expected, observed"]
     for r in rows:
-        ms = r["ms"]
+        ms, acc = r["ms"], r["accuracy"]
         cell = lambda v, ms=ms: f"{ms[v]:>7.3f}" if v in ms else f"{'-':>7}"
-        same = all(r.get(f"{v}_bitwise", True) for v in ("rows", "cols", "both"))
+        same = all(r.get(f"{v}_bitwise", True) for v in ("rows", "cols", "both")) and acc["c_same"]
         lines.append(f"{r['op']:<16} {r['m']:>6}×{r['n']}×{r['k']:<6} {cell('cublas')} {cell('plain')} {ms['checked']:>8.3f} "
-                     f"{cell('rows')} {cell('cols')} {cell('both')} {r['tile_sums_ms']:>9.3f}  {'same' if same else 'DIFFER'}")
+                     f"{cell('rows')} {cell('tsums')} {cell('cols')} {cell('both')} {r['b_pass_ms']:>7.3f} {r['a_pass_ms']:>7.3f}  "
+                     f"{'same' if same else 'DIFFER'}; {acc['expected_err']:.1e} {acc['observed_err']:.1e}")
     s = tot["step_ms"]
     lines.append(f"a step ({LAYERS} layers + head), ms: cuBLAS {tot['cublas']:.2f}, ours plain {tot['plain']:.2f}, checked "
-                 f"{tot['checked']:.2f}, + row columns {tot['rows']:.2f}, + wgrad's column check {tot['rows_and_wgrad_cols']:.2f}, "
-                 f"tile-sum passes {tot['tile_sums']:.2f}")
-    lines.append(f"every Linear checked in-GEMM, before any comparison: +{tot['every_linear_floor_ms']:.2f} ms over cuBLAS = "
-                 f"{100 * tot['every_linear_floor_share']:.2f} % of a {s:.1f} ms step (target ≤ 2 %)")
+                 f"{tot['checked']:.2f}, + row columns {tot['rows']:.2f}, tile sums in the kernel {tot['tsums']:.2f}, "
+                 f"tile-sum passes over memory {tot['passes']:.2f}")
+    for key, label in (("with_passes_ms", "tile sums by passes over memory"), ("in_kernel_ms", "B's tile sums in the kernel")):
+        lines.append(f"every Linear checked in-GEMM, {label}, before any comparison: {tot[key]:+.2f} ms over cuBLAS = "
+                     f"{100 * tot[key] / s:+.2f} % of a {s:.1f} ms step (target ≤ 2 %)")
     return "\n".join(lines)
 
 

@@ -216,7 +216,7 @@ __device__ __forceinline__ void burn(float seed, float* sink) {
     if (t == -1.2345f) *sink = t;
 }
 #endif
-#if defined(AEGIS_PROBE_ROWS) || defined(AEGIS_PROBE_COLS)
+#if defined(AEGIS_PROBE_ROWS) || defined(AEGIS_PROBE_COLS) || defined(AEGIS_PROBE_TSUMS)
 // Experiment knobs (benchmarks/abft_floor.py): the tensor-core cost of in-GEMM ABFT checksum
 // columns, timed without their data. AEGIS_PROBE_ROWS: one m64n8k16 a consumer per k16 beside the
 // m64n256k16 (B's tile sums, three bf16 pieces per 128-column checksum tile, as 8 extra columns:
@@ -225,12 +225,12 @@ __device__ __forceinline__ void burn(float seed, float* sink) {
 // check's. They read the stages' own bf16 data and accumulate into registers nothing reads: C and
 // the sums are the plain build's.
 template <int TA, int TB>
-__device__ __forceinline__ void wgmma_n8(float* e, uint64_t da, uint64_t db) {
+__device__ __forceinline__ void wgmma_n8(float* e, uint64_t da, uint64_t db, int scale_d = 1) {
     asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %8, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0,%1,%2,%3}, %4, %5, p, 1, 1, %6, %7;\n}"
         : "+f"(e[0]), "+f"(e[1]), "+f"(e[2]), "+f"(e[3])
-        : "l"(da), "l"(db), "n"(TA), "n"(TB));
+        : "l"(da), "l"(db), "n"(TA), "n"(TB), "r"(scale_d));
 }
 #endif
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
@@ -278,6 +278,121 @@ __device__ __forceinline__ int cta_mode(const InjectParams& inj, int bm, int bc,
     return TILE_NONE;
 }
 
+#ifdef AEGIS_PROBE_TSUMS
+// Experiment knob (benchmarks/abft_floor.py): B's tile sums made in the kernel, from the stage
+// in shared memory, with no pass over B in memory. Warps 2-3 of the producer warpgroup (idle
+// otherwise) wait for each stage, sum B over each 128-column checksum tile for each of the
+// stage's 64 k in fp32 (a fixed order), split each sum into three bf16 pieces (hi, mid, lo) and
+// write them as the 8 K-major columns (6 used) of a swizzled n8 operand; the consumers then issue
+// one m64n8k16 a k16 with it: the expected row sums, which this build writes in place of the
+// observed ones (benchmarks/abft_floor.py compares them with the checked build's and with fp64).
+// The stage is released only when these warps have read it too (empty count 3).
+#define TS_BYTES 1024  // one stage's checksum columns: 8 rows x 64 k bf16, one 128B-swizzle atom
+#define TS_SMEM (8 * STAGES + 1024 + STAGES * TS_BYTES + 512)  // ready barriers, alignment, columns, exchange
+
+__device__ __forceinline__ void split3(float v, bf16* out) {  // v = hi + mid + lo to fp32's 24 bits
+    const bf16 hi = __float2bfloat16_rn(v);
+    const float r1 = v - __bfloat162float(hi);
+    const bf16 mid = __float2bfloat16_rn(r1);
+    out[0] = hi;
+    out[1] = mid;
+    out[2] = __float2bfloat16_rn(r1 - __bfloat162float(mid));
+}
+
+template <bool B_KMAJOR>
+__device__ __forceinline__ void tile_sums_loop(uint32_t sB, uint32_t sT, float* xchg, uint32_t full0, uint32_t empty0,
+                                               uint32_t ready0, int n_tiles, int KT) {
+    const int u = threadIdx.x - 64;  // 0..63: warps 2 and 3
+    for (int i = u; i < STAGES * TS_BYTES / 16; i += 64)  // columns 6 and 7 stay zero
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(sT + 16 * i), "r"(0) : "memory");
+    int it = 0;
+    for (int t = blockIdx.x; t < n_tiles; t += gridDim.x) {
+        for (int kt = 0; kt < KT; ++kt, ++it) {
+            const int s = it % STAGES;
+            mbar_wait(full0 + 8 * s, (it / STAGES) & 1);
+            const uint32_t b = sB + s * B_STAGE_BYTES, ts = sT + s * TS_BYTES;
+            bf16 pc[3];
+            if (B_KMAJOR) {  // rows n of 128 B (64 k); this thread: 16-byte chunk c8 (8 k) of rows rg + 8i
+                const int c8 = u & 7, rg = u >> 3;
+                float acc[2][8] = {};
+#pragma unroll 4
+                for (int i = 0; i < 32; ++i) {
+                    uint32_t w[4];
+                    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+                                 : "r"(b + (rg + 8 * i) * 128 + ((c8 ^ rg) << 4)));
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) {
+                        acc[i >> 4][2 * j] += __uint_as_float(w[j] << 16);
+                        acc[i >> 4][2 * j + 1] += __uint_as_float(w[j] & 0xffff0000u);
+                    }
+                }
+#pragma unroll
+                for (int q = 0; q < 16; ++q) {  // over the row groups of this warp (lanes 8 and 16 apart)
+                    float& a = acc[q >> 3][q & 7];
+                    a += __shfl_xor_sync(0xffffffffu, a, 8);
+                    a += __shfl_xor_sync(0xffffffffu, a, 16);
+                }
+                if (u >= 32 && u < 40)
+#pragma unroll
+                    for (int q = 0; q < 16; ++q) xchg[(u - 32) * 16 + q] = acc[q >> 3][q & 7];
+                asm volatile("bar.sync 3, 64;" ::: "memory");
+                if (u < 8) {
+#pragma unroll
+                    for (int tile = 0; tile < 2; ++tile) {
+                        uint32_t packed[3][4];
+#pragma unroll
+                        for (int j = 0; j < 8; ++j) {
+                            split3(acc[tile][j] + xchg[u * 16 + tile * 8 + j], pc);
+#pragma unroll
+                            for (int p = 0; p < 3; ++p) {
+                                const uint32_t h = __bfloat16_as_ushort(pc[p]);
+                                packed[p][j >> 1] = (j & 1) ? (packed[p][j >> 1] | (h << 16)) : h;
+                            }
+                        }
+#pragma unroll
+                        for (int p = 0; p < 3; ++p) {
+                            const int row = 3 * tile + p;
+                            asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(ts + row * 128 + ((c8 ^ row) << 4)),
+                                         "r"(packed[p][0]), "r"(packed[p][1]), "r"(packed[p][2]), "r"(packed[p][3]) : "memory");
+                        }
+                    }
+                }
+            } else {  // boxes of 64 n x 64 k rows (k) of 128 B; this thread: row k = u of the four boxes
+                const int k = u;
+#pragma unroll
+                for (int tile = 0; tile < 2; ++tile) {
+                    float a = 0.f;
+#pragma unroll
+                    for (int q = 0; q < 16; ++q) {
+                        const int box = 2 * tile + (q >> 3), c = q & 7;
+                        uint32_t w[4];
+                        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                                     : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+                                     : "r"(b + box * 8192 + k * 128 + ((c ^ (k & 7)) << 4)));
+#pragma unroll
+                        for (int j = 0; j < 4; ++j) a += __uint_as_float(w[j] << 16) + __uint_as_float(w[j] & 0xffff0000u);
+                    }
+                    split3(a, pc);
+#pragma unroll
+                    for (int p = 0; p < 3; ++p) {
+                        const int row = 3 * tile + p;
+                        asm volatile("st.shared.u16 [%0], %1;" ::"r"(ts + row * 128 + (((k >> 3) ^ row) << 4) + (k & 7) * 2),
+                                     "h"(__bfloat16_as_ushort(pc[p])) : "memory");
+                    }
+                }
+            }
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the wgmma reads them through the async proxy
+            asm volatile("bar.sync 3, 64;" ::: "memory");
+            if (u == 0) {
+                mbar_arrive(ready0 + 8 * s);
+                mbar_arrive(empty0 + 8 * s);
+            }
+        }
+    }
+}
+#endif
+
 template <bool A_KMAJOR, bool B_KMAJOR>
 __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDesc* tmB, bf16* __restrict__ C,
                                                 float* __restrict__ row_sums, float* __restrict__ col_sums,
@@ -292,6 +407,14 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
     float* red_col = reinterpret_cast<float*>(bars + 2 * STAGES);  // [2 tile parities][8 consumer warps][BN]
     (void)red_col;  // unused in the -DAEGIS_NOSUMS build
     const uint32_t full0 = smem_u32(bars), empty0 = smem_u32(bars + STAGES);
+#ifdef AEGIS_PROBE_TSUMS
+    const uint32_t ready0 = smem_u32(red_col + 2 * 8 * BN);
+    const uint32_t sT = (ready0 + 8 * STAGES + 1023) & ~1023u;
+    float* xchg = reinterpret_cast<float*>(smem + (sT - sA) + STAGES * TS_BYTES);
+#define EMPTY_COUNT 3
+#else
+#define EMPTY_COUNT 2
+#endif
 
     const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
     const int tn128 = (N + CTN - 1) / CTN;
@@ -303,7 +426,10 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full0 + 8 * s, 1);
-            mbar_init(empty0 + 8 * s, 2);
+            mbar_init(empty0 + 8 * s, EMPTY_COUNT);
+#ifdef AEGIS_PROBE_TSUMS
+            mbar_init(ready0 + 8 * s, 1);
+#endif
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
@@ -348,6 +474,11 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
                 }
             }
         }
+#ifdef AEGIS_PROBE_TSUMS
+        else if (threadIdx.x >= 64) {
+            tile_sums_loop<B_KMAJOR>(sB, sT, xchg, full0, empty0, ready0, n_tiles, KT);
+        }
+#endif
         return;
     }
 
@@ -362,7 +493,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
     float d[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) d[i] = 0.f;  // never read: each tile's first wgmma has scale-d 0
-#if defined(AEGIS_PROBE_ROWS) || defined(AEGIS_PROBE_COLS)
+#if defined(AEGIS_PROBE_ROWS) || defined(AEGIS_PROBE_COLS) || defined(AEGIS_PROBE_TSUMS)
     float probe[12] = {};
 #endif
     int it = 0, ti = 0;  // k-block counter (ring position), tile counter (scratch parity)
@@ -371,6 +502,9 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
     auto issue = [&](int kt) {
         const int s = it % STAGES;
         mbar_wait(full0 + 8 * s, (it / STAGES) & 1);
+#ifdef AEGIS_PROBE_TSUMS
+        mbar_wait(ready0 + 8 * s, (it / STAGES) & 1);  // its checksum columns are written
+#endif
         wgmma_fence();
         const uint32_t a0 = sA + s * A_STAGE_BYTES + c * 8192;  // 64 rows: K-major 64x128B, MN-major one box
         const uint32_t b0 = sB + s * B_STAGE_BYTES;
@@ -379,6 +513,9 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
             uint64_t da = A_KMAJOR ? make_desc(a0 + ks * 32, 16, 1024) : make_desc(a0 + ks * 2048, MN_LBO, MN_SBO);
             uint64_t db = B_KMAJOR ? make_desc(b0 + ks * 32, 16, 1024) : make_desc(b0 + ks * 2048, MN_LBO, MN_SBO);
             wgmma_256<A_KMAJOR ? 0 : 1, B_KMAJOR ? 0 : 1>(d, da, db, (kt == 0 && ks == 0) ? 0 : 1);
+#ifdef AEGIS_PROBE_TSUMS
+            wgmma_n8<A_KMAJOR ? 0 : 1, 0>(probe, da, make_desc(sT + s * TS_BYTES + ks * 32, 16, 1024), (kt == 0 && ks == 0) ? 0 : 1);
+#endif
 #ifdef AEGIS_PROBE_ROWS
             wgmma_n8<A_KMAJOR ? 0 : 1, B_KMAJOR ? 0 : 1>(probe, da, db);  // B's first 8 rows stand in for the sums
 #endif
@@ -497,7 +634,23 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
         // of its partials to its partner and keeps the other half (32+16+8 shuffles, not 64x3)
         halve_exchange<32>(v, (g >> 2) & 1);  // partner: lane ^ 16; v[0..32) live from here
 #endif
-#ifdef AEGIS_ROWS
+#ifdef AEGIS_PROBE_TSUMS
+        // the experiment writes the expected row sums in their place: columns 3·tile + piece of the
+        // n8 accumulator (lanes tig 0-2 of a row hold columns 0-5), hi + (mid + lo)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float c0 = probe[2 * h], c1 = probe[2 * h + 1];
+            const float n1j0 = __shfl_down_sync(0xffffffffu, c0, 1), n1j1 = __shfl_down_sync(0xffffffffu, c1, 1);
+            const float n2j0 = __shfl_down_sync(0xffffffffu, c0, 2), n2j1 = __shfl_down_sync(0xffffffffu, c1, 2);
+            const float x[2] = {c0 + (c1 + n1j0), n1j1 + (n2j0 + n2j1)};
+            (void)rs;
+#pragma unroll
+            for (int tile = 0; tile < 2; ++tile) {
+                const int r = row0 + 8 * h, tc = 2 * bc + tile;
+                if (tig == 0 && r < M && tc < tn128) row_sums[(long long)r * tn128 + tc] = x[tile];
+            }
+        }
+#elif defined(AEGIS_ROWS)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
             const int r = row0 + 8 * (i >> 1), tc = 2 * bc + (i & 1);

@@ -54,6 +54,12 @@ _MMA_SMEM = 3 * 2 * (128 * 40) * 2  # STAGES · (A + B) · stage elements · 2 B
 _WGMMA_STAGES = 4
 _WGMMA_SMEM = _WGMMA_STAGES * (128 * 64 * 2 + 256 * 64 * 2) + 16 * _WGMMA_STAGES + 2 * 8 * 256 * 4 + 1024
 WGMMA_DEFINES: dict[str, object] = {}  # extra -D for gemm_wgmma.cu (experiments)
+
+
+def _wgmma_smem() -> int:
+    """The wgmma kernel's dynamic shared memory: the ring and its scratch, plus the in-kernel tile
+    sums' columns and barriers (gemm_wgmma.cu TS_SMEM) in the AEGIS_PROBE_TSUMS experiment build."""
+    return _WGMMA_SMEM + (8 * _WGMMA_STAGES + 1024 + _WGMMA_STAGES * 1024 + 512 if "AEGIS_PROBE_TSUMS" in WGMMA_DEFINES else 0)
 MAX_DIM = (1 << 31) - (1 << 16)  # M, N, K: room for the kernels' 32-bit (K + BK - 1) / BK
 
 
@@ -64,7 +70,7 @@ def _function(kind: str, entry: str, variant: str, device_id: int) -> int:
     if kind == "wgmma":
         defines = {**defines, **WGMMA_DEFINES}
     return loader.get_function(f"gemm_{kind}.cu", f"gemm_{kind}_{entry}", device_id=device_id, defines=defines,
-                               need_sm90a=kind == "wgmma", max_dynamic_smem=_WGMMA_SMEM if kind == "wgmma" else _MMA_SMEM,
+                               need_sm90a=kind == "wgmma", max_dynamic_smem=_wgmma_smem() if kind == "wgmma" else _MMA_SMEM,
                                label=f"{entry}, {variant or 'plain'}")
 
 
@@ -224,7 +230,7 @@ class CudaDevice(Device):
             args = [_tensor_map(a, *a_box), _tensor_map(b, *b_box), *outs,
                     ctypes.c_int(m), ctypes.c_int(n), ctypes.c_int(k), inj]
             n_ctas = -(-m // 128) * -(-n // 256)
-            grid, block, smem = (min(self.sms, n_ctas), 1), 384, _WGMMA_SMEM
+            grid, block, smem = (min(self.sms, n_ctas), 1), 384, _wgmma_smem()
         else:
             vec = [int(t.data_ptr() % 16 == 0 and t.stride(0) % 8 == 0) for t in (a, b)]
             args = [ctypes.c_void_p(a.data_ptr()), ctypes.c_void_p(b.data_ptr()), *outs,
