@@ -190,8 +190,16 @@ class CudaDevice(Device):
         return (k / 8 + 128) * 2.0**-24
 
     def synchronize(self) -> None:
+        self.wait()
+
+    def wait(self, event: torch.cuda.Event | None = None) -> None:
+        """Until ``event`` is done (the whole device without one): an asynchronous failure of the
+        work before it (a fault while a kernel ran) surfaces here, as a DeviceError naming the device."""
         try:
-            torch.cuda.synchronize(self.torch_device)
+            if event is None:
+                torch.cuda.synchronize(self.torch_device)
+            else:
+                event.synchronize()
         except Exception as exc:
             raise DeviceError(f"cuda:{self.index}: asynchronous failure: {exc}") from exc
 

@@ -39,7 +39,6 @@ from aegis_cli.backends.cuda import CudaDevice
 from aegis_cli.checks import gemm as checks
 from aegis_cli.faults.spec import FaultPlan
 from aegis_cli.ops import numerics
-from aegis_cli.ops.errors import DeviceError
 from aegis_cli.ops.gemm import GemmOperands, GemmResult, Layout
 from aegis_cli.sensors.queue import nbytes
 
@@ -147,12 +146,8 @@ class Pending:
 
     def wait(self) -> None:
         """Until the comparison and its summary's copy are done (the CUDA end event; nothing on the CPU)."""
-        if isinstance(self.timer, float):
-            return
-        try:
-            self.timer[1].synchronize()
-        except Exception as exc:
-            raise DeviceError(f"{self.device.identity.id}: asynchronous failure: {exc}") from exc
+        if not isinstance(self.timer, float):
+            self.device.wait(self.timer[1])
 
     def seconds(self) -> float:
         if isinstance(self.timer, float):
