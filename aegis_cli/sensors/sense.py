@@ -204,14 +204,11 @@ def enqueue(ops: GemmOperands, res: GemmResult, noise: numerics.NoiseModel, trun
     (backends/cuda_compare.py), the bits of the torch path here."""
     sides = _sides(ops, res, truncating, device)
     c = Sigma.of(noise, ops.mnk[2])
-    home = res.row_sums.device
-    ds = None
-    if isinstance(device, CudaDevice) and home.type == "cuda":
-        summary = cuda_compare.new_summary(len(sides), home)
-        args = [x[1:] for x in sides]
-        if cuda_compare.applies(args, summary):
-            ds = cuda_compare.compare(args, c.u, c.p, c.b, c.w, summary)
-    if ds is None:
+    args = [x[1:] for x in sides]
+    if isinstance(device, CudaDevice) and cuda_compare.applies(args):
+        summary = cuda_compare.new_summary(len(sides), res.row_sums.device)
+        ds = cuda_compare.compare(args, c.u, c.p, c.b, c.w, summary)
+    else:
         ds, summary = compare_torch(sides, c)
     return [(name, d, sums, ref) for (name, sums, ref, *_), d in zip(sides, ds, strict=True)], summary
 
