@@ -78,12 +78,13 @@ class _Site:
         """Decide the layer's forward, dgrad and wgrad launches now, each by the controller (the ones
         autograd will run: dgrad when ``x`` needs a gradient, wgrad when the weight does); counted
         as launched. None when none is sampled."""
-        h, want = self.h, self.h.controller.want
         grad = torch.is_grad_enabled()
-        fwd = want(self.keys[Layout.FWD])
-        dgrad = grad and x.requires_grad and want(self.keys[Layout.DGRAD])
-        wgrad = grad and weight.requires_grad and want(self.keys[Layout.WGRAD])
-        h.stats.launches += 1 + (grad and x.requires_grad) + (grad and weight.requires_grad)
+        runs_dgrad, runs_wgrad = grad and x.requires_grad, grad and weight.requires_grad
+        want = lambda layout: self.h.controller.want(self.keys[layout])
+        fwd = want(Layout.FWD)
+        dgrad = runs_dgrad and want(Layout.DGRAD)
+        wgrad = runs_wgrad and want(Layout.WGRAD)
+        self.h.stats.launches += 1 + runs_dgrad + runs_wgrad
         return (fwd, dgrad, wgrad) if fwd or dgrad or wgrad else None
 
 
