@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import time
 import weakref
 from collections import deque
@@ -17,7 +16,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 from aegis_cli.backends import get_backend
-from aegis_cli.backends.base import Device
+from aegis_cli.backends.base import Device, DeviceIdentity
 from aegis_cli.faults.spec import FaultPlan
 from aegis_cli.ops.errors import ConfigError
 from aegis_cli.sensors import linear, sense
@@ -42,11 +41,17 @@ def _rank(config: SensorConfig) -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-@functools.lru_cache(maxsize=16)
-def _cuda_device(key: str, _kernel: str | None) -> Device:
-    """The CUDA Device of ``key`` ("cuda:N"), made once per process (and kernel choice): it reads
-    its identity from NVML, which each handle would otherwise pay again inside its first checked step."""
-    return get_backend("cuda").device(int(key.partition(":")[2]))
+_IDENTITIES: dict[int, DeviceIdentity] = {}  # each GPU's identity by CUDA index, read once per process
+
+
+def _cuda_device(index: int) -> Device:
+    """A CUDA Device for one handle, with its GPU's identity read once per process: reading it (NVML,
+    0.8 ms on the H200) is what making a Device costs, and each handle would pay it again inside its
+    first checked step. The Device itself is not shared: its state (``poison``) and kernel choice
+    (AEGIS_CUDA_KERNEL, read as it is made) are the handle's own."""
+    dev = get_backend("cuda").device(index, identity=_IDENTITIES.get(index))
+    _IDENTITIES.setdefault(index, dev.identity)
+    return dev
 
 
 def _put_back(ref: weakref.ref, inner) -> None:
@@ -104,11 +109,11 @@ class SensorHandle:
     # -- what the sensors ask of the handle ------------------------------------------------------
     def device_for(self, t: torch.Tensor) -> Device:
         """The Device whose checked GEMM runs work on ``t``: its own GPU, else the CPU reference path."""
-        key = "cpu" if self.config.device == "cpu" or t.device.type != "cuda" else f"cuda:{t.device.index or 0}"
+        index = (t.device.index or 0) if self.config.device != "cpu" and t.device.type == "cuda" else None
+        key = "cpu" if index is None else f"cuda:{index}"
         dev = self._devices.get(key)
         if dev is None:
-            dev = self._devices[key] = (_cuda_device(key, os.environ.get("AEGIS_CUDA_KERNEL")) if key != "cpu"
-                                        else get_backend("cpu").device(0))
+            dev = self._devices[key] = get_backend("cpu").device(0) if index is None else _cuda_device(index)
         return dev
 
     def fault_for(self, device: Device) -> FaultPlan | None:
