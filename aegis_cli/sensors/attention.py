@@ -11,7 +11,8 @@ accumulators, deterministic). Any other call goes to torch's own function and is
 
 A sampled call is sensed after its backward, when forward and backward sums exist: the attention
 checks (checks/attention.py ``check_attention``, the probe's, against the fp64 reference) at the
-invariants' τ. A flagged call's operands and outputs are copied and queued (kind ``attention``);
+invariants' τ, timed by ``SensorHandle.sensing_time`` (CUDA events read at the step boundary, as
+a GEMM check's). A flagged call's operands and outputs are copied and queued (kind ``attention``);
 the verifier re-runs it (``verify_attention``) and judges each signal by checks/attention.py
 ``judge_signal``, as the probe's confirmation does. Calls are named by their order in the step:
 ``train/sdpa#I/SHAPE`` (an ``--inject`` ``op=`` matches a part of it; the passes are ``…:fwd``

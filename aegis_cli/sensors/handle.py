@@ -82,6 +82,7 @@ class SensorHandle:
         self.enqueued = False  # unsampled checked kernels launched since the last synchronisation (sense.run_gemm)
         self.unread: list = []  # sampled launches whose comparisons are enqueued, not yet read (sense.resolve)
         self.unread_bytes = 0
+        self.timed: list = []  # (key, sense.CheckTimer) of attention checks on CUDA, charged at the step boundary (sense.resolve)
         self.nondeterministic: set[str] = set()  # regions whose recompute cannot be compared bit for bit
         self.action = Action.CONTINUE  # the strongest action asked for since the last step()
         self._names = {id(m): name or "model" for name, m in model.named_modules()}
@@ -147,17 +148,23 @@ class SensorHandle:
     def add_sense_time(self, seconds: float) -> None:
         self._sense_step += seconds
 
+    def charge(self, key: str, seconds: float) -> None:
+        """A check of operator ``key`` took ``seconds``: its controller's cost, and this step's sensing."""
+        self.controller.spent(key, seconds)
+        self.add_sense_time(seconds)
+
     @contextlib.contextmanager
     def sensing_time(self, device: Device, key: str):
-        """Time one sampled check of operator ``key``: charged to its controller and to this step's
-        sensing. The device is synchronised first, so the launch and the work queued before it are
-        not the check's cost."""
-        device.synchronize()
-        t0 = time.perf_counter()
+        """Time one sampled check of operator ``key`` (``sense.CheckTimer``), as a GEMM check is timed:
+        on CUDA by events around it, charged at the step boundary (``sense.resolve``) after waiting for
+        its end event, the device never synchronised for it; on the CPU its wall time, charged at once."""
+        timer = sense.CheckTimer(device)
         yield
-        dt = time.perf_counter() - t0
-        self.controller.spent(key, dt)
-        self.add_sense_time(dt)
+        timer.stop()
+        if timer.on_device:
+            self.timed.append((key, timer))
+        else:
+            self.charge(key, timer.seconds())
 
     def raise_suspicion(self, s: Suspicion) -> None:
         self.stats.raised += 1
