@@ -99,12 +99,9 @@ class _Call:
         with h.sensing_time(self.device, key):
             th = sums.AttentionThresholds()
             checked = checks.check_attention(ops, fwd, bwd, reference(ops, self.scale), self.scale, th)
-            h.stats.checked += 1
             ratio = max((v / checked.tau[n] for n, v in checked.clean_max.items()), default=0.0)
-            h.step_max_ratio = max(h.step_max_ratio, ratio)
-            if not checked.signals:
-                h.stats.clean_max_ratio = max(h.stats.clean_max_ratio, ratio)
-            else:
+            h.count_check(ratio, not checked.signals)
+            if checked.signals:
                 top = max(checked.signals, key=lambda s: s.max_value)
                 h.suspect("attention", self.site.split("/")[1], self.site, [s.check for s in checked.signals], top.max_value,
                           nbytes(_held(ops, fwd, bwd)),

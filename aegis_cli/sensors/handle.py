@@ -166,6 +166,14 @@ class SensorHandle:
         else:
             self.charge(key, timer.seconds())
 
+    def count_check(self, ratio: float, clean: bool) -> None:
+        """One check read, its largest normalised difference ``ratio`` in units of its τ: this step's
+        largest so far, and with ``clean`` (finite inputs, nothing flagged) the run's largest clean one."""
+        self.stats.checked += 1
+        self.step_max_ratio = max(self.step_max_ratio, ratio)
+        if clean:
+            self.stats.clean_max_ratio = max(self.stats.clean_max_ratio, ratio)
+
     def raise_suspicion(self, s: Suspicion) -> None:
         self.stats.raised += 1
         if not self.queue.push(s):

@@ -300,16 +300,13 @@ def resolve(h) -> None:
         worst, finite = values[:n], values[n]
         h.charge(p.key, p.timer.seconds())
         signals, worst_f, ok = judge_parts(p.parts, worst, finite, p.tau)
-        h.stats.checked += 1
-        h.step_max_ratio = max(h.step_max_ratio, worst_f / p.tau)
+        h.count_check(worst_f / p.tau, ok and not signals)
         if not ok:
             h.stats.skipped_nonfinite += 1
-        elif not signals:
-            h.stats.clean_max_ratio = max(h.stats.clean_max_ratio, worst_f / p.tau)
-        elif p.changed():
+        elif signals and p.changed():
             h.unverifiable(p.layer, p.site, signals[0].check, "its operands or output were changed in place before the step "
                            "boundary, so what was checked can no longer be copied for the verifier")
-        else:
+        elif signals:
             h.suspect("gemm", p.layer, p.site, [x.check for x in signals], worst_f, nbytes(_held(p.ops, p.res)),
                       lambda p=p: GemmContext(p.device, h.fault_for(p.device), *snapshot(p.ops, p.res), p.layer, p.tau, p.floor))
 
