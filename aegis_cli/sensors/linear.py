@@ -96,14 +96,13 @@ class CheckedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, site: _Site, out_dtype: torch.dtype,
                 decided: tuple[bool, bool, bool] | None) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
+        x2, shape = x.reshape(-1, x.shape[-1]), (*x.shape[:-1], weight.shape[0])  # (tokens, in); Y's
         ctx.save_for_backward(x, weight)
         ctx.site, ctx.decided = site, decided
         ctx.bias_dtype = None if bias is None else bias.dtype
         if bias is not None and not decided[0]:
-            return site.linear(x2, weight, bias).to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
-        c = site.gemm(Layout.FWD, x2, weight, decided and decided[0])  # (tokens, out)
-        y = c.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
+            return site.linear(x2, weight, bias).to(out_dtype).reshape(shape)
+        y = site.gemm(Layout.FWD, x2, weight, decided and decided[0]).to(out_dtype).reshape(shape)
         return y if bias is None else y + bias.to(y.dtype)  # the checked kernel has no bias: added as outside
 
     @staticmethod
