@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from aegis_cli.backends import cuda_attention, cuda_reference, fingerprint_cuda, loader
-from aegis_cli.backends.base import Backend, Device
+from aegis_cli.backends.base import Backend, Device, DeviceIdentity
 from aegis_cli.backends.cuda_identity import device_identity
 from aegis_cli.faults import tensor as corrupt
 from aegis_cli.faults.attention import pass_fault
@@ -139,9 +139,10 @@ class _Launch:
 # ---------------------------------------------------------------------------- device
 class CudaDevice(Device):
     """One CUDA GPU. ``kernel`` is "wgmma" on sm_90 and "mma" elsewhere (AEGIS_CUDA_KERNEL overrides).
-    ``poison`` fills outputs with NaN before each launch (tests: every element must be written)."""
+    ``poison`` fills outputs with NaN before each launch (tests: every element must be written).
+    ``identity``: who the GPU is, when already read (device_identity: NVML) for this index."""
 
-    def __init__(self, index: int = 0, kernel: str | None = None):
+    def __init__(self, index: int = 0, kernel: str | None = None, identity: DeviceIdentity | None = None):
         if not 0 <= index < torch.cuda.device_count():
             raise DeviceError(f"no device cuda:{index} (torch sees {torch.cuda.device_count()} CUDA devices)")
         self.index = index
@@ -156,7 +157,7 @@ class CudaDevice(Device):
         self.tile = CHECK_TILE
         self.poison = False
         self.sms = torch.cuda.get_device_properties(index).multi_processor_count
-        self.identity = device_identity(index)
+        self.identity = identity if identity is not None else device_identity(index)
 
     # -- data ----------------------------------------------------------------------
     def generate(self, shape: tuple[int, ...], dist: str, seed: int) -> torch.Tensor:
@@ -196,8 +197,16 @@ class CudaDevice(Device):
         return (k / 8 + 128) * 2.0**-24
 
     def synchronize(self) -> None:
+        self.wait()
+
+    def wait(self, event: torch.cuda.Event | None = None) -> None:
+        """Until ``event`` is done (the whole device without one): an asynchronous failure of the
+        work before it (a fault while a kernel ran) surfaces here, as a DeviceError naming the device."""
         try:
-            torch.cuda.synchronize(self.torch_device)
+            if event is None:
+                torch.cuda.synchronize(self.torch_device)
+            else:
+                event.synchronize()
         except Exception as exc:
             raise DeviceError(f"cuda:{self.index}: asynchronous failure: {exc}") from exc
 
@@ -388,7 +397,7 @@ class CudaBackend(Backend):
     def devices(self) -> list[Device]:
         return [CudaDevice(i) for i in range(torch.cuda.device_count())] if self.available() else []
 
-    def device(self, index: int) -> Device:
+    def device(self, index: int, identity: DeviceIdentity | None = None) -> Device:
         if not self.available():
             raise DeviceError("no CUDA device available (needs CuPy and a GPU visible to torch)")
-        return CudaDevice(index)
+        return CudaDevice(index, identity=identity)

@@ -39,18 +39,19 @@ class _Params(ctypes.Structure):  # SC_Params
 Side = tuple  # (sums, ref, s, ρ or None, Σ|c| or None, floor)
 
 
-def applies(sides: list[Side], summary: torch.Tensor) -> bool:
-    """Whether the kernel takes these sides: CUDA tensors on the summary's device, the dtypes and
-    shapes above, one or two sides, nothing empty."""
-    if not 1 <= len(sides) <= 2 or not summary.is_cuda or summary.dtype != torch.float64 or summary.numel() != len(sides) + 1:
+def applies(sides: list[Side]) -> bool:
+    """Whether the kernel takes these sides: one or two, CUDA tensors on one device with the dtypes
+    and shapes above, nothing empty. Decided before anything is allocated for them."""
+    if not 1 <= len(sides) <= 2 or not sides[0][0].is_cuda:
         return False
+    home = sides[0][0].device
     for sums, *f64, _floor in sides:
         arrays = [x for x in f64 if x is not None]
-        if sums.dtype != torch.float32 or sums.dim() != 2 or sums.numel() == 0 or sums.device != summary.device:
+        if sums.dtype != torch.float32 or sums.dim() != 2 or sums.numel() == 0 or sums.device != home:
             return False
-        if any(x.dtype != torch.float64 or x.shape != sums.shape or x.device != summary.device for x in arrays):
+        if any(x.dtype != torch.float64 or x.shape != sums.shape or x.device != home for x in arrays):
             return False
-    return summary.is_contiguous()
+    return True
 
 
 def new_summary(sides: int, device: torch.device) -> torch.Tensor:
@@ -69,7 +70,8 @@ def _side(sums: torch.Tensor, ref: torch.Tensor, s: torch.Tensor, rho: torch.Ten
 
 
 def compare(sides: list[Side], u: float, p: float, b: float, w: float, summary: torch.Tensor) -> list[torch.Tensor]:
-    """Enqueue the comparison of ``sides`` (``applies``) on torch's current stream; returns each side's d."""
+    """Enqueue the comparison of ``sides`` (``applies``) on torch's current stream, into ``summary``
+    (``new_summary`` on the sides' device); returns each side's d."""
     dev = summary.device.index if summary.device.index is not None else torch.cuda.current_device()
     ds = [torch.empty(x[0].shape, dtype=torch.float64, device=summary.device) for x in sides]
     packed = [_side(*x, d) for x, d in zip(sides, ds, strict=True)]

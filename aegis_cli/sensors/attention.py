@@ -11,7 +11,8 @@ accumulators, deterministic). Any other call goes to torch's own function and is
 
 A sampled call is sensed after its backward, when forward and backward sums exist: the attention
 checks (checks/attention.py ``check_attention``, the probe's, against the fp64 reference) at the
-invariants' τ. A flagged call's operands and outputs are copied and queued (kind ``attention``);
+invariants' τ, timed by ``SensorHandle.sensing_time`` (CUDA events read at the step boundary, as
+a GEMM check's). A flagged call's operands and outputs are copied and queued (kind ``attention``);
 the verifier re-runs it (``verify_attention``) and judges each signal by checks/attention.py
 ``judge_signal``, as the probe's confirmation does. Calls are named by their order in the step:
 ``train/sdpa#I/SHAPE`` (an ``--inject`` ``op=`` matches a part of it; the passes are ``…:fwd``
@@ -98,12 +99,9 @@ class _Call:
         with h.sensing_time(self.device, key):
             th = sums.AttentionThresholds()
             checked = checks.check_attention(ops, fwd, bwd, reference(ops, self.scale), self.scale, th)
-            h.stats.checked += 1
             ratio = max((v / checked.tau[n] for n, v in checked.clean_max.items()), default=0.0)
-            h.step_max_ratio = max(h.step_max_ratio, ratio)
-            if not checked.signals:
-                h.stats.clean_max_ratio = max(h.stats.clean_max_ratio, ratio)
-            else:
+            h.count_check(ratio, not checked.signals)
+            if checked.signals:
                 top = max(checked.signals, key=lambda s: s.max_value)
                 h.suspect("attention", self.site.split("/")[1], self.site, [s.check for s in checked.signals], top.max_value,
                           nbytes(_held(ops, fwd, bwd)),

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import time
 import weakref
 from collections import deque
@@ -17,7 +16,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 from aegis_cli.backends import get_backend
-from aegis_cli.backends.base import Device
+from aegis_cli.backends.base import Device, DeviceIdentity
 from aegis_cli.faults.spec import FaultPlan
 from aegis_cli.ops.errors import ConfigError
 from aegis_cli.sensors import linear, sense
@@ -42,11 +41,17 @@ def _rank(config: SensorConfig) -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-@functools.lru_cache(maxsize=16)
-def _cuda_device(key: str, _kernel: str | None) -> Device:
-    """The CUDA Device of ``key`` ("cuda:N"), made once per process (and kernel choice): it reads
-    its identity from NVML, which each handle would otherwise pay again inside its first checked step."""
-    return get_backend("cuda").device(int(key.partition(":")[2]))
+_IDENTITIES: dict[int, DeviceIdentity] = {}  # each GPU's identity by CUDA index, read once per process
+
+
+def _cuda_device(index: int) -> Device:
+    """A CUDA Device for one handle, with its GPU's identity read once per process: reading it (NVML,
+    0.8 ms on the H200) is what making a Device costs, and each handle would pay it again inside its
+    first checked step. The Device itself is not shared: its state (``poison``) and kernel choice
+    (AEGIS_CUDA_KERNEL, read as it is made) are the handle's own."""
+    dev = get_backend("cuda").device(index, identity=_IDENTITIES.get(index))
+    _IDENTITIES.setdefault(index, dev.identity)
+    return dev
 
 
 def _put_back(ref: weakref.ref, inner) -> None:
@@ -77,6 +82,7 @@ class SensorHandle:
         self.enqueued = False  # unsampled checked kernels launched since the last synchronisation (sense.run_gemm)
         self.unread: list = []  # sampled launches whose comparisons are enqueued, not yet read (sense.resolve)
         self.unread_bytes = 0
+        self.timed: list = []  # (key, sense.CheckTimer) of attention checks on CUDA, charged at the step boundary (sense.resolve)
         self.nondeterministic: set[str] = set()  # regions whose recompute cannot be compared bit for bit
         self.action = Action.CONTINUE  # the strongest action asked for since the last step()
         self._names = {id(m): name or "model" for name, m in model.named_modules()}
@@ -104,11 +110,11 @@ class SensorHandle:
     # -- what the sensors ask of the handle ------------------------------------------------------
     def device_for(self, t: torch.Tensor) -> Device:
         """The Device whose checked GEMM runs work on ``t``: its own GPU, else the CPU reference path."""
-        key = "cpu" if self.config.device == "cpu" or t.device.type != "cuda" else f"cuda:{t.device.index or 0}"
+        index = (t.device.index or 0) if self.config.device != "cpu" and t.device.type == "cuda" else None
+        key = "cpu" if index is None else f"cuda:{index}"
         dev = self._devices.get(key)
         if dev is None:
-            dev = self._devices[key] = (_cuda_device(key, os.environ.get("AEGIS_CUDA_KERNEL")) if key != "cpu"
-                                        else get_backend("cpu").device(0))
+            dev = self._devices[key] = get_backend("cpu").device(0) if index is None else _cuda_device(index)
         return dev
 
     def fault_for(self, device: Device) -> FaultPlan | None:
@@ -142,17 +148,31 @@ class SensorHandle:
     def add_sense_time(self, seconds: float) -> None:
         self._sense_step += seconds
 
+    def charge(self, key: str, seconds: float) -> None:
+        """A check of operator ``key`` took ``seconds``: its controller's cost, and this step's sensing."""
+        self.controller.spent(key, seconds)
+        self.add_sense_time(seconds)
+
     @contextlib.contextmanager
     def sensing_time(self, device: Device, key: str):
-        """Time one sampled check of operator ``key``: charged to its controller and to this step's
-        sensing. The device is synchronised first, so the launch and the work queued before it are
-        not the check's cost."""
-        device.synchronize()
-        t0 = time.perf_counter()
+        """Time one sampled check of operator ``key`` (``sense.CheckTimer``), as a GEMM check is timed:
+        on CUDA by events around it, charged at the step boundary (``sense.resolve``) after waiting for
+        its end event, the device never synchronised for it; on the CPU its wall time, charged at once."""
+        timer = sense.CheckTimer(device)
         yield
-        dt = time.perf_counter() - t0
-        self.controller.spent(key, dt)
-        self.add_sense_time(dt)
+        timer.stop()
+        if timer.on_device:
+            self.timed.append((key, timer))
+        else:
+            self.charge(key, timer.seconds())
+
+    def count_check(self, ratio: float, clean: bool) -> None:
+        """One check read, its largest normalised difference ``ratio`` in units of its τ: this step's
+        largest so far, and with ``clean`` (finite inputs, nothing flagged) the run's largest clean one."""
+        self.stats.checked += 1
+        self.step_max_ratio = max(self.step_max_ratio, ratio)
+        if clean:
+            self.stats.clean_max_ratio = max(self.stats.clean_max_ratio, ratio)
 
     def raise_suspicion(self, s: Suspicion) -> None:
         self.stats.raised += 1

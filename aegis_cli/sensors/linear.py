@@ -78,12 +78,13 @@ class _Site:
         """Decide the layer's forward, dgrad and wgrad launches now, each by the controller (the ones
         autograd will run: dgrad when ``x`` needs a gradient, wgrad when the weight does); counted
         as launched. None when none is sampled."""
-        h, want = self.h, self.h.controller.want
         grad = torch.is_grad_enabled()
-        fwd = want(self.keys[Layout.FWD])
-        dgrad = grad and x.requires_grad and want(self.keys[Layout.DGRAD])
-        wgrad = grad and weight.requires_grad and want(self.keys[Layout.WGRAD])
-        h.stats.launches += 1 + (grad and x.requires_grad) + (grad and weight.requires_grad)
+        runs_dgrad, runs_wgrad = grad and x.requires_grad, grad and weight.requires_grad
+        want = lambda layout: self.h.controller.want(self.keys[layout])
+        fwd = want(Layout.FWD)
+        dgrad = runs_dgrad and want(Layout.DGRAD)
+        wgrad = runs_wgrad and want(Layout.WGRAD)
+        self.h.stats.launches += 1 + runs_dgrad + runs_wgrad
         return (fwd, dgrad, wgrad) if fwd or dgrad or wgrad else None
 
 
@@ -95,14 +96,13 @@ class CheckedLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, site: _Site, out_dtype: torch.dtype,
                 decided: tuple[bool, bool, bool] | None) -> torch.Tensor:
-        x2 = x.reshape(-1, x.shape[-1])
+        x2, shape = x.reshape(-1, x.shape[-1]), (*x.shape[:-1], weight.shape[0])  # (tokens, in); Y's
         ctx.save_for_backward(x, weight)
         ctx.site, ctx.decided = site, decided
         ctx.bias_dtype = None if bias is None else bias.dtype
         if bias is not None and not decided[0]:
-            return site.linear(x2, weight, bias).to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
-        c = site.gemm(Layout.FWD, x2, weight, decided and decided[0])  # (tokens, out)
-        y = c.to(out_dtype).reshape(*x.shape[:-1], weight.shape[0])
+            return site.linear(x2, weight, bias).to(out_dtype).reshape(shape)
+        y = site.gemm(Layout.FWD, x2, weight, decided and decided[0]).to(out_dtype).reshape(shape)
         return y if bias is None else y + bias.to(y.dtype)  # the checked kernel has no bias: added as outside
 
     @staticmethod

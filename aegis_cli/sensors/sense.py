@@ -39,7 +39,6 @@ from aegis_cli.backends.cuda import CudaDevice
 from aegis_cli.checks import gemm as checks
 from aegis_cli.faults.spec import FaultPlan
 from aegis_cli.ops import numerics
-from aegis_cli.ops.errors import DeviceError
 from aegis_cli.ops.gemm import GemmOperands, GemmResult, Layout
 from aegis_cli.sensors.queue import nbytes
 
@@ -118,6 +117,43 @@ def sigma_of(s: torch.Tensor, rho: torch.Tensor | None, c_abs: torch.Tensor | No
     return base if c_abs is None else torch.minimum(base + c_abs * c.b, s * c.p)
 
 
+class CheckTimer:
+    """The device time of one check (a sampled GEMM's comparison, an attention call's checks). On
+    CUDA: events on the device's current stream around the check's work, so neither the work queued
+    before it nor the host counts, read at the step boundary by waiting for the end event alone
+    (``wait``: never the whole device; ``resolve``); on the CPU: its wall time, known at ``stop``."""
+
+    def __init__(self, device: Device):
+        self.device, self.events, self.elapsed = device, None, 0.0
+        if isinstance(device, CudaDevice):
+            self.stream = torch.cuda.current_stream(device.torch_device)
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            self.events[0].record(self.stream)
+        else:
+            self.t0 = time.perf_counter()
+
+    @property
+    def on_device(self) -> bool:
+        return self.events is not None
+
+    def stop(self) -> None:
+        if self.events is None:
+            self.elapsed = time.perf_counter() - self.t0
+        else:
+            self.events[1].record(self.stream)
+
+    def wait(self) -> None:
+        """Until the check's work is done (its CUDA end event; nothing on the CPU)."""
+        if self.events is not None:
+            self.device.wait(self.events[1])
+
+    def seconds(self) -> float:
+        if self.events is None:
+            return self.elapsed
+        start, end = self.events
+        return start.elapsed_time(end) / 1e3
+
+
 @dataclass
 class Pending:
     """A sampled launch whose comparison is enqueued on the device and read at the step boundary
@@ -135,7 +171,7 @@ class Pending:
     parts: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]  # (check, normalised diff, sums, reference)
     summary: torch.Tensor  # the largest diff of each part, then 1.0 if every input was finite: on the host (pinned on CUDA)
     versions: tuple[int, ...]
-    timer: tuple | float  # CUDA (start, end) events, the end after the summary's copy to the host; or seconds on the CPU
+    timer: CheckTimer  # on CUDA its end event follows the summary's copy to the host
     nbytes: int
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
@@ -144,21 +180,6 @@ class Pending:
     def changed(self) -> bool:
         """Whether its tensors were changed in place since it was enqueued (their versions moved)."""
         return _versions(self.tensors()) != self.versions
-
-    def wait(self) -> None:
-        """Until the comparison and its summary's copy are done (the CUDA end event; nothing on the CPU)."""
-        if isinstance(self.timer, float):
-            return
-        try:
-            self.timer[1].synchronize()
-        except Exception as exc:
-            raise DeviceError(f"{self.device.identity.id}: asynchronous failure: {exc}") from exc
-
-    def seconds(self) -> float:
-        if isinstance(self.timer, float):
-            return self.timer
-        start, end = self.timer
-        return start.elapsed_time(end) / 1e3
 
 
 def _watched(ops: GemmOperands, res: GemmResult) -> tuple[torch.Tensor, ...]:
@@ -209,14 +230,11 @@ def enqueue(ops: GemmOperands, res: GemmResult, noise: numerics.NoiseModel, trun
     (backends/cuda_compare.py), the bits of the torch path here."""
     sides = _sides(ops, res, truncating, device)
     c = Sigma.of(noise, ops.mnk[2])
-    home = res.row_sums.device
-    ds = None
-    if isinstance(device, CudaDevice) and home.type == "cuda":
-        summary = cuda_compare.new_summary(len(sides), home)
-        args = [x[1:] for x in sides]
-        if cuda_compare.applies(args, summary):
-            ds = cuda_compare.compare(args, c.u, c.p, c.b, c.w, summary)
-    if ds is None:
+    args = [x[1:] for x in sides]
+    if isinstance(device, CudaDevice) and cuda_compare.applies(args):
+        summary = cuda_compare.new_summary(len(sides), res.row_sums.device)
+        ds = cuda_compare.compare(args, c.u, c.p, c.b, c.w, summary)
+    else:
         ds, summary = compare_torch(sides, c)
     return [(name, d, sums, ref) for (name, sums, ref, *_), d in zip(sides, ds, strict=True)], summary
 
@@ -247,25 +265,17 @@ def sense(h, device: Device, layer: str, ops: GemmOperands, res: GemmResult, sit
     more than PENDING_BYTES (on the CPU: at once)."""
     floor = h.config.thresholds.tau
     tau = h.controller.tau(key, floor)
-    cuda = isinstance(device, CudaDevice)
-    if cuda:
-        stream = torch.cuda.current_stream(device.torch_device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(stream)
-    else:
-        t0 = time.perf_counter()
+    timer = CheckTimer(device)
     k = ops.mnk[2]
     parts, summary = enqueue(ops, res, device.noise_model(k), device.accumulation_bound(k) > 0, device)
-    if cuda:
-        if summary.is_cuda:  # read back at the boundary by waiting for this check's end event alone
-            summary = torch.empty(summary.shape, dtype=summary.dtype, pin_memory=True).copy_(summary, non_blocking=True)
-        end.record(stream)
+    if summary.is_cuda:  # read back at the boundary by waiting for this check's end event alone
+        summary = torch.empty(summary.shape, dtype=summary.dtype, pin_memory=True).copy_(summary, non_blocking=True)
+    timer.stop()
     watched = _watched(ops, res)
-    pend = Pending(layer, site, key, device, ops, res, tau, floor, parts, summary, _versions(watched),
-                   (start, end) if cuda else time.perf_counter() - t0, nbytes(watched))
+    pend = Pending(layer, site, key, device, ops, res, tau, floor, parts, summary, _versions(watched), timer, nbytes(watched))
     h.unread.append(pend)
     h.unread_bytes += pend.nbytes
-    if not cuda or h.unread_bytes > PENDING_BYTES:  # on the CPU the work is done already: read it now
+    if not timer.on_device or h.unread_bytes > PENDING_BYTES:  # on the CPU the work is done already: read it now
         resolve(h)
 
 
@@ -276,28 +286,27 @@ def resolve(h) -> None:
     the GPU busy while the host reads, copies what was flagged and issues the optimizer step. A
     flagged launch is copied here, before anything the host issues later can change its tensors;
     one whose tensors were changed in place since is not copied (the copy would not be what was
-    checked): it is counted unverified."""
+    checked): it is counted unverified. The attention checks done on CUDA since (``h.timed``, judged
+    when they ran) are charged their device time here too, after waiting for their end events."""
     pend, h.unread, h.unread_bytes = h.unread, [], 0
-    for p in pend:
-        p.wait()
+    timed, h.timed = h.timed, []
+    for timer in [p.timer for p in pend] + [t for _, t in timed]:
+        timer.wait()
+    for key, timer in timed:
+        h.charge(key, timer.seconds())
     for p in pend:
         n = len(p.parts)
         values = p.summary.tolist()
         worst, finite = values[:n], values[n]
-        seconds = p.seconds()
-        h.controller.spent(p.key, seconds)
-        h.add_sense_time(seconds)
+        h.charge(p.key, p.timer.seconds())
         signals, worst_f, ok = judge_parts(p.parts, worst, finite, p.tau)
-        h.stats.checked += 1
-        h.step_max_ratio = max(h.step_max_ratio, worst_f / p.tau)
+        h.count_check(worst_f / p.tau, ok and not signals)
         if not ok:
             h.stats.skipped_nonfinite += 1
-        elif not signals:
-            h.stats.clean_max_ratio = max(h.stats.clean_max_ratio, worst_f / p.tau)
-        elif p.changed():
+        elif signals and p.changed():
             h.unverifiable(p.layer, p.site, signals[0].check, "its operands or output were changed in place before the step "
                            "boundary, so what was checked can no longer be copied for the verifier")
-        else:
+        elif signals:
             h.suspect("gemm", p.layer, p.site, [x.check for x in signals], worst_f, nbytes(_held(p.ops, p.res)),
                       lambda p=p: GemmContext(p.device, h.fault_for(p.device), *snapshot(p.ops, p.res), p.layer, p.tau, p.floor))
 

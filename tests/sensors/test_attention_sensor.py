@@ -38,6 +38,18 @@ def test_gpt_matches_the_plain_model_and_repeats_bit_for_bit():
     assert all(torch.equal(g1[n].view(torch.int32), g2[n].view(torch.int32)) for n in g1)
 
 
+def test_attention_checks_on_the_cpu_are_charged_their_wall_time_at_once():
+    """On the CPU an attention check's cost is its wall time, charged to its operator as it returns
+    (on CUDA its events are read at the step boundary: test_attention_sensor_gpu.py)."""
+    model = gpt()
+    x, y = next(batches())
+    h = instrument(model, ATTN)
+    loss_and_grads(model, x, y)
+    costs = [st.cost_s for key, st in h.controller.ops.items() if key.startswith("sdpa/")]
+    assert costs and all(c > 0 for c in costs) and h.timed == []
+    uninstrument(model)
+
+
 @pytest.mark.parametrize("spec, check", [("perturb:target=attn.dv,r=1000,op=sdpa#1", "attention.dv_colsum"),
                                          ("perturb:target=attn.pv,r=100,op=sdpa#0", "attention.o_rowsum")])
 def test_injected_attention_fault_is_caught_and_confirmed(spec, check):

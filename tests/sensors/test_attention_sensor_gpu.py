@@ -38,6 +38,26 @@ def test_checked_attention_on_cuda_matches_the_plain_model_and_repeats_bit_for_b
 
 
 @gpu
+def test_attention_checks_wait_for_no_device_sync_and_are_charged_at_the_boundary(monkeypatch):
+    """An attention check is timed by CUDA events, as a GEMM check is: no device synchronisation of
+    its own (it drained the GPU before each check), its cost read at the step boundary."""
+    from aegis_cli.backends.cuda import CudaDevice
+
+    x, y = on_cuda(next(batches(CFG, 8)))
+    model = cuda_gpt()
+    h = instrument(model, SensorConfig(**ATTN))
+    syncs = []
+    with monkeypatch.context() as m:
+        m.setattr(CudaDevice, "synchronize", lambda self: syncs.append(self.index))
+        loss_and_grads(model, x, y)
+    ops = {key: st for key, st in h.controller.ops.items() if key.startswith("sdpa/")}
+    assert syncs == [] and len(h.timed) == CFG.layers and ops and all(st.cost_s is None for st in ops.values())
+    h.step()
+    assert h.timed == [] and all(st.cost_s > 0 for st in ops.values()) and h.stats.checked == 3 * (4 * CFG.layers + 1) + CFG.layers
+    uninstrument(model)
+
+
+@gpu
 @pytest.mark.parametrize("spec, check", [("perturb:target=attn.dv,r=1000,op=sdpa#1", "attention.dv_colsum"),
                                          ("perturb:target=attn.pv,r=100,op=sdpa#0", "attention.o_rowsum")])
 def test_injected_attention_fault_is_caught_and_confirmed_on_cuda(spec, check):

@@ -209,7 +209,7 @@ def test_enqueued_comparisons_are_read_at_the_boundary_and_changed_operands_are_
         res = dev.checked_gemm(ops)
         parts, summary = sense.enqueue(ops, res, dev.noise_model(32), False)
         pend.append(sense.Pending(f"l{i}", f"train/l{i}/fwd/8x16x32", f"l{i}/fwd", dev, ops, res, 1e-9, 1e-9, parts, summary,
-                                  tuple(t._version for t in (ops.a, ops.b, res.c)), 1e-3, 0))
+                                  tuple(t._version for t in (ops.a, ops.b, res.c)), sense.CheckTimer(dev), 0))
     h.unread.extend(pend)
     pend[1].ops.a.add_(1.0)  # the loop changed this launch's input in place before the boundary
     sense.resolve(h)

@@ -36,9 +36,9 @@ def _torch(sides, c):
 def _kernel(sides, c):
     from aegis_cli.backends import cuda_compare
 
+    assert cuda_compare.applies(sides)
     summary = cuda_compare.new_summary(len(sides), torch.device(CUDA))
     assert summary.tolist() == [0.0] * len(sides) + [1.0]
-    assert cuda_compare.applies(sides, summary)
     ds = cuda_compare.compare(sides, c.u, c.p, c.b, c.w, summary)
     return ds, summary.tolist()
 

@@ -203,6 +203,25 @@ def test_step_boundary_waits_for_the_checks_not_for_the_device():
 
 
 @gpu
+def test_handles_share_each_gpus_identity_not_its_device(monkeypatch):
+    """NVML is read once per GPU per process (it is what making a CudaDevice costs); each handle still
+    has a Device of its own (``poison``, the kernel choice)."""
+    from aegis_cli.backends import cuda
+    from aegis_cli.sensors import handle
+
+    real, reads = cuda.device_identity, []
+    monkeypatch.setattr(handle, "_IDENTITIES", {})
+    monkeypatch.setattr(cuda, "device_identity", lambda i: reads.append(i) or real(i))
+    x = torch.randn(4, 8, device=CUDA)
+    devices = []
+    for _ in range(2):
+        model = torch.nn.Linear(8, 8).to(CUDA)
+        devices.append(instrument(model, SensorConfig()).device_for(x))
+        uninstrument(model)
+    assert reads == [0] and devices[0] is not devices[1] and devices[0].identity is devices[1].identity
+
+
+@gpu
 def test_200_clean_steps_confirm_nothing():
     """Every launch checked, every block's recompute fingerprinted: suspicions may be raised
     (and are counted), none is confirmed or dropped."""
