@@ -9,12 +9,17 @@ k-step's wgmma for the row check, and for wgrad's column check the transposed pr
 the A operand, A's tile sums as 8 columns). This times the tensor-core part of that on the GEMMs of
 benchmarks/sensor_reference.py's model (22 layers × qkv, proj, fc, mlp.proj and the head; forward,
 dgrad and wgrad in their layouts), interleaved with cuBLAS (``gemm.compare``): our kernel plain, with
-its fused observed sums (checked), and with the experiment builds ``AEGIS_PROBE_ROWS`` /
-``AEGIS_PROBE_COLS`` (kernels/gemm_wgmma.cu: the extra m64n8k16 wgmma issued on the stages' own data,
-C and sums unchanged — checked bit for bit here). The tile sums themselves need one more pass over
-B (and A for columns): a floor for it is ``tile_abs_sums`` (one statistic at memory bandwidth),
-timed per operand. Summed over a step with the launch counts and set against ``--step-ms`` (the
-plain step measured by sensors_overhead.py), this is what such a design costs before its comparison.
+its fused observed sums (checked), and with experiment builds of kernels/gemm_wgmma.cu:
+``AEGIS_PROBE_ROWS`` / ``_COLS`` (the extra m64n8k16 wgmma issued on the stages' own data),
+``AEGIS_PROBE_TCSUMS`` (the tile sums themselves on the tensor cores, the stage as the A operand),
+all with C and sums unchanged (checked bit for bit here); and ``AEGIS_PROBE_TSUMS``, B's tile sums
+made by the producer warpgroup's idle warps from shared memory, split in three bf16 pieces and
+multiplied: a working expected row sum, which the build writes in place of the observed one and
+this compares with the checked build's and with fp64. The other way to have the tile sums is a
+pass over B (and A for columns) in memory; a floor for it is ``tile_abs_sums`` (one statistic at
+memory bandwidth), timed per operand. Summed over a step with the launch counts and set against
+``--step-ms`` (the plain step measured by sensors_overhead.py): what each design costs before its
+comparison.
 Writes DIR/abft_floor.json (DIR: --out, else $OUT, else .) and prints a table last.
 """
 
@@ -39,7 +44,8 @@ from aegis_cli.ops.gemm import GemmOperands, Layout
 LAYERS = 22
 VARIANTS = {"plain": ("nosums", {}), "checked": ("", {}), "rows": ("", {"AEGIS_PROBE_ROWS": 1}),
             "cols": ("", {"AEGIS_PROBE_COLS": 1}), "both": ("", {"AEGIS_PROBE_ROWS": 1, "AEGIS_PROBE_COLS": 1}),
-            "tsums": ("", {"AEGIS_PROBE_TSUMS": 1})}
+            "tsums": ("", {"AEGIS_PROBE_TSUMS": 1}), "tc": ("", {"AEGIS_PROBE_ROWS": 1, "AEGIS_PROBE_TCSUMS": 1}),
+            "tcboth": ("", {"AEGIS_PROBE_ROWS": 1, "AEGIS_PROBE_TCSUMS": 1, "AEGIS_PROBE_COLS": 1})}
 
 
 def shape(name: str, layout: Layout) -> tuple[int, int, int]:
@@ -72,8 +78,8 @@ def run(reps: int) -> list[dict]:
         for layout in Layout:
             m, n, k = shape(name, layout)
             wgrad = layout is Layout.WGRAD
-            variants = {v: VARIANTS[v] for v in (("plain", "checked", "rows", "tsums", "cols", "both") if wgrad
-                                                   else ("plain", "checked", "rows", "tsums"))}
+            variants = {v: VARIANTS[v] for v in (("plain", "checked", "rows", "tsums", "tc", "cols", "both", "tcboth") if wgrad
+                                                   else ("plain", "checked", "rows", "tsums", "tc"))}
             (row,) = gemm.compare(variants, [(m, n, k)], reps=reps, layout=layout)
             flop = 2.0 * m * n * k
             row["ms"] = {v[: -len("_tflops")]: flop / (tf * 1e9) for v, tf in row.items() if v.endswith("_tflops")}
@@ -103,25 +109,28 @@ def totals(rows: list[dict], step_ms: float) -> dict:
     out["passes"] = total(lambda r: r["b_pass_ms"] + r["a_pass_ms"])
     out["with_passes_ms"] = total(lambda r: r["ms"]["both" if wg(r) else "rows"] + r["b_pass_ms"] + r["a_pass_ms"]) - out["cublas"]
     out["in_kernel_ms"] = total(lambda r: r["ms"]["tsums"] + cols_extra(r) + r["a_pass_ms"]) - out["cublas"]
+    out["tensor_cores_ms"] = total(lambda r: r["ms"]["tcboth" if wg(r) else "tc"]) - out["cublas"]
     out["step_ms"] = step_ms
     return out
 
 
 def table(rows: list[dict], tot: dict) -> str:
-    lines = [f"{'GEMM':<16} {'M×N×K':>18} {'cuBLAS':>7} {'plain':>7} {'checked':>8} {'+rows':>7} {'tsums':>7} {'+cols':>7} "
-             f"{'both':>7} {'B pass':>7} {'A pass':>7}  probes' bits; TSUMS sums' max error ÷ s: expected, observed"]
+    lines = [f"{'GEMM':<16} {'M×N×K':>18} {'cuBLAS':>7} {'plain':>7} {'checked':>8} {'+rows':>7} {'tsums':>7} {'tc':>7} {'+cols':>7} "
+             f"{'both':>7} {'tcboth':>7} {'B pass':>7} {'A pass':>7}  probes' bits; TSUMS sums' max error ÷ s: expected, observed"]
     for r in rows:
         ms, acc = r["ms"], r["accuracy"]
         cell = lambda v, ms=ms: f"{ms[v]:>7.3f}" if v in ms else f"{'-':>7}"
-        same = all(r.get(f"{v}_bitwise", True) for v in ("rows", "cols", "both")) and acc["c_same"]
+        same = all(r.get(f"{v}_bitwise", True) for v in ("rows", "cols", "both", "tc", "tcboth")) and acc["c_same"]
         lines.append(f"{r['op']:<16} {r['m']:>6}×{r['n']}×{r['k']:<6} {cell('cublas')} {cell('plain')} {ms['checked']:>8.3f} "
-                     f"{cell('rows')} {cell('tsums')} {cell('cols')} {cell('both')} {r['b_pass_ms']:>7.3f} {r['a_pass_ms']:>7.3f}  "
+                     f"{cell('rows')} {cell('tsums')} {cell('tc')} {cell('cols')} {cell('both')} {cell('tcboth')} {r['b_pass_ms']:>7.3f} "
+                     f"{r['a_pass_ms']:>7.3f}  "
                      f"{'same' if same else 'DIFFER'}; {acc['expected_err']:.1e} {acc['observed_err']:.1e}")
     s = tot["step_ms"]
     lines.append(f"a step ({LAYERS} layers + head), ms: cuBLAS {tot['cublas']:.2f}, ours plain {tot['plain']:.2f}, checked "
                  f"{tot['checked']:.2f}, + row columns {tot['rows']:.2f}, tile sums in the kernel {tot['tsums']:.2f}, "
                  f"tile-sum passes over memory {tot['passes']:.2f}")
-    for key, label in (("with_passes_ms", "tile sums by passes over memory"), ("in_kernel_ms", "B's tile sums in the kernel")):
+    for key, label in (("with_passes_ms", "tile sums by passes over memory"), ("in_kernel_ms", "B's tile sums by the producer's warps"),
+                       ("tensor_cores_ms", "every tile sum on the tensor cores (MMA cost only)")):
         lines.append(f"every Linear checked in-GEMM, {label}, before any comparison: {tot[key]:+.2f} ms over cuBLAS = "
                      f"{100 * tot[key] / s:+.2f} % of a {s:.1f} ms step (target ≤ 2 %)")
     return "\n".join(lines)

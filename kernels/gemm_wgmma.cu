@@ -216,14 +216,18 @@ __device__ __forceinline__ void burn(float seed, float* sink) {
     if (t == -1.2345f) *sink = t;
 }
 #endif
-#if defined(AEGIS_PROBE_ROWS) || defined(AEGIS_PROBE_COLS) || defined(AEGIS_PROBE_TSUMS)
+#if defined(AEGIS_PROBE_ROWS) || defined(AEGIS_PROBE_COLS) || defined(AEGIS_PROBE_TSUMS) || defined(AEGIS_PROBE_TCSUMS)
 // Experiment knobs (benchmarks/abft_floor.py): the tensor-core cost of in-GEMM ABFT checksum
 // columns, timed without their data. AEGIS_PROBE_ROWS: one m64n8k16 a consumer per k16 beside the
 // m64n256k16 (B's tile sums, three bf16 pieces per 128-column checksum tile, as 8 extra columns:
 // the row check's expected sums); AEGIS_PROBE_COLS: two m64n8k16 a consumer with B's stage as the
 // A operand (its 256 columns as rows) and 8 columns (A's tile sums, in pieces) as B: the column
-// check's. They read the stages' own bf16 data and accumulate into registers nothing reads: C and
-// the sums are the plain build's.
+// check's; AEGIS_PROBE_TCSUMS (with _ROWS): B's tile sums made on the tensor cores, sixteen
+// m64n8k16 a stage with the B stage as the A operand (its 64 k as rows, 256 n as the reduction)
+// and a selector of ones as B (A's stage stands in for it here), each consumer for itself (with
+// _COLS also A's tile sums over its 64 rows, one more a k16). They
+// read the stages' own bf16 data and accumulate into registers nothing reads: C and the sums are
+// the plain build's.
 template <int TA, int TB>
 __device__ __forceinline__ void wgmma_n8(float* e, uint64_t da, uint64_t db, int scale_d = 1) {
     asm volatile(
@@ -493,8 +497,8 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
     float d[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) d[i] = 0.f;  // never read: each tile's first wgmma has scale-d 0
-#if defined(AEGIS_PROBE_ROWS) || defined(AEGIS_PROBE_COLS) || defined(AEGIS_PROBE_TSUMS)
-    float probe[12] = {};
+#if defined(AEGIS_PROBE_ROWS) || defined(AEGIS_PROBE_COLS) || defined(AEGIS_PROBE_TSUMS) || defined(AEGIS_PROBE_TCSUMS)
+    float probe[24] = {};
 #endif
     int it = 0, ti = 0;  // k-block counter (ring position), tile counter (scratch parity)
     // Wait for ring position `it`, issue k-block kt of the current tile (the first one overwrites
@@ -518,6 +522,18 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
 #endif
 #ifdef AEGIS_PROBE_ROWS
             wgmma_n8<A_KMAJOR ? 0 : 1, B_KMAJOR ? 0 : 1>(probe, da, db);  // B's first 8 rows stand in for the sums
+#endif
+#ifdef AEGIS_PROBE_TCSUMS
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {  // B's tile sums on the tensor cores: the stage as A (64 k x 256 n), a selector as B
+                const int nstep = 4 * ks + j;  // 16 n a step, 16 steps over the stage's 256 n; tiles 0 and 1 apart
+                const uint64_t dbs = B_KMAJOR ? make_desc(b0 + nstep * 2048, MN_LBO, MN_SBO)
+                                              : make_desc(b0 + (nstep >> 2) * 8192 + (nstep & 3) * 32, 16, 1024);
+                wgmma_n8<B_KMAJOR ? 1 : 0, 0>(probe + 12 + 4 * (nstep >> 3), dbs, make_desc(a0 + ks * 32, 16, 1024));
+            }
+#ifdef AEGIS_PROBE_COLS  // and wgrad's A tile sums (this consumer's 64 m as the reduction, 16 a step)
+            wgmma_n8<0, 0>(probe + 20, make_desc(a0 + ks * 32, 16, 1024), make_desc(b0 + ks * 32, 16, 1024));
+#endif
 #endif
 #ifdef AEGIS_PROBE_COLS
 #pragma unroll
