@@ -90,7 +90,7 @@ def _fresh(launch):
     args[OUTS] = [ctypes.c_void_p(t.data_ptr()) for t in outs]
     keep = list(launch.keep)
     keep[OUTS] = outs
-    return dataclasses.replace(launch, args=args, keep=keep, stream=torch.cuda.current_stream(launch.device_id).cuda_stream)
+    return dataclasses.replace(launch, args=args, keep=keep, stream=loader.current_stream(launch.device_id))
 
 
 class Launcher:
@@ -131,8 +131,7 @@ class Launcher:
                 return res.kernel
         args = list(launch.args)
         args[OUTS] = slab.pointers(slot)
-        loader.launch(launch.func, launch.grid, launch.block, args, device_id=launch.device_id, stream=launch.stream,
-                      smem=launch.smem, label=launch.label)
+        launch.run(args)
         return f"gemm_{launch.kernel}"
 
     def _faulted(self, p: Prepared, fault: FaultPlan, op: str, clean_median: float | None) -> GemmResult | None:
