@@ -60,7 +60,7 @@ from aegis_cli.ops import attention_sums as sums
 from aegis_cli.ops import workloads
 from aegis_cli.ops.fingerprint import int_view
 from aegis_cli.ops.numerics import generate_bf16
-from aegis_cli.probes.attention import SCALES, run_pass
+from aegis_cli.probes.attention import SCALES, run_pass, scaled_runs
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = [(1, 4, 2, 64, 64, True), (1, 2, 1, 96, 128, True), (1, 4, 4, 48, 64, False), (1, 8, 2, 77, 32, True),
@@ -97,33 +97,26 @@ def operands(shape, dist: str, qs: float, seed: int, device, host: bool = False)
 
 # ------------------------------------------------------------------------------------- clean runs
 def clean_group(device, ops: A.AttentionOperands, cid: str, acc: dict) -> None:
-    """One group as the probe runs it (module docstring), tallied into ``acc``."""
-    sc = ops.shape.scale
-    ref = A.reference(ops, sc)
-    base = None
-    for ev, edo in SCALES:
-        if not sums.pow2_safe(ops, ref, ev, edo):
+    """One group as the probe runs it (module docstring; probes.attention.scaled_runs), tallied into ``acc``."""
+    ref = A.reference(ops, ops.shape.scale)
+    for x in scaled_runs(device, ops, ref, TH, None, lambda ev, edo: f"{cid}/s{ev:+d}{edo:+d}"):
+        if x.checked is None:
             acc["skipped_scales"] += 1
             continue
-        sops = sums.scaled_operands(ops, ev, edo)
-        expected = checks.expected_at(base, ev, edo) if base is not None else None
-        f, b = run_pass(device, sops, None, f"{cid}/s{ev:+d}{edo:+d}")
-        c = checks.check_attention(sops, f, b, ref.rescaled(ev, edo), sc, TH, expected=expected)
         acc["runs"] += 1
-        seen = dict(c.clean_max)
-        for sig in c.signals:
+        seen = dict(x.checked.clean_max)
+        for sig in x.checked.signals:
             acc["flagged"][sig.check] += 1
             if sig.check in checks.INVARIANT_CHECKS:
                 seen[sig.tensor] = max(seen[sig.tensor], sig.max_value)
             if len(acc["evidence"]) < 20:
-                acc["evidence"].append({"case": cid, "scale": [ev, edo], "check": sig.check, "max": sig.max_value})
+                acc["evidence"].append({"case": cid, "scale": [x.ev, x.edo], "check": sig.check, "max": sig.max_value})
         for worst in (acc["worst"].setdefault(acc["label"], {}), acc["worst_seq"].setdefault(str(ops.shape.seq), {})):
             for name, v in seen.items():
                 worst[name] = max(worst.get(name, 0.0), v)
-        if base is None:
-            base = checks.outputs_of(f, b)
-            f2, b2 = run_pass(device, sops, None, f"{cid}/repeat")
-            again = checks.outputs_of(f2, b2)
+        if x.expected is None:  # the base run, repeated: the same bits and fingerprints
+            base = checks.outputs_of(x.fwd, x.bwd)
+            again = checks.outputs_of(*run_pass(device, x.ops, None, f"{cid}/repeat"))
             acc["repeats"] += 1
             same_bits = all(torch.equal(int_view(base[k]), int_view(again[k])) for k in base)
             same_prints = all(device.fingerprint(base[k]) == device.fingerprint(again[k]) for k in base)

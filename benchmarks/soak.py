@@ -30,7 +30,7 @@ from aegis_cli.backends import resolve_devices
 from aegis_cli.backends.soak_cuda import Launcher
 from aegis_cli.faults.spec import FaultPlan
 from aegis_cli.ops import workloads
-from aegis_cli.ops.gemm import GemmOperands, Layout
+from aegis_cli.ops.gemm import Layout
 from aegis_cli.probes import DEFAULT_GPU_WORKLOAD
 from aegis_cli.probes.gemm import draw_operands
 from aegis_cli.soak.record import shape_key
@@ -46,18 +46,25 @@ def _median_ms(fn, burst: int = 4) -> float:
     return timed(lambda: [fn() for _ in range(burst)], iters=6) * 1e3 / burst
 
 
+def shape_runs(dev, wl, tag: str):
+    """Per GEMM shape of ``wl``: (key, shape, operands, cublas, checked). The operands are drawn on
+    ``dev`` as the scan draws a case's (seed 0, group ``tag/i``); ``cublas()`` (torch.matmul into an
+    output of its own) and ``checked()`` (our checked kernel as the burn-in launches it, returning
+    its GemmResult) enqueue one GEMM on them without a sync."""
+    launcher = Launcher(dev)
+    for i, s in enumerate(wl.gemms()):
+        o = draw_operands(dev.generate, s.layout, s.m, s.n, s.k, "normal", 0, f"{tag}/{i}")
+        out = torch.empty((s.m, s.n), dtype=torch.bfloat16, device=o.a.device)
+        p = launcher.prepare(o)
+        yield shape_key(s), s, o, (lambda o=o, out=out: torch.matmul(o.a_mk, o.b_kn, out=out)), (lambda p=p: launcher.run(p))
+
+
 def per_shape(dev, wl) -> tuple[dict, dict]:
     """Operands per shape, and event-timed cuBLAS and checked-kernel milliseconds per shape."""
     ops, rows = {}, {}
-    launcher = Launcher(dev)
-    for i, s in enumerate(wl.gemms()):
-        key = shape_key(s)
-        o = draw_operands(dev.generate, s.layout, s.m, s.n, s.k, "normal", 0, f"bench/{i}")
+    for key, s, o, cublas_fn, checked_fn in shape_runs(dev, wl, "bench"):
         ops[key] = (s, o)
-        out = torch.empty((s.m, s.n), dtype=torch.bfloat16, device=o.a.device)
-        cublas = _median_ms(lambda o=o, out=out: torch.matmul(o.a_mk, o.b_kn, out=out))
-        p = launcher.prepare(GemmOperands(o.a, o.b, o.layout))
-        checked = _median_ms(lambda p=p: launcher.run(p))
+        cublas, checked = _median_ms(cublas_fn), _median_ms(checked_fn)
         rows[key] = {"flops": s.flops, "cublas_ms": round(cublas, 4), "checked_ms": round(checked, 4),
                      "cublas_tflops": round(s.flops / cublas / 1e9, 1), "checked_tflops": round(s.flops / checked / 1e9, 1),
                      "checked_vs_cublas": round(cublas / checked, 3)}

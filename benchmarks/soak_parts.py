@@ -37,11 +37,10 @@ from aegis_cli.checks import screen
 from aegis_cli.ops import numerics, workloads
 from aegis_cli.ops.gemm import GemmOperands
 from aegis_cli.probes import DEFAULT_GPU_WORKLOAD
-from aegis_cli.probes.gemm import draw_operands
 from aegis_cli.soak import run as soak_run
 from aegis_cli.soak import schedule
-from aegis_cli.soak.record import shape_key
 from aegis_cli.soak.run import SoakOptions, run_soak
+from benchmarks.soak import shape_runs
 
 
 def burst_ms(fns: list, n: int, reps: int = 3) -> float:
@@ -83,21 +82,15 @@ def sync_ms(fn) -> float:
 
 
 def per_shape(dev, wl, tau):
-    launcher = Launcher(dev)
     rows, keep = {}, {}
-    for i, s in enumerate(wl.gemms()):
-        key = shape_key(s)
-        o = draw_operands(dev.generate, s.layout, s.m, s.n, s.k, "normal", 0, f"parts/{i}")
-        ops = GemmOperands(o.a, o.b, o.layout)
+    for i, (key, s, ops, cublas, ours) in enumerate(shape_runs(dev, wl, "parts")):
         n = max(8, round(0.03 / (s.flops / 6.5e14)))
-        outs = [torch.empty((s.m, s.n), dtype=torch.bfloat16, device=o.a.device) for _ in range(2)]
-        cub = [lambda j=j: torch.matmul(o.a_mk, o.b_kn, out=outs[j]) for j in range(2)]
-        p = launcher.prepare(ops)
-        ours = lambda: launcher.run(p)
+        out2 = torch.empty((s.m, s.n), dtype=torch.bfloat16, device=ops.a.device)  # the second stream's cuBLAS output
+        cub = [cublas, lambda: torch.matmul(ops.a_mk, ops.b_kn, out=out2)]
         row = {"flops": s.flops, "n": n,
                "cublas_ms": burst_ms(cub[:1], n), "cublas2_ms": burst_ms(cub, n),
                "ours_ms": burst_ms([ours], n), "ours2_ms": burst_ms([ours, ours], n)}
-        res = launcher.run(p)
+        res = ours()
         ref = dev.reference_checksums(ops, dev.tile)
         lim = screen.limits(ref, tau)
         row["fingerprint_ms"] = burst_ms([lambda: device_fingerprint_tensor(res.c)], n)
@@ -123,7 +116,7 @@ def per_shape(dev, wl, tau):
         row["set_overhead_pct"] = round(100 * (row["set_draw_ms"] + row["set_reference_ms"] + row["set_magnitudes_ms"]
                                                + schedule.SCALES * row["scale_setup_ms"]) / set_ms, 2)
         rows[key] = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}
-        keep[key] = (s, o, ops, reps)
+        keep[key] = (s, ops, reps)
     return rows, keep
 
 
@@ -136,7 +129,7 @@ def mix_sustained(fn_for, keep, seconds, streams):
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        for k, (s, _o, _ops, reps) in keep.items():
+        for k, (s, _ops, reps) in keep.items():
             for st in sts:
                 st.wait_stream(main)
             for i in range(schedule.SCALES * reps):
@@ -175,7 +168,7 @@ def main() -> int:
     launcher = Launcher(dev)
     outs = {k: [torch.empty((s.m, s.n), dtype=torch.bfloat16, device="cuda") for _ in range(2)] for k, (s, *_r) in keep.items()}
     cub = lambda k: [lambda j=j: torch.matmul(keep[k][1].a_mk, keep[k][1].b_kn, out=outs[k][j]) for j in range(2)]
-    prepared = {k: launcher.prepare(keep[k][2]) for k in keep}
+    prepared = {k: launcher.prepare(keep[k][1]) for k in keep}
     ours = lambda k: [lambda: launcher.run(prepared[k])] * 2
     mix = {}
     for name, fn, st in (("cublas1", cub, 1), ("ours1", ours, 1), ("cublas2", cub, 2), ("ours2", ours, 2)):

@@ -80,6 +80,23 @@ __device__ __forceinline__ uint32_t attn_pack(float lo, float hi) {
     return *reinterpret_cast<uint32_t*>(&h);
 }
 
+// acc[m·STRIDE + j] += a[m]·(n8 tile b[0..1]) and acc[m·STRIDE + j + 1] += a[m]·(n8 tile b[2..3]),
+// for each of MT m-tiles: one B fragment read from shared memory feeds them all.
+template <int MT, int STRIDE>
+__device__ __forceinline__ void attn_mma2(float (*acc)[4], int j, const uint32_t (*a)[4], const uint32_t* b) {
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+        attn_mma(acc[m * STRIDE + j], a[m], b[0], b[1]);
+        attn_mma(acc[m * STRIDE + j + 1], a[m], b[2], b[3]);
+    }
+}
+
+template <int N>
+__device__ __forceinline__ void attn_zero(float (*x)[4]) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) x[i][0] = x[i][1] = x[i][2] = x[i][3] = 0.f;
+}
+
 // ---- tiles --------------------------------------------------------------------------
 // ROWS rows of D bf16 from g (row stride D) starting at row r0 into s (pitch D+8); rows >= S zero.
 template <int ROWS, int D, int NT>
@@ -130,11 +147,7 @@ __device__ __forceinline__ void attn_mm_abt(float (*acc)[4], const bf16* sa, int
         for (int np = 0; np < NT / 2; ++np) {
             uint32_t b[4];
             attn_frag_b_nk<D>(sb, nb0 + np * 16, kk * 16, b);
-#pragma unroll
-            for (int m = 0; m < MT; ++m) {
-                attn_mma(acc[m * NT + 2 * np], a[m], b[0], b[1]);
-                attn_mma(acc[m * NT + 2 * np + 1], a[m], b[2], b[3]);
-            }
+            attn_mma2<MT, NT>(acc, 2 * np, a, b);
         }
     }
 }
@@ -159,11 +172,115 @@ __device__ __forceinline__ void attn_mm_pb(float (*acc)[4], const float (*p)[4],
         for (int dn = 0; dn < D / 16; ++dn) {
             uint32_t b[4];
             attn_frag_b_kn<D>(sb, kb0 + kk * 16, dn * 16, b);
+            attn_mma2<MT, D / 8>(acc, 2 * dn, a, b);
+        }
+    }
+}
+
+// ---- the loops and epilogues the forward and backward kernels share ------------------------
+// K and V rows n0..n0+ROWS-1 of one KV head (kg, vg) into sK, sV.
+template <int ROWS, int D, int NT>
+__device__ __forceinline__ void attn_load_kv(bf16* sK, bf16* sV, const bf16* kg, const bf16* vg, int n0, int S) {
+    attn_load_rows<ROWS, D, NT>(sK, kg, n0, S);
+    attn_load_rows<ROWS, D, NT>(sV, vg, n0, S);
+}
+
+// The wait of one step of a two-stage cp.async ring, after the next step's loads were issued
+// into the other stage when `more`: this step's stage complete and visible to the whole CTA.
+__device__ __forceinline__ void attn_ring_wait(bool more) {
+    if (more) {
+        attn_commit();
+        attn_wait<1>();
+    } else {
+        attn_wait<0>();
+    }
+    __syncthreads();
+}
+
+// f(m, nt, e) for each value of a warp's MT x NB score tiles (C fragments of m16n8): element e of
+// n8 tile nt of m-tile m, that is fragment row r = 2m + (e >> 1) (row g or g + 8 of the m-tile),
+// column nt·8 + 2t + (e & 1) of the block.
+template <int MT, int NB, class F>
+__device__ __forceinline__ void attn_each_score(F&& f) {
 #pragma unroll
-            for (int m = 0; m < MT; ++m) {
-                attn_mma(acc[m * (D / 8) + 2 * dn], a[m], b[0], b[1]);
-                attn_mma(acc[m * (D / 8) + 2 * dn + 1], a[m], b[2], b[3]);
-            }
+    for (int m = 0; m < MT; ++m) {
+#pragma unroll
+        for (int nt = 0; nt < NB; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) f(m, nt, e);
+        }
+    }
+}
+
+// A forward or dQ CTA's query block: BM rows from m0 of (batch, query head) bh = blockIdx.y, the
+// heaviest (causal) blocks first; kg and vg the K and V of its KV head, n_end key blocks of BN,
+// streamed through a two-stage ring in shared memory from `ring` (K [2][BN][D + 8], then V alike);
+// its loads by NT threads (cp.async, rows past S zero-filled).
+template <int D, int BM, int BN, int NT>
+struct AttnQueryBlock {
+    static constexpr int STAGE = BN * (D + 8);
+    int bh, m0, n_end, S;
+    const bf16* kg;
+    const bf16* vg;
+    bf16* sK;
+    bf16* sV;
+    __device__ __forceinline__ AttnQueryBlock(bf16* ring, const bf16* k, const bf16* v, int Hq, int Hkv, int S_, int causal)
+        : S(S_), sK(ring), sV(ring + 2 * STAGE) {
+        bh = blockIdx.y;
+        const int b = bh / Hq, kvh = bh % Hq / (Hq / Hkv);
+        m0 = (gridDim.x - 1 - blockIdx.x) * BM;
+        kg = k + ((long long)b * Hkv + kvh) * S * D;
+        vg = v + ((long long)b * Hkv + kvh) * S * D;
+        n_end = causal ? (min(S, m0 + BM) + BN - 1) / BN : (S + BN - 1) / BN;
+    }
+    // the block's rows of a (B·Hq, S, D) tensor (Q, dO) into s
+    __device__ __forceinline__ void load_rows(bf16* s, const bf16* x) const {
+        attn_load_rows<BM, D, NT>(s, x + (long long)bh * S * D, m0, S);
+    }
+    // keys n0..n0+BN-1 of K and V into ring stage `st`
+    __device__ __forceinline__ void load_kv(int st, int n0) const {
+        attn_load_kv<BN, D, NT>(sK + st * STAGE, sV + st * STAGE, kg, vg, n0, S);
+    }
+    __device__ __forceinline__ const bf16* k_at(int st) const { return sK + st * STAGE; }
+    __device__ __forceinline__ const bf16* v_at(int st) const { return sV + st * STAGE; }
+};
+
+// Epilogue of a warp's MT m-tiles of 16 query rows x D (C fragments; query row qi[r] for fragment
+// row r; t = lane & 3): each fp32 value times mul[r] (a fault of `stage` at its flat index in the (B·H, S, D)
+// output) and added to rs[r] (the caller's zeros: the row's Σ_d, in-thread and then over the quad
+// in a fixed order; none with AEGIS_NOSUMS), the rows below S stored to `out` in bf16, then done(r)
+// for each of them.
+template <int D, int MT, class F>
+__device__ __forceinline__ void attn_rows_out(float (*acc)[4], const float* mul, float* rs, const int* qi, int t, int bh,
+                                              int S, int stage, const AttnFault& fault, bf16* out, F&& done) {
+    constexpr int ND = D / 8, R = 2 * MT;
+#pragma unroll
+    for (int i = 0; i < MT * ND; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int r = 2 * (i / ND) + (e >> 1), col = (i % ND) * 8 + 2 * t + (e & 1);
+            (void)col;
+            float x = acc[i][e] * mul[r];
+            ATTN_INJECT(fault, stage, qi[r] < S ? ((long long)bh * S + qi[r]) * D + col : -1LL, x);
+            acc[i][e] = x;
+#ifndef AEGIS_NOSUMS
+            rs[r] += x;
+#endif
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        const int m = r >> 1, hf = r & 1;
+#ifndef AEGIS_NOSUMS
+        rs[r] += __shfl_xor_sync(0xffffffffu, rs[r], 1);
+        rs[r] += __shfl_xor_sync(0xffffffffu, rs[r], 2);
+#endif
+        if (qi[r] < S) {
+            bf16* row = out + ((long long)bh * S + qi[r]) * D;
+#pragma unroll
+            for (int i = 0; i < ND; ++i)
+                *reinterpret_cast<uint32_t*>(row + i * 8 + 2 * t) = attn_pack(acc[m * ND + i][2 * hf], acc[m * ND + i][2 * hf + 1]);
+            done(r);
         }
     }
 }

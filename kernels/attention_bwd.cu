@@ -62,21 +62,14 @@ __device__ __forceinline__ void attn_dq_body(const bf16* __restrict__ q, const b
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16* sQ = reinterpret_cast<bf16*>(smem_raw);
     bf16* sO = sQ + BM * P;      // dO rows
-    bf16* sK = sO + BM * P;      // [2][BN][P]
-    bf16* sV = sK + 2 * BN * P;  // [2][BN][P]
 
-    const int bh = blockIdx.y, h = bh % Hq, b = bh / Hq;
-    const int kvh = h / (Hq / Hkv);
-    const int m0 = (gridDim.x - 1 - blockIdx.x) * BM;
+    const AttnQueryBlock<D, BM, BN, NT> blk(sO + BM * P, k, v, Hq, Hkv, S, causal);  // the K/V ring after the dO rows
+    const int bh = blk.bh, m0 = blk.m0, n_end = blk.n_end;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const bf16* kg = k + ((long long)b * Hkv + kvh) * S * D;
-    const bf16* vg = v + ((long long)b * Hkv + kvh) * S * D;
-    const int n_end = causal ? (min(S, m0 + BM) + BN - 1) / BN : (S + BN - 1) / BN;
 
-    attn_load_rows<BM, D, NT>(sQ, q + (long long)bh * S * D, m0, S);
-    attn_load_rows<BM, D, NT>(sO, dout + (long long)bh * S * D, m0, S);
-    attn_load_rows<BN, D, NT>(sK, kg, 0, S);
-    attn_load_rows<BN, D, NT>(sV, vg, 0, S);
+    blk.load_rows(sQ, q);
+    blk.load_rows(sO, dout);
+    blk.load_kv(0, 0);
     attn_commit();
 
     const int row0 = warp * 16 * MT;
@@ -91,25 +84,17 @@ __device__ __forceinline__ void attn_dq_body(const bf16* __restrict__ q, const b
     }
     const float sl2 = scale * ATTN_LOG2E;
     float acc[MT * ND][4];
-#pragma unroll
-    for (int i = 0; i < MT * ND; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    attn_zero<MT * ND>(acc);
 
     for (int j = 0; j < n_end; ++j) {
         const int st = j & 1, n0 = j * BN;
-        if (j + 1 < n_end) {
-            attn_load_rows<BN, D, NT>(sK + (st ^ 1) * BN * P, kg, n0 + BN, S);
-            attn_load_rows<BN, D, NT>(sV + (st ^ 1) * BN * P, vg, n0 + BN, S);
-            attn_commit();
-            attn_wait<1>();
-        } else {
-            attn_wait<0>();
-        }
-        __syncthreads();
-        const bf16* kt = sK + st * BN * P;
-        const bf16* vt = sV + st * BN * P;
+        if (j + 1 < n_end) blk.load_kv(st ^ 1, n0 + BN);
+        attn_ring_wait(j + 1 < n_end);
+        const bf16* kt = blk.k_at(st);
+        const bf16* vt = blk.v_at(st);
         float p[MT * NB][4], dp[MT * NB][4];
-#pragma unroll
-        for (int i = 0; i < MT * NB; ++i) p[i][0] = p[i][1] = p[i][2] = p[i][3] = dp[i][0] = dp[i][1] = dp[i][2] = dp[i][3] = 0.f;
+        attn_zero<MT * NB>(p);
+        attn_zero<MT * NB>(dp);
         attn_mm_abt<D, D / 16, NB, MT>(p, sQ, row0, kt, 0);
         attn_mm_abt<D, D / 16, NB, MT>(dp, sO, row0, vt, 0);
         const bool edge = n0 + BN > S || (causal && n0 + BN - 1 > m0 + row0);
@@ -133,43 +118,19 @@ __device__ __forceinline__ void attn_dq_body(const bf16* __restrict__ q, const b
         __syncthreads();
     }
 
-    float rs[R];
-    (void)rs;
-#pragma unroll
-    for (int r = 0; r < R; ++r) rs[r] = 0.f;
-#pragma unroll
-    for (int i = 0; i < MT * ND; ++i) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int r = 2 * (i / ND) + (e >> 1), col = (i % ND) * 8 + 2 * t + (e & 1);
-            (void)r;
-            (void)col;
-            float x = acc[i][e] * scale;
-            ATTN_INJECT(fault, AF_DQ, qi[r] < S ? ((long long)bh * S + qi[r]) * D + col : -1LL, x);
-            acc[i][e] = x;
-#ifndef AEGIS_NOSUMS
-            rs[r] += x;
-#endif
-        }
-    }
+    float mul[R], rs[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-        const int m = r >> 1, hf = r & 1;
-#ifndef AEGIS_NOSUMS
-        rs[r] += __shfl_xor_sync(0xffffffffu, rs[r], 1);
-        rs[r] += __shfl_xor_sync(0xffffffffu, rs[r], 2);
-#endif
-        if (qi[r] < S) {
-            bf16* drow = dq + ((long long)bh * S + qi[r]) * D;
-#pragma unroll
-            for (int i = 0; i < ND; ++i)
-                *reinterpret_cast<uint32_t*>(drow + i * 8 + 2 * t) =
-                    attn_pack(acc[m * ND + i][2 * hf], acc[m * ND + i][2 * hf + 1]);
-#ifndef AEGIS_NOSUMS
-            if (t == 0) dq_rowsum[(long long)bh * S + qi[r]] = rs[r];
-#endif
-        }
+        mul[r] = scale;
+        rs[r] = 0.f;
     }
+    attn_rows_out<D, MT>(acc, mul, rs, qi, t, bh, S, AF_DQ, fault, dq, [&](int r) {
+#ifndef AEGIS_NOSUMS
+        if (t == 0) dq_rowsum[(long long)bh * S + qi[r]] = rs[r];
+#else
+        (void)r;
+#endif
+    });
 }
 
 // 4-byte cp.async with zero fill (lse/delta rows past S)
@@ -246,37 +207,27 @@ __device__ __forceinline__ void attn_dkdv_body(const bf16* __restrict__ q, const
         }
     };
 
-    attn_load_rows<BN, D, NT>(sK, k + kvoff, n0, S);
-    attn_load_rows<BN, D, NT>(sV, v + kvoff, n0, S);
+    attn_load_kv<BN, D, NT>(sK, sV, k + kvoff, v + kvoff, n0, S);
     if (iters > 0) load_step(0, 0);
     attn_commit();
 
     float dka[D / 8][4], dva[D / 8][4];
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dka[i][e] = dva[i][e] = 0.f;
+    attn_zero<D / 8>(dka);
+    attn_zero<D / 8>(dva);
 
     for (int it = 0; it < iters; ++it) {
         const int st = it & 1;
         const int hq = kvh * G + it / per_head, q0 = (i0 + it % per_head) * BQ;
         const long long bhq = (long long)b * Hq + hq;
         (void)bhq;
-        if (it + 1 < iters) {
-            load_step(it + 1, st ^ 1);
-            attn_commit();
-            attn_wait<1>();
-        } else {
-            attn_wait<0>();
-        }
-        __syncthreads();
+        if (it + 1 < iters) load_step(it + 1, st ^ 1);
+        attn_ring_wait(it + 1 < iters);
         const bf16* qt = sQ + st * BQ * P;
         const bf16* ot = sO + st * BQ * P;
         const float* lt = sL + st * BQ;
         const float* dt = sD + st * BQ;
         float p[BQ / 8][4];
-#pragma unroll
-        for (int i = 0; i < BQ / 8; ++i) p[i][0] = p[i][1] = p[i][2] = p[i][3] = 0.f;
+        attn_zero<BQ / 8>(p);
         attn_mm_abt<D, D / 16, BQ / 8>(p, sK, row0, qt, 0);  // Sᵀ: keys x queries
         const bool edge = q0 + BQ > S || n0 + BN > S || (causal && n0 + row0 + 15 > q0);
 #pragma unroll
@@ -293,8 +244,7 @@ __device__ __forceinline__ void attn_dkdv_body(const bf16* __restrict__ q, const
         attn_mm_pb<D, BQ / 16>(dva, p, ot, 0);  // dV += Pᵀ·dO
         {
             float dp[BQ / 8][4];
-#pragma unroll
-            for (int i = 0; i < BQ / 8; ++i) dp[i][0] = dp[i][1] = dp[i][2] = dp[i][3] = 0.f;
+            attn_zero<BQ / 8>(dp);
             attn_mm_abt<D, D / 16, BQ / 8>(dp, sV, row0, ot, 0);  // dPᵀ = V·dOᵀ
 #pragma unroll
             for (int nt = 0; nt < BQ / 8; ++nt) {

@@ -24,29 +24,18 @@ __device__ __forceinline__ void attn_fwd_body(const bf16* __restrict__ q, const 
     constexpr int BM = 16 * NW * MT, BN = FWD_BN, NT = NW * 32, P = D + 8, NB = BN / 8, ND = D / 8, R = 2 * MT;
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16* sQ = reinterpret_cast<bf16*>(smem_raw);
-    bf16* sK = sQ + BM * P;      // [2][BN][P]
-    bf16* sV = sK + 2 * BN * P;  // [2][BN][P]
 
-    const int bh = blockIdx.y, h = bh % Hq, b = bh / Hq;
-    const int kvh = h / (Hq / Hkv);
-    const int m_block = gridDim.x - 1 - blockIdx.x;  // heavy (causal) blocks first
-    const int m0 = m_block * BM;
+    const AttnQueryBlock<D, BM, BN, NT> blk(sQ + BM * P, k, v, Hq, Hkv, S, causal);  // the K/V ring after the Q rows
+    const int bh = blk.bh, m0 = blk.m0, n_end = blk.n_end;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const bf16* qg = q + (long long)bh * S * D;
-    const bf16* kg = k + ((long long)b * Hkv + kvh) * S * D;
-    const bf16* vg = v + ((long long)b * Hkv + kvh) * S * D;
 
-    const int n_end = causal ? (min(S, m0 + BM) + BN - 1) / BN : (S + BN - 1) / BN;
-
-    attn_load_rows<BM, D, NT>(sQ, qg, m0, S);
-    attn_load_rows<BN, D, NT>(sK, kg, 0, S);
-    attn_load_rows<BN, D, NT>(sV, vg, 0, S);
+    blk.load_rows(sQ, q);
+    blk.load_kv(0, 0);
     attn_commit();
 
     // a warp's rows: m-tile m holds rows row0 + 16m + g (r = 2m) and + 8 (r = 2m + 1)
     float acc[MT * ND][4];
-#pragma unroll
-    for (int i = 0; i < MT * ND; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+    attn_zero<MT * ND>(acc);
     float mrow[R], lrow[R];
     int qi[R];
     const int row0 = warp * 16 * MT;
@@ -61,15 +50,8 @@ __device__ __forceinline__ void attn_fwd_body(const bf16* __restrict__ q, const 
 
     for (int j = 0; j < n_end; ++j) {
         const int st = j & 1, n0 = j * BN;
-        if (j + 1 < n_end) {
-            attn_load_rows<BN, D, NT>(sK + (st ^ 1) * BN * P, kg, n0 + BN, S);
-            attn_load_rows<BN, D, NT>(sV + (st ^ 1) * BN * P, vg, n0 + BN, S);
-            attn_commit();
-            attn_wait<1>();
-        } else {
-            attn_wait<0>();
-        }
-        __syncthreads();
+        if (j + 1 < n_end) blk.load_kv(st ^ 1, n0 + BN);
+        attn_ring_wait(j + 1 < n_end);
 #ifdef AEGIS_INJECT
         if (j == 0 && fault.stage == AF_LOAD_Q && threadIdx.x == 0) {  // the Q element as loaded
             const long long base = ((long long)bh * S + m0) * D;
@@ -81,11 +63,10 @@ __device__ __forceinline__ void attn_fwd_body(const bf16* __restrict__ q, const 
         }
         if (j == 0) __syncthreads();
 #endif
-        const bf16* kt = sK + st * BN * P;
-        const bf16* vt = sV + st * BN * P;
+        const bf16* kt = blk.k_at(st);
+        const bf16* vt = blk.v_at(st);
         float s[MT * NB][4];
-#pragma unroll
-        for (int i = 0; i < MT * NB; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+        attn_zero<MT * NB>(s);
         attn_mm_abt<D, D / 16, NB, MT>(s, sQ, row0, kt, 0);
 
         const bool edge = n0 + BN > S || (causal && n0 + BN - 1 > m0 + row0);
@@ -124,20 +105,13 @@ __device__ __forceinline__ void attn_fwd_body(const bf16* __restrict__ q, const 
             alpha[r] = exp2f(mrow[r] - mb[r]);
             mrow[r] = mnew[r];
         }
-#pragma unroll
-        for (int m = 0; m < MT; ++m) {
-#pragma unroll
-            for (int nt = 0; nt < NB; ++nt) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int r = 2 * m + (e >> 1);
-                    float p = exp2f(s[m * NB + nt][e] - mb[r]);
-                    ATTN_INJECT(fault, AF_SOFTMAX, ATTN_FLAT_SS(bh, qi[r], n0 + nt * 8 + 2 * t + (e & 1), S), p);
-                    s[m * NB + nt][e] = p;
-                    psum[r] += p;
-                }
-            }
-        }
+        attn_each_score<MT, NB>([&](int m, int nt, int e) {
+            const int r = 2 * m + (e >> 1);
+            float p = exp2f(s[m * NB + nt][e] - mb[r]);
+            ATTN_INJECT(fault, AF_SOFTMAX, ATTN_FLAT_SS(bh, qi[r], n0 + nt * 8 + 2 * t + (e & 1), S), p);
+            s[m * NB + nt][e] = p;
+            psum[r] += p;
+        });
 #pragma unroll
         for (int r = 0; r < R; ++r) lrow[r] = lrow[r] * alpha[r] + psum[r];
 #pragma unroll
@@ -159,49 +133,22 @@ __device__ __forceinline__ void attn_fwd_body(const bf16* __restrict__ q, const 
         lrow[r] += __shfl_xor_sync(0xffffffffu, lrow[r], 2);
     }
     float inv[R], rs[R];
-    (void)rs;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         inv[r] = 1.f / lrow[r];
         rs[r] = 0.f;
     }
-#pragma unroll
-    for (int i = 0; i < MT * ND; ++i) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            const int r = 2 * (i / ND) + (e >> 1), col = (i % ND) * 8 + 2 * t + (e & 1);
-            (void)col;
-            float x = acc[i][e] * inv[r];
-            ATTN_INJECT(fault, AF_PV, qi[r] < S ? ((long long)bh * S + qi[r]) * D + col : -1LL, x);
-            acc[i][e] = x;
+    attn_rows_out<D, MT>(acc, inv, rs, qi, t, bh, S, AF_PV, fault, o, [&](int r) {
+        if (t == 0) {
+            const int row = qi[r];
+            float l = (mrow[r] + log2f(lrow[r])) * ATTN_LN2;
+            ATTN_INJECT(fault, AF_LSE, (long long)bh * S + row, l);
+            lse[(long long)bh * S + row] = l;
 #ifndef AEGIS_NOSUMS
-            rs[r] += x;
+            o_rowsum[(long long)bh * S + row] = rs[r];
 #endif
         }
-    }
-#pragma unroll
-    for (int r = 0; r < R; ++r) {
-        const int row = qi[r], m = r >> 1, hf = r & 1;
-#ifndef AEGIS_NOSUMS
-        rs[r] += __shfl_xor_sync(0xffffffffu, rs[r], 1);
-        rs[r] += __shfl_xor_sync(0xffffffffu, rs[r], 2);
-#endif
-        if (row < S) {
-            bf16* orow = o + ((long long)bh * S + row) * D;
-#pragma unroll
-            for (int i = 0; i < ND; ++i)
-                *reinterpret_cast<uint32_t*>(orow + i * 8 + 2 * t) =
-                    attn_pack(acc[m * ND + i][2 * hf], acc[m * ND + i][2 * hf + 1]);
-            if (t == 0) {
-                float l = (mrow[r] + log2f(lrow[r])) * ATTN_LN2;
-                ATTN_INJECT(fault, AF_LSE, (long long)bh * S + row, l);
-                lse[(long long)bh * S + row] = l;
-#ifndef AEGIS_NOSUMS
-                o_rowsum[(long long)bh * S + row] = rs[r];
-#endif
-            }
-        }
-    }
+    });
 }
 
 #define ATTN_FWD_ENTRY(DIM)                                                                                        \

@@ -126,9 +126,10 @@ class _Launch:
     device_id: int = 0
     label: str = ""  # names the launch in errors
 
-    def run(self) -> None:
-        loader.launch(self.func, self.grid, self.block, self.args, device_id=self.device_id, stream=self.stream,
-                      smem=self.smem, label=self.label)
+    def run(self, args: list | None = None) -> None:
+        """Enqueue it (no sync); ``args``: these arguments instead of its own (the burn-in's slab slots)."""
+        loader.launch(self.func, self.grid, self.block, self.args if args is None else args, device_id=self.device_id,
+                      stream=self.stream, smem=self.smem, label=self.label)
 
     @property
     def outputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -248,9 +249,8 @@ class CudaDevice(Device):
             grid, block, smem = (-(-n // 128), -(-m // 128)), 256, _MMA_SMEM  # one CTA per 128x128 output tile
         if grid[1] > 65535:
             raise DeviceError(f"M = {m} exceeds the mma kernel's grid limit")
-        stream = torch.cuda.current_stream(dev).cuda_stream
-        return _Launch(kind, func, grid, block, smem, args, keep=[a, b, c, row_sums, col_sums, tile_sm], stream=stream,
-                       device_id=self.index, label=f"gemm_{kind} {layout.value} {m}x{n}x{k}")
+        return _Launch(kind, func, grid, block, smem, args, keep=[a, b, c, row_sums, col_sums, tile_sm],
+                       stream=loader.current_stream(self.index), device_id=self.index, label=f"gemm_{kind} {layout.value} {m}x{n}x{k}")
 
     def kernel_for(self, a: torch.Tensor, b: torch.Tensor, k: int, kernel: str | None = None) -> str:
         """The kernel a launch will use: wgmma needs TMA-able operands (16-byte aligned rows)."""

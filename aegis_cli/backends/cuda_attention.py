@@ -20,6 +20,7 @@ torch's current stream.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 
 import torch
@@ -102,26 +103,12 @@ def _empty(shape, dtype, device, poison: bool) -> torch.Tensor:
                                                                                                 device=device)
 
 
-class _Launcher:
-    """One device's launches on torch's current stream, each checked by the loader."""
-
-    def __init__(self, device: torch.device, defines: dict[str, object]):
-        self.dev = device.index if device.index is not None else torch.cuda.current_device()
-        self.defines = defines
-        self.stream = torch.cuda.current_stream(device).cuda_stream
-
-    def __call__(self, src: str, entry: str, grid, block: int, smem: int, args: list) -> None:
-        func = loader.get_function(src, entry, device_id=self.dev, defines=self.defines, max_dynamic_smem=smem,
-                                   label=f"{entry}{'+' + ','.join(self.defines) if self.defines else ''}")
-        loader.launch(func, grid, block, args, device_id=self.dev, stream=self.stream, smem=smem, label=entry)
-
-
 def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float, fault=None,
                       variant: str = "", poison: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(O, lse, o_rowsum) of softmax(scale·Q·Kᵀ [causal mask])·V; see the module docstring."""
     b, hq, hkv, s, d = _shapes(q, k, v)
     block = _fault_block(fault, b, hq, hkv, s, d, forward=True)
-    run = _Launcher(q.device, _defines(variant, block is not None))
+    run = functools.partial(loader.run, on=q.device, defines=_defines(variant, block is not None))
     o = _empty((b, hq, s, d), torch.bfloat16, q.device, poison)
     lse = _empty((b, hq, s), torch.float32, q.device, poison)
     rowsum = _empty((b, hq, s), torch.float32, q.device, poison or bool(variant))
@@ -129,7 +116,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, caus
     smem = (bm + 4 * FWD_BN) * (d + 8) * 2
     args = [_ptr(q), _ptr(k), _ptr(v), _ptr(o), _ptr(lse), _ptr(rowsum), ctypes.c_int(hq), ctypes.c_int(hkv),
             ctypes.c_int(s), ctypes.c_float(scale), ctypes.c_int(int(bool(causal))), block or AttnFault(stage=0)]
-    run("attention_fwd.cu", f"attn_fwd_d{d}", (-(-s // bm), b * hq), 32 * TUNE["ATTN_FWD_WARPS"], smem, args)
+    run("attention_fwd.cu", f"attn_fwd_d{d}", (-(-s // bm), b * hq), 32 * TUNE["ATTN_FWD_WARPS"], args, smem=smem)
     return o, lse, rowsum
 
 
@@ -142,13 +129,13 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
     _check("do", do, (b, hq, s, d), torch.bfloat16, q.device)
     _check("lse", lse, (b, hq, s), torch.float32, q.device)
     block = _fault_block(fault, b, hq, hkv, s, d, forward=False)
-    run = _Launcher(q.device, _defines(variant, block is not None))
+    run = functools.partial(loader.run, on=q.device, defines=_defines(variant, block is not None))
     fb = block or AttnFault(stage=0)
     dev = q.device
     delta = torch.empty((b, hq, s), dtype=torch.float32, device=dev)
     rows = b * hq * s
-    run("attention_bwd.cu", "attn_bwd_pre", (-(-rows // 8),), 256, 0, [_ptr(o), _ptr(do), _ptr(delta),
-                                                                        ctypes.c_longlong(rows), ctypes.c_int(d)])
+    run("attention_bwd.cu", "attn_bwd_pre", (-(-rows // 8),), 256, [_ptr(o), _ptr(do), _ptr(delta), ctypes.c_longlong(rows),
+                                                                   ctypes.c_int(d)])
     common = [ctypes.c_int(hq), ctypes.c_int(hkv), ctypes.c_int(s), ctypes.c_float(scale),
               ctypes.c_int(int(bool(causal))), fb]
 
@@ -157,8 +144,8 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
     warps = TUNE["ATTN_BWD_WARPS"]
     bm = 16 * warps * TUNE["ATTN_DQ_MT"]
     smem = (2 * bm + 4 * TUNE["ATTN_DQ_BN"]) * (d + 8) * 2
-    run("attention_bwd.cu", f"attn_bwd_dq_d{d}", (-(-s // bm), b * hq), 32 * warps, smem,
-        [_ptr(q), _ptr(k), _ptr(v), _ptr(do), _ptr(lse), _ptr(delta), _ptr(dq), _ptr(dq_rowsum), *common])
+    run("attention_bwd.cu", f"attn_bwd_dq_d{d}", (-(-s // bm), b * hq), 32 * warps,
+        [_ptr(q), _ptr(k), _ptr(v), _ptr(do), _ptr(lse), _ptr(delta), _ptr(dq), _ptr(dq_rowsum), *common], smem=smem)
 
     dk = _empty((b, hkv, s, d), torch.bfloat16, dev, poison)
     dv = _empty((b, hkv, s, d), torch.bfloat16, dev, poison)
@@ -167,15 +154,15 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
     parts = _empty((2, b * hkv, nkb, d), torch.float32, dev, poison or bool(variant))
     smem = (2 * bn + 4 * bq) * (d + 8) * 2 + 4 * bq * 4
     grid = (b * hkv, nkb) if TUNE["ATTN_DKDV_HEAVY_FIRST"] else (nkb, b * hkv)
-    run("attention_bwd.cu", f"attn_bwd_dkdv_d{d}", grid, 32 * warps, smem,
+    run("attention_bwd.cu", f"attn_bwd_dkdv_d{d}", grid, 32 * warps,
         [_ptr(q), _ptr(k), _ptr(v), _ptr(do), _ptr(lse), _ptr(delta), _ptr(dk), _ptr(dv), _ptr(parts[0]),
-         _ptr(parts[1]), *common])
+         _ptr(parts[1]), *common], smem=smem)
     colsums = torch.empty((2, b, hkv, d), dtype=torch.float32, device=dev)
     if variant:
         colsums.fill_(math.nan)
     else:
         n = b * hkv * d
         for i in range(2):
-            run("attention_bwd.cu", "attn_colsum_reduce", (-(-n // 256),), 256, 0,
+            run("attention_bwd.cu", "attn_colsum_reduce", (-(-n // 256),), 256,
                 [_ptr(parts[i]), _ptr(colsums[i]), ctypes.c_int(nkb), ctypes.c_int(d), ctypes.c_longlong(n)])
     return dq, dk, dv, dq_rowsum, colsums[0], colsums[1]

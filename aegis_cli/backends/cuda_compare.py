@@ -72,13 +72,10 @@ def _side(sums: torch.Tensor, ref: torch.Tensor, s: torch.Tensor, rho: torch.Ten
 def compare(sides: list[Side], u: float, p: float, b: float, w: float, summary: torch.Tensor) -> list[torch.Tensor]:
     """Enqueue the comparison of ``sides`` (``applies``) on torch's current stream, into ``summary``
     (``new_summary`` on the sides' device); returns each side's d."""
-    dev = summary.device.index if summary.device.index is not None else torch.cuda.current_device()
     ds = [torch.empty(x[0].shape, dtype=torch.float64, device=summary.device) for x in sides]
     packed = [_side(*x, d) for x, d in zip(sides, ds, strict=True)]
     packed += [_Side()] * (2 - len(packed))  # an unused slot: no block reads it (grid y = sides)
     params = _Params((_Side * 2)(*packed), u, p, b, w, summary.data_ptr(), len(sides))
     blocks = min(MAX_BLOCKS, max(-(-x[0].numel() // THREADS) for x in sides))
-    func = loader.get_function(KERNEL, "aegis_sc_compare", device_id=dev)
-    loader.launch(func, (blocks, len(sides)), THREADS, [params], device_id=dev,
-                  stream=torch.cuda.current_stream(dev).cuda_stream, label="aegis_sc_compare")
+    loader.run(KERNEL, "aegis_sc_compare", (blocks, len(sides)), THREADS, [params], on=summary)
     return ds

@@ -5,9 +5,8 @@
     gpu_block_fingerprints(t, block) -> list[int]  == fingerprint.block_fingerprints(t, block)
     gpu_block_tensor(t, block) -> int64 tensor     the same, left on the device (many blocks)
 
-Launches go through the one loader/launcher (loader.get_function, loader.launch) on torch's
-current stream for the tensor's device, so they order correctly with the torch work that
-produced the tensor. Importing this module does not import CuPy or touch CUDA.
+Launches go through the one loader/launcher (``loader.run``) on torch's current stream of the
+tensor's device, so they order correctly with the torch work that produced the tensor. Importing this module does not import CuPy or touch CUDA.
 """
 
 from __future__ import annotations
@@ -26,12 +25,6 @@ MAX_GRID = 1 << 20
 WHOLE_BLOCK_WORDS = 1 << 14  # 128 KiB per CTA for whole-tensor fingerprints
 
 
-def _launch(entry: str, dev: int, grid: int, block: int, args: list) -> None:
-    """Launch on torch's current stream of ``dev``; a build or launch error raises DeviceError."""
-    func = loader.get_function(KERNEL, entry, device_id=dev)
-    loader.launch(func, (grid,), block, args, device_id=dev, stream=torch.cuda.current_stream(dev).cuda_stream, label=entry)
-
-
 def _prepare(t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "cuda":
         raise DeviceError(f"gpu fingerprint of a tensor on {t.device}")
@@ -47,10 +40,9 @@ def _launch_blocks(t: torch.Tensor, bw: int) -> torch.Tensor:
     nwords = -(-nbytes // 8)
     nblocks = -(-nwords // bw)
     out = torch.empty(nblocks, dtype=torch.int64, device=t.device)
-    dev = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    _launch("aegis_fp_blocks", dev, min(nblocks, MAX_GRID), THREADS,
-            [ctypes.c_uint64(t.data_ptr()), ctypes.c_int64(nbytes), ctypes.c_int64(bw), ctypes.c_uint64(out.data_ptr()),
-             ctypes.c_int64(nblocks)])
+    loader.run(KERNEL, "aegis_fp_blocks", (min(nblocks, MAX_GRID),), THREADS,
+               [ctypes.c_uint64(t.data_ptr()), ctypes.c_int64(nbytes), ctypes.c_int64(bw), ctypes.c_uint64(out.data_ptr()),
+                ctypes.c_int64(nblocks)], on=t)
     return out
 
 
@@ -78,9 +70,8 @@ def gpu_fingerprint_tensor(t: torch.Tensor) -> torch.Tensor:
         return torch.zeros(1, dtype=torch.int64, device=t.device)
     res = torch.empty(1, dtype=torch.int64, device=t.device)
     blocks = _launch_blocks(t, _whole_block_words(t))
-    dev = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    _launch("aegis_fp_sum", dev, 1, 1024,
-            [ctypes.c_uint64(blocks.data_ptr()), ctypes.c_int64(blocks.numel()), ctypes.c_uint64(res.data_ptr())])
+    loader.run(KERNEL, "aegis_fp_sum", (1,), 1024,
+               [ctypes.c_uint64(blocks.data_ptr()), ctypes.c_int64(blocks.numel()), ctypes.c_uint64(res.data_ptr())], on=t)
     return res
 
 

@@ -8,7 +8,9 @@ every kernel is stamped in reports (``kernel_hashes``).
 Every kernel (GEMM, fingerprint, …) is fetched with ``get_function`` (a CUfunction handle,
 cached per entry, defines and device) and started with ``launch`` (the CUDA driver's
 cuLaunchKernel on a given stream, so it orders with the torch work around it); both turn
-a failure into a DeviceError naming the device and the kernel.
+a failure into a DeviceError naming the device and the kernel. ``run`` does both for a
+one-off launch on torch's current stream of a tensor's device (``device_index``,
+``current_stream``); a launch prepared once and run many times (the GEMMs) keeps its handle.
 
 Importing this module does not import CuPy or touch CUDA.
 """
@@ -156,3 +158,33 @@ def launch(func: int, grid: tuple[int, ...], block: int, args: list, *, device_i
             cupy.cuda.driver.launchKernel(func, gx, gy, gz, block, 1, 1, smem, stream, ctypes.addressof(ptrs), 0)
     except Exception as exc:
         raise DeviceError(f"cuda:{device_id}: {label or 'kernel'} launch failed: {exc}") from exc
+
+
+def device_index(where) -> int:
+    """CUDA index of ``where``: a torch tensor or device (a bare "cuda": torch's current device)."""
+    import torch
+
+    dev = where.device if isinstance(where, torch.Tensor) else torch.device(where)
+    if dev.type != "cuda":
+        raise DeviceError(f"a CUDA kernel cannot run on {dev}")
+    return dev.index if dev.index is not None else torch.cuda.current_device()
+
+
+def current_stream(device_id: int) -> int:
+    """CUstream handle of torch's current stream on ``device_id``: launches there order with torch's work."""
+    import torch
+
+    return torch.cuda.current_stream(device_id).cuda_stream
+
+
+def run(name: str, entry: str, grid: tuple[int, ...], block: int, args: list, *, on, smem: int = 0,
+        defines: dict[str, object] | None = None, need_sm90a: bool = False, label: str = "") -> None:
+    """Enqueue one launch of ``entry`` of ``kernels/<name>`` (built with ``defines``) on torch's
+    current stream of ``on``'s device (a tensor or torch device); no sync. ``smem``: its dynamic
+    shared memory. A refused build or launch raises DeviceError naming ``label`` (default: the
+    entry) and, for a build, its defines."""
+    dev = device_index(on)
+    label = label or entry
+    func = get_function(name, entry, device_id=dev, defines=defines, need_sm90a=need_sm90a, max_dynamic_smem=smem,
+                        label=label + ("+" + ",".join(defines) if defines else ""))
+    launch(func, grid, block, args, device_id=dev, stream=current_stream(dev), smem=smem, label=label)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,17 +43,13 @@ class Slab:
     col_sums: torch.Tensor  # (size, nt_m, N) fp32
     tile_sm: torch.Tensor  # (size, nt_m, nt_n) int32
     tile: tuple[int, int]
-    bases: tuple[int, ...] = ()  # data pointers of slot 0, and bytes from one slot to the next
-    steps: tuple[int, ...] = ()
+    bases: tuple[int, ...] = field(init=False)  # data pointers of slot 0, and bytes from one slot to the next
+    steps: tuple[int, ...] = field(init=False)
 
     def __post_init__(self) -> None:
         outs = (self.c, self.row_sums, self.col_sums, self.tile_sm)
         self.bases = tuple(t.data_ptr() for t in outs)
         self.steps = tuple(t.stride(0) * t.element_size() for t in outs)
-
-    @property
-    def size(self) -> int:
-        return self.c.shape[0]
 
     def pointers(self, slot: int) -> list[ctypes.c_void_p]:
         return [ctypes.c_void_p(b + slot * d) for b, d in zip(self.bases, self.steps, strict=True)]
@@ -90,7 +86,7 @@ def _fresh(launch):
     args[OUTS] = [ctypes.c_void_p(t.data_ptr()) for t in outs]
     keep = list(launch.keep)
     keep[OUTS] = outs
-    return dataclasses.replace(launch, args=args, keep=keep, stream=torch.cuda.current_stream(launch.device_id).cuda_stream)
+    return dataclasses.replace(launch, args=args, keep=keep, stream=loader.current_stream(launch.device_id))
 
 
 class Launcher:
@@ -119,21 +115,21 @@ class Launcher:
                     self.device.tile)
 
     def run_into(self, p: Prepared, slab: Slab, slot: int, fault: FaultPlan | None = None, *, op: str = "",
-                 clean_median: float | None = None) -> str:
+                 clean_median: float | None = None) -> tuple[str, bool]:
         """One checked GEMM of ``p``'s operands writing into ``slab``'s ``slot``, enqueued only
-        (on the stream ``p`` was prepared on) unless a fault fires on this launch; returns the
-        kernel that ran (GemmResult.kernel)."""
+        (on the stream ``p`` was prepared on) unless a fault fires on this launch; returns what
+        ``slab.result`` needs of it: the kernel that ran and whether a fault plan was on the
+        launch (GemmResult.kernel, .injected)."""
         launch = p.launch
         if fault is not None:
             res = self._faulted(p, fault, op, clean_median)
             if res is not None:
                 slab.store(slot, res)
-                return res.kernel
+                return res.kernel, res.injected
         args = list(launch.args)
         args[OUTS] = slab.pointers(slot)
-        loader.launch(launch.func, launch.grid, launch.block, args, device_id=launch.device_id, stream=launch.stream,
-                      smem=launch.smem, label=launch.label)
-        return f"gemm_{launch.kernel}"
+        launch.run(args)
+        return f"gemm_{launch.kernel}", fault is not None
 
     def _faulted(self, p: Prepared, fault: FaultPlan, op: str, clean_median: float | None) -> GemmResult | None:
         """The result of a launch a fault fires on (computed synchronously), else None; counts the launch."""

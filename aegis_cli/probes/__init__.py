@@ -28,7 +28,9 @@ burn-in share it), so no probe imports another.
 
 from __future__ import annotations
 
+import copy
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -218,11 +220,26 @@ DEFAULT_GPU_WORKLOAD = "llama3-70b"
 
 def workload_for(config: ProbeConfig, device: Device) -> Workload:
     """The catalog the workload probes (gemm, attention) and the burn-in run on ``device``:
-    ``config.workload``, else the CPU or GPU default."""
+    ``config.workload``, else the CPU or GPU default. Read once per process (again if a file given
+    by path changes); each caller gets its own copy, so none can change another's."""
+    name = config.workload or (DEFAULT_CPU_WORKLOAD if device.identity.backend == "cpu" else DEFAULT_GPU_WORKLOAD)
+    return copy.deepcopy(_workload(name, _file_stamp(name)))
+
+
+def _file_stamp(name: str) -> tuple | None:
+    """(size, mtime) of the file ``name`` names, if any: an edited catalog file is read again."""
+    try:
+        st = os.stat(name)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=16)
+def _workload(name: str, _stamp: tuple | None) -> Workload:
     from aegis_cli.ops import workloads  # reads YAML: not at `import aegis_cli.probes`
     from aegis_cli.ops.errors import ConfigError
 
-    name = config.workload or (DEFAULT_CPU_WORKLOAD if device.identity.backend == "cpu" else DEFAULT_GPU_WORKLOAD)
     wl = workloads.load(name)
     load_all()
     if wl.name in PROBES or wl.name in NODE_PROBES:  # case ids start with the workload's name

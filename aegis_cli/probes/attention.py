@@ -116,6 +116,51 @@ def run_pass(device: Device, ops: AttentionOperands, fault: FaultPlan | None, ci
     return fwd, bwd
 
 
+def check_pass(device: Device, ops: AttentionOperands, ref, th: sums.AttentionThresholds, fault: FaultPlan | None,
+               cid: str, expected: dict | None):
+    """run_pass of ``ops`` and the attention checks on its outputs: (forward, backward, Checked)."""
+    fwd, bwd = run_pass(device, ops, fault, cid)
+    return fwd, bwd, checks.check_attention(ops, fwd, bwd, ref, ops.shape.scale, th, expected=expected)
+
+
+@dataclass
+class ScaledRun:
+    """One scale of a case (V·2^ev, dO·2^edo) as ``scaled_runs`` ran it; ``checked`` None: the
+    scaling would not be exact for these inputs, nothing ran."""
+
+    ev: int
+    edo: int
+    ops: AttentionOperands | None = None
+    ref: object = None  # the fp64 reference, rescaled
+    expected: dict | None = None  # the base run's outputs scaled; None for the base run itself
+    fwd: object = None
+    bwd: object = None
+    checked: checks.Checked | None = None
+
+
+def scaled_runs(device: Device, base_ops: AttentionOperands, base_ref, th: sums.AttentionThresholds,
+                fault: FaultPlan | None, cid_of, keep=lambda _ev, _edo: True):
+    """The runs of one case as the probe makes them (module docstring), lazily, in the order of
+    SCALES (those ``keep(ev, edo)`` keeps): the inputs scaled exactly, forward and backward through
+    the checks against the fp64 reference rescaled and, after the first run (the base), against
+    the base run's outputs scaled. ``cid_of(ev, edo)``: the run's case id, where ``fault`` draws
+    its positions."""
+    base = None
+    for ev, edo in SCALES:
+        if not keep(ev, edo):
+            continue
+        if not sums.pow2_safe(base_ops, base_ref, ev, edo):
+            yield ScaledRun(ev, edo)
+            continue
+        ops = sums.scaled_operands(base_ops, ev, edo)
+        ref = base_ref.rescaled(ev, edo)
+        expected = checks.expected_at(base, ev, edo) if base is not None else None
+        fwd, bwd, checked = check_pass(device, ops, ref, th, fault, cid_of(ev, edo), expected)
+        if base is None:
+            base = checks.outputs_of(fwd, bwd)
+        yield ScaledRun(ev, edo, ops, ref, expected, fwd, bwd, checked)
+
+
 @dataclass
 class Stats:
     cases: int = 0
@@ -139,42 +184,38 @@ class AttentionProbe:
         self.stats = Stats()
 
     def _once(self, ops: AttentionOperands, ref, expected, cid: str):
-        fwd, bwd = run_pass(self.device, ops, self.fault, cid)
-        checked = checks.check_attention(ops, fwd, bwd, ref, ops.shape.scale, self.th, expected=expected)
+        fwd, bwd, checked = check_pass(self.device, ops, ref, self.th, self.fault, cid, expected)
+        self._count(checked)
+        return fwd, bwd, checked
+
+    def _count(self, checked: checks.Checked) -> None:
         self.stats.runs += 1
         self.failed_runs += bool(checked.signals)
-        return fwd, bwd, checked
 
     def run(self, case: AttentionCase, only: str | None = None) -> list[Evidence]:
         t0 = time.perf_counter()
         base_ops = case.operands(self.device)
         base_ref = reference(base_ops, case.shape.scale)
         self.stats.cases += 1
-        evidence, base = [], None
-        for i, (ev, edo) in enumerate(SCALES):
-            cid = case.case_id(ev, edo)
-            if only is not None and cid != only and (ev, edo) != (0, 0):
-                continue
-            if not sums.pow2_safe(base_ops, base_ref, ev, edo):
+        evidence = []
+        keep = lambda ev, edo: only is None or (ev, edo) == (0, 0) or case.case_id(ev, edo) == only
+        for x in scaled_runs(self.device, base_ops, base_ref, self.th, self.fault, case.case_id, keep):
+            cid = case.case_id(x.ev, x.edo)
+            if x.checked is None:
                 if cid == only:
                     raise ConfigError(f"case {cid!r} cannot run with seed {case.seed}: the scale would take these inputs "
                                       "out of the range where scaling V and dO is exact")
                 self.stats.skipped_scales += 1
                 self.on_case(cid)
                 continue
-            ops = sums.scaled_operands(base_ops, ev, edo)
-            ref = base_ref.rescaled(ev, edo)
-            expected = checks.expected_at(base, ev, edo) if base is not None else None
-            fwd, bwd, checked = self._once(ops, ref, expected, cid)
-            self._note(checked)
-            if base is None:
-                base = checks.outputs_of(fwd, bwd)
-            found = self._confirm(case, ev, edo, ops, ref, expected, fwd, bwd, checked) \
-                if checked.signals and (only is None or cid == only) else []
+            self._count(x.checked)
+            self._note(x.checked)
+            found = self._confirm(case, x.ev, x.edo, x.ops, x.ref, x.expected, x.fwd, x.bwd, x.checked) \
+                if x.checked.signals and (only is None or cid == only) else []
             evidence += found
             self.on_case(cid)
             if any(e.severity is Verdict.FAULTY for e in found) and self.stop(cid):
-                rest = [case.case_id(*sc) for sc in SCALES[i + 1:]]
+                rest = [case.case_id(*sc) for sc in SCALES[SCALES.index((x.ev, x.edo)) + 1:]]
                 self.skip([r for r in rest if only is None or r == only])
                 break
         self.stats.seconds += time.perf_counter() - t0

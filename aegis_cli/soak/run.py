@@ -145,7 +145,6 @@ class _Soak:
         self.th = opts.thresholds
         self.launcher = Launcher(device)
         backend = device.identity.backend
-        self.cuda = backend == "cuda"
         self.window = WINDOW.get(backend, WINDOW["cpu"])
         self.stats = ProbeStats()
         self.rec = SoakRecord(opts.seconds, opts.seed, {
@@ -165,7 +164,7 @@ class _Soak:
         case = set_case(self.wl, self.opts.seed, index)
         ops = case.operands(self.device)
         ref = self.device.reference_checksums(ops, self.device.tile)
-        mags, event = _start_copy(screen.magnitudes(ops), self.cuda)
+        mags, event = _start_copy(screen.magnitudes(ops), self.launcher.cuda)
         return index, case, ops, ref, mags, event
 
     def _begin(self, drawn: tuple) -> _Set:
@@ -226,11 +225,11 @@ class _Soak:
             if r and time.monotonic() - t0 >= self.opts.seconds:
                 return
             if self.launcher.cuda:  # into a slab: one per window's worth of launches
-                if slab is None or r % self.window == 0:
+                if r % self.window == 0:
                     slab = self.launcher.slab(prepared, min(self.window, repeats - r))
                 slot = r % self.window
-                kernel = self.launcher.run_into(prepared, slab, slot, self.fault, op=cid, clean_median=s.median)
-                x = _Launch(self.n, s, scale, None, None, lim, slab=slab, slot=slot, kernel=kernel, injected=self.fault is not None)
+                kernel, injected = self.launcher.run_into(prepared, slab, slot, self.fault, op=cid, clean_median=s.median)
+                x = _Launch(self.n, s, scale, None, None, lim, slab=slab, slot=slot, kernel=kernel, injected=injected)
             else:
                 x = _Launch(self.n, s, scale, None, None, lim, res=self.launcher.run(prepared, self.fault, op=cid, clean_median=s.median))
             if fingerprinted(r, repeats):
@@ -269,7 +268,7 @@ class _Soak:
         clean = torch.stack(self.noise).amax(0) if self.noise else flags.new_zeros(2, dtype=torch.float64)
         self.noise = []
         # one copy back: flags, mismatches, and the noise's two fp64 values as their bits
-        host, event = _start_copy(torch.cat([flags, mismatch, clean.view(torch.int64)]), self.cuda)
+        host, event = _start_copy(torch.cat([flags, mismatch, clean.view(torch.int64)]), self.launcher.cuda)
         return _Window(launches, host, event, sum(x.s.plan.case.shape.flops for x in launches))
 
     def _rotate(self, waiting: _Window | None, new: _Window | None, telemetry: Telemetry) -> _Window | None:

@@ -85,6 +85,23 @@ def test_a_refused_launch_is_one_device_error_naming_the_kernel(fake_cupy):
         loader.launch(42, (0,), 32, [ctypes.c_int64(0), ctypes.c_int64(0)], device_id=1, stream=0, label="gemm_mma fwd 1x2x3")
 
 
+def test_run_builds_once_and_launches_on_torchs_current_stream_of_the_tensors_device(fake_cupy, monkeypatch):
+    import torch
+
+    built = _fake_modules(monkeypatch)
+    monkeypatch.setattr(loader, "current_stream", lambda dev: 500 + dev)  # no CUDA here: torch's stream handle per device
+    args = [ctypes.c_int64(3), ctypes.c_int64(-4)]
+    for _ in range(2):
+        loader.run("k.cu", "entry", (2, 3), 64, args, on=torch.device("cuda", 1), smem=4096, defines={"X": 1})
+    assert built == [("k.cu", "entry", (("X", 1),))]
+    assert [x[1:] for x in fake_cupy] == [((2, 3, 1), (64, 1, 1), 4096, 501, [3, -4])] * 2
+    _fake_modules(monkeypatch, fail="broken")
+    with pytest.raises(DeviceError, match=r"cuda:2: cannot build k\.cu \(broken\+AEGIS_INJECT\)"):  # the build's defines
+        loader.run("k.cu", "broken", (1,), 32, args, on=torch.device("cuda", 2), defines={"AEGIS_INJECT": 1})
+    with pytest.raises(DeviceError, match="a CUDA kernel cannot run on cpu"):
+        loader.run("k.cu", "entry", (1,), 32, args, on=torch.zeros(1))
+
+
 @pytest.mark.gpu
 def test_real_launch_of_the_fingerprint_kernel():
     """get_function + launch on a GPU give the CPU twin's block sums (fingerprint_cuda uses them)."""
@@ -95,5 +112,5 @@ def test_real_launch_of_the_fingerprint_kernel():
 
     t = torch.arange(4096, dtype=torch.int32, device="cuda")
     assert fingerprint_cuda.gpu_block_fingerprints(t, 1024) == fingerprint.block_fingerprints(t.cpu(), 1024)
-    with pytest.raises(DeviceError, match="launch failed"):  # a grid of 0 blocks is refused by the driver
-        fingerprint_cuda._launch("aegis_fp_sum", t.device.index or 0, 0, 1024, [ctypes.c_uint64(0)] * 3)
+    with pytest.raises(DeviceError, match="aegis_fp_sum launch failed"):  # a grid of 0 blocks is refused by the driver
+        loader.run(fingerprint_cuda.KERNEL, "aegis_fp_sum", (0,), 1024, [ctypes.c_uint64(0)] * 3, on=t)

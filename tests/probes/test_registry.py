@@ -52,3 +52,21 @@ def test_gemm_preflight_refuses_a_case_the_workload_lacks_and_counts_cases():
     with pytest.raises(ConfigError, match="is not in workload"):
         preflight(dataclasses.replace(opts, case=f"{wl.name}/nope/fwd/normal/1x1x1/s+0+0"), devices)
     assert count_cases(ScanOptions(workload=TINY, probes=("pow2",)), devices) == 0  # only gemm counts cases
+
+
+def test_workload_for_reads_a_catalog_once_and_gives_each_caller_its_own_copy(monkeypatch, tmp_path):
+    from aegis_cli.ops import paths, workloads
+
+    path = tmp_path / "wl.yaml"
+    path.write_text((paths.catalog_dir() / "cpu-quick.yaml").read_text().replace("name: cpu-quick", "name: mine"))
+    reads = []
+    real = workloads.load
+    monkeypatch.setattr(workloads, "load", lambda name: reads.append(name) or real(name))
+    (dev,) = resolve_devices("cpu:0")
+    config = ScanOptions(workload=str(path)).probe_config()
+    first = workload_for(config, dev)
+    first.scan.distributions.append("uniform")  # a caller's change stays its own
+    second = workload_for(config, dev)
+    assert reads == [str(path)] and second.name == "mine" and second.scan.distributions == ["normal", "uniform", "heavy"]
+    path.write_text(path.read_text().replace("seq_len: 192", "seq_len: 96"))  # an edited file is read again
+    assert workload_for(config, dev).model.seq_len == 96 and len(reads) == 2
