@@ -12,10 +12,11 @@ dgrad and wgrad in their layouts), interleaved with cuBLAS (``gemm.compare``): o
 its fused observed sums (checked), and with experiment builds of kernels/gemm_wgmma.cu:
 ``AEGIS_PROBE_ROWS`` / ``_COLS`` (the extra m64n8k16 wgmma issued on the stages' own data),
 ``AEGIS_PROBE_TCSUMS`` (the tile sums themselves on the tensor cores, the stage as the A operand),
-all with C and sums unchanged (checked bit for bit here); and ``AEGIS_PROBE_TSUMS``, B's tile sums
-made by the producer warpgroup's idle warps from shared memory, split in three bf16 pieces and
-multiplied: a working expected row sum, which the build writes in place of the observed one and
-this compares with the checked build's and with fp64. The other way to have the tile sums is a
+all with C and sums unchanged (checked bit for bit here); and ``AEGIS_ABFT_ROWS``, the row check
+built: each consumer makes B's tile sums on the tensor cores one stage ahead, splits them into three
+bf16 pieces and multiplies them beside each k16 — the expected row sums, which the build writes in
+place of the observed ones and this compares with the checked build's and with fp64 (an earlier
+build summed B on the producer's idle warps instead: as precise, 2.7–4.2× slower; RESULTS.md). The other way to have the tile sums is a
 pass over B (and A for columns) in memory; a floor for it is ``tile_abs_sums`` (one statistic at
 memory bandwidth), timed per operand. Summed over a step with the launch counts and set against
 ``--step-ms`` (the plain step measured by sensors_overhead.py): what each design costs before its
@@ -44,7 +45,7 @@ from aegis_cli.ops.gemm import GemmOperands, Layout
 LAYERS = 22
 VARIANTS = {"plain": ("nosums", {}), "checked": ("", {}), "rows": ("", {"AEGIS_PROBE_ROWS": 1}),
             "cols": ("", {"AEGIS_PROBE_COLS": 1}), "both": ("", {"AEGIS_PROBE_ROWS": 1, "AEGIS_PROBE_COLS": 1}),
-            "tsums": ("", {"AEGIS_PROBE_TSUMS": 1}), "tc": ("", {"AEGIS_PROBE_ROWS": 1, "AEGIS_PROBE_TCSUMS": 1}),
+            "abft": ("", {"AEGIS_ABFT_ROWS": 1}), "tc": ("", {"AEGIS_PROBE_ROWS": 1, "AEGIS_PROBE_TCSUMS": 1}),
             "tcboth": ("", {"AEGIS_PROBE_ROWS": 1, "AEGIS_PROBE_TCSUMS": 1, "AEGIS_PROBE_COLS": 1})}
 
 
@@ -54,20 +55,20 @@ def shape(name: str, layout: Layout) -> tuple[int, int, int]:
 
 
 def accuracy(dev, layout: Layout, m: int, n: int, k: int) -> dict:
-    """The TSUMS build's row sums (expected: A times B's tile sums made in the kernel, in three bf16
+    """The ABFT build's row sums (expected: A times B's tile sums made in the kernel, in three bf16
     pieces) against the checked build's (observed: sums of the fp32 accumulator) and both against
     the fp64 reference, in units of s = Σ|a||b| over the tile; C must be the same bits."""
     sets = gemm._input_sets(dev, layout, m, n, k, 300)[:1]
-    launches = gemm._variant_launches(dev, {v: VARIANTS[v] for v in ("checked", "tsums")}, sets, layout)
+    launches = gemm._variant_launches(dev, {v: VARIANTS[v] for v in ("checked", "abft")}, sets, layout)
     outs = {}
     for v, (launch,) in launches.items():
         launch.run()
         outs[v] = [t.clone() for t in launch.outputs]
     ops = GemmOperands(*sets[0], layout)
     ref, scale, _ = numerics.lean_side(ops.a_mk, ops.b_kn, 128, rho=False)
-    obs, exp = outs["checked"][1].double(), outs["tsums"][1].double()
+    obs, exp = outs["checked"][1].double(), outs["abft"][1].double()
     err = lambda x: ((x - ref).abs() / scale).max().item()
-    return {"c_same": torch.equal(outs["checked"][0], outs["tsums"][0]), "observed_err": err(obs), "expected_err": err(exp),
+    return {"c_same": torch.equal(outs["checked"][0], outs["abft"][0]), "observed_err": err(obs), "expected_err": err(exp),
             "expected_vs_observed": ((exp - obs).abs() / scale).max().item()}
 
 
@@ -78,8 +79,8 @@ def run(reps: int) -> list[dict]:
         for layout in Layout:
             m, n, k = shape(name, layout)
             wgrad = layout is Layout.WGRAD
-            variants = {v: VARIANTS[v] for v in (("plain", "checked", "rows", "tsums", "tc", "cols", "both", "tcboth") if wgrad
-                                                   else ("plain", "checked", "rows", "tsums", "tc"))}
+            variants = {v: VARIANTS[v] for v in (("plain", "checked", "rows", "tc", "abft", "cols", "both", "tcboth") if wgrad
+                                                   else ("plain", "checked", "rows", "tc", "abft"))}
             (row,) = gemm.compare(variants, [(m, n, k)], reps=reps, layout=layout)
             flop = 2.0 * m * n * k
             row["ms"] = {v[: -len("_tflops")]: flop / (tf * 1e9) for v, tf in row.items() if v.endswith("_tflops")}
@@ -104,32 +105,32 @@ def totals(rows: list[dict], step_ms: float) -> dict:
         return sum(r["count"] * fn(r) for r in rows)
 
     wg = lambda r: "cols" in r["ms"]
-    cols_extra = lambda r: r["ms"]["cols"] - r["ms"]["checked"] if wg(r) else 0.0
-    out = {key: total(lambda r, key=key: r["ms"][key]) for key in ("cublas", "plain", "checked", "rows", "tsums")}
+    out = {key: total(lambda r, key=key: r["ms"][key]) for key in ("cublas", "plain", "checked", "rows", "abft")}
     out["passes"] = total(lambda r: r["b_pass_ms"] + r["a_pass_ms"])
     out["with_passes_ms"] = total(lambda r: r["ms"]["both" if wg(r) else "rows"] + r["b_pass_ms"] + r["a_pass_ms"]) - out["cublas"]
-    out["in_kernel_ms"] = total(lambda r: r["ms"]["tsums"] + cols_extra(r) + r["a_pass_ms"]) - out["cublas"]
+    # the row check built (AEGIS_ABFT_ROWS), wgrad's column check as its probes' extra time
+    out["in_kernel_ms"] = total(lambda r: r["ms"]["abft"] + (r["ms"]["tcboth"] - r["ms"]["tc"] if wg(r) else 0.0)) - out["cublas"]
     out["tensor_cores_ms"] = total(lambda r: r["ms"]["tcboth" if wg(r) else "tc"]) - out["cublas"]
     out["step_ms"] = step_ms
     return out
 
 
 def table(rows: list[dict], tot: dict) -> str:
-    lines = [f"{'GEMM':<16} {'M×N×K':>18} {'cuBLAS':>7} {'plain':>7} {'checked':>8} {'+rows':>7} {'tsums':>7} {'tc':>7} {'+cols':>7} "
-             f"{'both':>7} {'tcboth':>7} {'B pass':>7} {'A pass':>7}  probes' bits; TSUMS sums' max error ÷ s: expected, observed"]
+    lines = [f"{'GEMM':<16} {'M×N×K':>18} {'cuBLAS':>7} {'plain':>7} {'checked':>8} {'+rows':>7} {'tc':>7} {'abft':>7} {'+cols':>7} "
+             f"{'both':>7} {'tcboth':>7} {'B pass':>7} {'A pass':>7}  probes' bits; ABFT row sums' max error ÷ s: expected, observed"]
     for r in rows:
         ms, acc = r["ms"], r["accuracy"]
         cell = lambda v, ms=ms: f"{ms[v]:>7.3f}" if v in ms else f"{'-':>7}"
         same = all(r.get(f"{v}_bitwise", True) for v in ("rows", "cols", "both", "tc", "tcboth")) and acc["c_same"]
         lines.append(f"{r['op']:<16} {r['m']:>6}×{r['n']}×{r['k']:<6} {cell('cublas')} {cell('plain')} {ms['checked']:>8.3f} "
-                     f"{cell('rows')} {cell('tsums')} {cell('tc')} {cell('cols')} {cell('both')} {cell('tcboth')} {r['b_pass_ms']:>7.3f} "
+                     f"{cell('rows')} {cell('tc')} {cell('abft')} {cell('cols')} {cell('both')} {cell('tcboth')} {r['b_pass_ms']:>7.3f} "
                      f"{r['a_pass_ms']:>7.3f}  "
                      f"{'same' if same else 'DIFFER'}; {acc['expected_err']:.1e} {acc['observed_err']:.1e}")
     s = tot["step_ms"]
     lines.append(f"a step ({LAYERS} layers + head), ms: cuBLAS {tot['cublas']:.2f}, ours plain {tot['plain']:.2f}, checked "
-                 f"{tot['checked']:.2f}, + row columns {tot['rows']:.2f}, tile sums in the kernel {tot['tsums']:.2f}, "
+                 f"{tot['checked']:.2f}, + row columns {tot['rows']:.2f}, row check in the kernel {tot['abft']:.2f}, "
                  f"tile-sum passes over memory {tot['passes']:.2f}")
-    for key, label in (("with_passes_ms", "tile sums by passes over memory"), ("in_kernel_ms", "B's tile sums by the producer's warps"),
+    for key, label in (("with_passes_ms", "tile sums by passes over memory"), ("in_kernel_ms", "the row check built, tile sums on the tensor cores"),
                        ("tensor_cores_ms", "every tile sum on the tensor cores (MMA cost only)")):
         lines.append(f"every Linear checked in-GEMM, {label}, before any comparison: {tot[key]:+.2f} ms over cuBLAS = "
                      f"{100 * tot[key] / s:+.2f} % of a {s:.1f} ms step (target ≤ 2 %)")

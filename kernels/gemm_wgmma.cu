@@ -216,7 +216,7 @@ __device__ __forceinline__ void burn(float seed, float* sink) {
     if (t == -1.2345f) *sink = t;
 }
 #endif
-#if defined(AEGIS_PROBE_ROWS) || defined(AEGIS_PROBE_COLS) || defined(AEGIS_PROBE_TSUMS) || defined(AEGIS_PROBE_TCSUMS)
+#if defined(AEGIS_PROBE_ROWS) || defined(AEGIS_PROBE_COLS) || defined(AEGIS_ABFT_ROWS) || defined(AEGIS_PROBE_TCSUMS)
 // Experiment knobs (benchmarks/abft_floor.py): the tensor-core cost of in-GEMM ABFT checksum
 // columns, timed without their data. AEGIS_PROBE_ROWS: one m64n8k16 a consumer per k16 beside the
 // m64n256k16 (B's tile sums, three bf16 pieces per 128-column checksum tile, as 8 extra columns:
@@ -282,17 +282,15 @@ __device__ __forceinline__ int cta_mode(const InjectParams& inj, int bm, int bc,
     return TILE_NONE;
 }
 
-#ifdef AEGIS_PROBE_TSUMS
-// Experiment knob (benchmarks/abft_floor.py): B's tile sums made in the kernel, from the stage
-// in shared memory, with no pass over B in memory. Warps 2-3 of the producer warpgroup (idle
-// otherwise) wait for each stage, sum B over each 128-column checksum tile for each of the
-// stage's 64 k in fp32 (a fixed order), split each sum into three bf16 pieces (hi, mid, lo) and
-// write them as the 8 K-major columns (6 used) of a swizzled n8 operand; the consumers then issue
-// one m64n8k16 a k16 with it: the expected row sums, which this build writes in place of the
-// observed ones (benchmarks/abft_floor.py compares them with the checked build's and with fp64).
-// The stage is released only when these warps have read it too (empty count 3).
-#define TS_BYTES 1024  // one stage's checksum columns: 8 rows x 64 k bf16, one 128B-swizzle atom
-#define TS_SMEM (8 * STAGES + 1024 + STAGES * TS_BYTES + 512)  // ready barriers, alignment, columns, exchange
+#ifdef AEGIS_ABFT_ROWS
+// Experiment build (benchmarks/abft_floor.py): the row check inside the GEMM, nothing read twice
+// from memory. Each consumer makes B's tile sums of each stage on the tensor cores (sixteen
+// m64n8k16: the stage as the A operand, its 64 k as rows and 256 n as the reduction, against a
+// selector of ones), one stage ahead of the main MMAs, splits them into three bf16 pieces (hi,
+// mid, lo: fp32's 24 bits) and writes them as the 8 K-major columns (6 used) of an n8 operand it
+// multiplies beside each k16: the expected row sums of its 64 rows, which this build writes in
+// place of the observed ones (the benchmark compares them with the checked build's and fp64).
+#define ABFT_SMEM (1024 + 1024 + 4 * 1024)  // alignment, the selector atom, T[2 consumers][2 parities]
 
 __device__ __forceinline__ void split3(float v, bf16* out) {  // v = hi + mid + lo to fp32's 24 bits
     const bf16 hi = __float2bfloat16_rn(v);
@@ -301,99 +299,6 @@ __device__ __forceinline__ void split3(float v, bf16* out) {  // v = hi + mid + 
     out[0] = hi;
     out[1] = mid;
     out[2] = __float2bfloat16_rn(r1 - __bfloat162float(mid));
-}
-
-template <bool B_KMAJOR>
-__device__ __forceinline__ void tile_sums_loop(uint32_t sB, uint32_t sT, float* xchg, uint32_t full0, uint32_t empty0,
-                                               uint32_t ready0, int n_tiles, int KT) {
-    const int u = threadIdx.x - 64;  // 0..63: warps 2 and 3
-    for (int i = u; i < STAGES * TS_BYTES / 16; i += 64)  // columns 6 and 7 stay zero
-        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(sT + 16 * i), "r"(0) : "memory");
-    int it = 0;
-    for (int t = blockIdx.x; t < n_tiles; t += gridDim.x) {
-        for (int kt = 0; kt < KT; ++kt, ++it) {
-            const int s = it % STAGES;
-            mbar_wait(full0 + 8 * s, (it / STAGES) & 1);
-            const uint32_t b = sB + s * B_STAGE_BYTES, ts = sT + s * TS_BYTES;
-            bf16 pc[3];
-            if (B_KMAJOR) {  // rows n of 128 B (64 k); this thread: 16-byte chunk c8 (8 k) of rows rg + 8i
-                const int c8 = u & 7, rg = u >> 3;
-                float acc[2][8] = {};
-#pragma unroll 4
-                for (int i = 0; i < 32; ++i) {
-                    uint32_t w[4];
-                    asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
-                                 : "r"(b + (rg + 8 * i) * 128 + ((c8 ^ rg) << 4)));
-#pragma unroll
-                    for (int j = 0; j < 4; ++j) {
-                        acc[i >> 4][2 * j] += __uint_as_float(w[j] << 16);
-                        acc[i >> 4][2 * j + 1] += __uint_as_float(w[j] & 0xffff0000u);
-                    }
-                }
-#pragma unroll
-                for (int q = 0; q < 16; ++q) {  // over the row groups of this warp (lanes 8 and 16 apart)
-                    float& a = acc[q >> 3][q & 7];
-                    a += __shfl_xor_sync(0xffffffffu, a, 8);
-                    a += __shfl_xor_sync(0xffffffffu, a, 16);
-                }
-                if (u >= 32 && u < 40)
-#pragma unroll
-                    for (int q = 0; q < 16; ++q) xchg[(u - 32) * 16 + q] = acc[q >> 3][q & 7];
-                asm volatile("bar.sync 3, 64;" ::: "memory");
-                if (u < 8) {
-#pragma unroll
-                    for (int tile = 0; tile < 2; ++tile) {
-                        uint32_t packed[3][4];
-#pragma unroll
-                        for (int j = 0; j < 8; ++j) {
-                            split3(acc[tile][j] + xchg[u * 16 + tile * 8 + j], pc);
-#pragma unroll
-                            for (int p = 0; p < 3; ++p) {
-                                const uint32_t h = __bfloat16_as_ushort(pc[p]);
-                                packed[p][j >> 1] = (j & 1) ? (packed[p][j >> 1] | (h << 16)) : h;
-                            }
-                        }
-#pragma unroll
-                        for (int p = 0; p < 3; ++p) {
-                            const int row = 3 * tile + p;
-                            asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(ts + row * 128 + ((c8 ^ row) << 4)),
-                                         "r"(packed[p][0]), "r"(packed[p][1]), "r"(packed[p][2]), "r"(packed[p][3]) : "memory");
-                        }
-                    }
-                }
-            } else {  // boxes of 64 n x 64 k rows (k) of 128 B; this thread: row k = u of the four boxes
-                const int k = u;
-#pragma unroll
-                for (int tile = 0; tile < 2; ++tile) {
-                    float a = 0.f;
-#pragma unroll
-                    for (int q = 0; q < 16; ++q) {
-                        const int box = 2 * tile + (q >> 3), c = q & 7;
-                        uint32_t w[4];
-                        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                                     : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
-                                     : "r"(b + box * 8192 + k * 128 + ((c ^ (k & 7)) << 4)));
-#pragma unroll
-                        for (int j = 0; j < 4; ++j) a += __uint_as_float(w[j] << 16) + __uint_as_float(w[j] & 0xffff0000u);
-                    }
-                    split3(a, pc);
-#pragma unroll
-                    for (int p = 0; p < 3; ++p) {
-                        const int row = 3 * tile + p;
-                        asm volatile("st.shared.u16 [%0], %1;" ::"r"(ts + row * 128 + (((k >> 3) ^ row) << 4) + (k & 7) * 2),
-                                     "h"(__bfloat16_as_ushort(pc[p])) : "memory");
-                    }
-                }
-            }
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the wgmma reads them through the async proxy
-            asm volatile("bar.sync 3, 64;" ::: "memory");
-            if (u == 0) {
-                mbar_arrive(ready0 + 8 * s);
-                mbar_arrive(empty0 + 8 * s);
-            }
-        }
-    }
 }
 #endif
 
@@ -411,13 +316,14 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
     float* red_col = reinterpret_cast<float*>(bars + 2 * STAGES);  // [2 tile parities][8 consumer warps][BN]
     (void)red_col;  // unused in the -DAEGIS_NOSUMS build
     const uint32_t full0 = smem_u32(bars), empty0 = smem_u32(bars + STAGES);
-#ifdef AEGIS_PROBE_TSUMS
-    const uint32_t ready0 = smem_u32(red_col + 2 * 8 * BN);
-    const uint32_t sT = (ready0 + 8 * STAGES + 1023) & ~1023u;
-    float* xchg = reinterpret_cast<float*>(smem + (sT - sA) + STAGES * TS_BYTES);
-#define EMPTY_COUNT 3
-#else
-#define EMPTY_COUNT 2
+#ifdef AEGIS_ABFT_ROWS
+    const uint32_t sSel = (smem_u32(red_col + 2 * 8 * BN) + 1023) & ~1023u;  // 8 rows x 64 n: row 0 ones
+    const uint32_t sT = sSel + 1024;
+    for (int i = threadIdx.x; i < 5 * 1024 / 16; i += NTHREADS) {  // the selector, then T zeroed (columns 6, 7 stay 0)
+        const uint32_t one = i < 8 ? 0x3F803F80u : 0u;
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};" ::"r"(sSel + 16 * i), "r"(one) : "memory");
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
 
     const int tiles_m = (M + BM - 1) / BM, tiles_n = (N + BN - 1) / BN;
@@ -430,10 +336,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(full0 + 8 * s, 1);
-            mbar_init(empty0 + 8 * s, EMPTY_COUNT);
-#ifdef AEGIS_PROBE_TSUMS
-            mbar_init(ready0 + 8 * s, 1);
-#endif
+            mbar_init(empty0 + 8 * s, 2);
         }
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
@@ -478,11 +381,6 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
                 }
             }
         }
-#ifdef AEGIS_PROBE_TSUMS
-        else if (threadIdx.x >= 64) {
-            tile_sums_loop<B_KMAJOR>(sB, sT, xchg, full0, empty0, ready0, n_tiles, KT);
-        }
-#endif
         return;
     }
 
@@ -497,17 +395,64 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
     float d[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) d[i] = 0.f;  // never read: each tile's first wgmma has scale-d 0
-#if defined(AEGIS_PROBE_ROWS) || defined(AEGIS_PROBE_COLS) || defined(AEGIS_PROBE_TSUMS) || defined(AEGIS_PROBE_TCSUMS)
+#if defined(AEGIS_PROBE_ROWS) || defined(AEGIS_PROBE_COLS) || defined(AEGIS_ABFT_ROWS) || defined(AEGIS_PROBE_TCSUMS)
     float probe[24] = {};
 #endif
     int it = 0, ti = 0;  // k-block counter (ring position), tile counter (scratch parity)
+#ifdef AEGIS_ABFT_ROWS
+    const int total_it = (n_tiles - blockIdx.x + gridDim.x - 1) / gridDim.x * KT;  // this CTA's ring positions
+    float tacc[8];
+    // B's tile sums of ring position p: tiles 0 and 1 into column 0 of tacc[0..3] and tacc[4..7]
+    auto tsum_issue = [&](int p) {
+        const int s = p % STAGES;
+        mbar_wait(full0 + 8 * s, (p / STAGES) & 1);
+        wgmma_fence();
+        const uint32_t b0 = sB + s * B_STAGE_BYTES;
+#pragma unroll
+        for (int nstep = 0; nstep < 16; ++nstep) {  // 16 n a step
+            const uint64_t dbs = B_KMAJOR ? make_desc(b0 + nstep * 2048, MN_LBO, MN_SBO)
+                                          : make_desc(b0 + (nstep >> 2) * 8192 + (nstep & 3) * 32, 16, 1024);
+            wgmma_n8<B_KMAJOR ? 1 : 0, 0>(tacc + 4 * (nstep >> 3), dbs, make_desc(sSel + (nstep & 3) * 32, 16, 1024),
+                                          (nstep & 7) ? 1 : 0);
+        }
+        wgmma_commit();
+    };
+    // once that group retired: the pieces into this consumer's T of parity p & 1 (row 3·tile + piece)
+    auto tsum_store = [&](int p) {
+        const uint32_t tb = sT + (c * 2 + (p & 1)) * 1024;
+        if (tig == 0) {
+            bf16 pc[3];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int k = (cw & 3) * 16 + g + 8 * h;
+#pragma unroll
+                for (int tile = 0; tile < 2; ++tile) {
+                    split3(tacc[4 * tile + 2 * h], pc);
+#pragma unroll
+                    for (int q = 0; q < 3; ++q) {
+                        const int row = 3 * tile + q;
+                        asm volatile("st.shared.u16 [%0], %1;" ::"r"(tb + row * 128 + (((k >> 3) ^ row) << 4) + (k & 7) * 2),
+                                     "h"(__bfloat16_as_ushort(pc[q])) : "memory");
+                    }
+                }
+            }
+        }
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the wgmma reads them through the async proxy
+        wg_bar(c);
+    };
+    tsum_issue(0);
+    wgmma_wait<0>();
+    tsum_store(0);
+#endif
     // Wait for ring position `it`, issue k-block kt of the current tile (the first one overwrites
     // the accumulator: scale-d 0) and commit the group (retired later). Returns the stage it read.
     auto issue = [&](int kt) {
         const int s = it % STAGES;
         mbar_wait(full0 + 8 * s, (it / STAGES) & 1);
-#ifdef AEGIS_PROBE_TSUMS
-        mbar_wait(ready0 + 8 * s, (it / STAGES) & 1);  // its checksum columns are written
+#ifdef AEGIS_ABFT_ROWS
+        // the next stage's tile sums, ahead of this one's MMAs (after the last, this stage's again,
+        // unused: no branch around a wgmma, which would make ptxas serialise them)
+        tsum_issue(it + 1 < total_it ? it + 1 : it);
 #endif
         wgmma_fence();
         const uint32_t a0 = sA + s * A_STAGE_BYTES + c * 8192;  // 64 rows: K-major 64x128B, MN-major one box
@@ -517,8 +462,9 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
             uint64_t da = A_KMAJOR ? make_desc(a0 + ks * 32, 16, 1024) : make_desc(a0 + ks * 2048, MN_LBO, MN_SBO);
             uint64_t db = B_KMAJOR ? make_desc(b0 + ks * 32, 16, 1024) : make_desc(b0 + ks * 2048, MN_LBO, MN_SBO);
             wgmma_256<A_KMAJOR ? 0 : 1, B_KMAJOR ? 0 : 1>(d, da, db, (kt == 0 && ks == 0) ? 0 : 1);
-#ifdef AEGIS_PROBE_TSUMS
-            wgmma_n8<A_KMAJOR ? 0 : 1, 0>(probe, da, make_desc(sT + s * TS_BYTES + ks * 32, 16, 1024), (kt == 0 && ks == 0) ? 0 : 1);
+#ifdef AEGIS_ABFT_ROWS
+            wgmma_n8<A_KMAJOR ? 0 : 1, 0>(probe, da, make_desc(sT + (c * 2 + (it & 1)) * 1024 + ks * 32, 16, 1024),
+                                          (kt == 0 && ks == 0) ? 0 : 1);
 #endif
 #ifdef AEGIS_PROBE_ROWS
             wgmma_n8<A_KMAJOR ? 0 : 1, B_KMAJOR ? 0 : 1>(probe, da, db);  // B's first 8 rows stand in for the sums
@@ -546,6 +492,10 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
 #endif
         }
         wgmma_commit();
+#ifdef AEGIS_ABFT_ROWS
+        wgmma_wait<1>();  // the tile sums retired (the main MMAs may still run): their pieces for the next stage
+        tsum_store(it + 1);
+#endif
         ++it;
         return s;
     };
@@ -650,7 +600,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
         // of its partials to its partner and keeps the other half (32+16+8 shuffles, not 64x3)
         halve_exchange<32>(v, (g >> 2) & 1);  // partner: lane ^ 16; v[0..32) live from here
 #endif
-#ifdef AEGIS_PROBE_TSUMS
+#ifdef AEGIS_ABFT_ROWS
         // the experiment writes the expected row sums in their place: columns 3·tile + piece of the
         // n8 accumulator (lanes tig 0-2 of a row hold columns 0-5), hi + (mid + lo)
 #pragma unroll
