@@ -1,0 +1,67 @@
+"""How the sensors' overhead benchmarks turn timings into figures, on the CPU: sensors_overhead's
+paired rounds and its coverage mode, abft_floor's per-step totals (the GPU parts need CUDA)."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import abft_floor
+import sensors_overhead
+
+
+def _window(times: list[float]) -> dict:
+    return {"times": times}
+
+
+def test_overhead_is_the_mean_of_paired_round_ratios():
+    plain = [_window([1.0, 1.0]), _window([2.0, 2.0]), _window([1.0, 3.0])]  # drifting between rounds
+    mode = [_window([1.1, 1.1]), _window([2.0, 2.4]), _window([2.2, 2.2])]
+    got = sensors_overhead.paired(mode, plain)
+    ratios = [0.1, 0.1, 0.1]  # each round against its own plain window, whatever the drift
+    assert got["round_overheads"] == pytest.approx(ratios)
+    assert got["overhead"] == pytest.approx(0.1) and got["overhead_se"] == pytest.approx(0.0, abs=1e-12)
+    uneven = sensors_overhead.paired([*mode[:2], _window([2.6, 2.6])], plain)
+    assert uneven["overhead_se"] == pytest.approx(statistics.stdev([0.1, 0.1, 0.3]) / 3**0.5)
+    assert sensors_overhead.paired(mode[:1], plain)["overhead_se"] is None  # one round: no spread
+    assert sensors_overhead.paired([], plain) == {"overhead": None}
+
+
+def test_the_coverage_mode_checks_each_operator_from_its_phase(tmp_path):
+    res = sensors_overhead.main(["--device", "cpu", "--preset", "tiny", "--dtype", "float32", "--modes", "plain,coverage",
+                                 "--warmup", "1", "--steps", "2", "--rounds", "2", "--clean-steps", "0", "--out", str(tmp_path)])
+    cov = res["interleaved"]["coverage"]
+    assert [len(w["times"]) for w in (res["interleaved"]["plain"], cov)] == [4, 4]  # the skipped first steps left out
+    assert len(cov["round_overheads"]) == 2 and cov["overhead_se"] is not None
+    stats = cov["stats"]
+    # p = 0: only the floor checks, each operator first at its phase (from the seed and its name): every
+    # window, a fresh handle with the same seed, checks the same few of its launches and raises nothing
+    assert len({s["checked"] for s in stats}) == 1 and all(s["checked"] < s["launches"] for s in stats)
+    assert all(s["raised"] == 0 for s in stats)
+    assert (tmp_path / "sensors_overhead.json").exists()
+
+
+def test_abft_floor_sums_a_step_with_the_launch_counts():
+    acc = {"c_same": True, "observed_err": 1e-8, "expected_err": 1e-8, "expected_vs_observed": 3e-9}
+
+    def row(op, count, wgrad, **ms):
+        base = {"cublas": 1.0, "plain": 0.99, "checked": 1.0, "rows": 1.0, "tc": 1.0, "abft": 1.5}
+        if wgrad:
+            base.update(cols=1.0, both=1.01, tcboth=1.02)
+        return {"op": op, "m": 8, "n": 8, "k": 8, "count": count, "ms": {**base, **ms}, "b_pass_ms": 0.1,
+                "a_pass_ms": 0.05 if wgrad else 0.0, "accuracy": acc}
+
+    rows = [row("l/fwd", 22, False), row("l/wgrad", 22, True), row("head/fwd", 1, False, cublas=2.0, tc=2.2, abft=3.0)]
+    tot = abft_floor.totals(rows, 100.0)
+    assert tot["cublas"] == pytest.approx(22 + 22 + 2)
+    assert tot["passes"] == pytest.approx(22 * 0.1 + 22 * 0.15 + 0.1)
+    # everything on the tensor cores: tc for rows, wgrad's tcboth; against cuBLAS
+    assert tot["tensor_cores_ms"] == pytest.approx(22 * 1.0 + 22 * 1.02 + 2.2 - 46)
+    # the row check built, wgrad's column check as its probes' extra (tcboth − tc)
+    assert tot["in_kernel_ms"] == pytest.approx(22 * 1.5 + 22 * (1.5 + 0.02) + 3.0 - 46)
+    text = abft_floor.table(rows, tot)
+    assert "same" in text and "% of a 100.0 ms step" in text
