@@ -86,7 +86,7 @@ class SensorHandle:
         self.nondeterministic: set[str] = set()  # regions whose recompute cannot be compared bit for bit
         self.action = Action.CONTINUE  # the strongest action asked for since the last step()
         self._names = {id(m): name or "model" for name, m in model.named_modules()}
-        self._devices: dict[str, Device] = {}
+        self._devices: dict[int | None, Device] = {}  # by CUDA index; None: the CPU reference path
         self._plans: dict[str, FaultPlan | None] = {}
         self._restore: list[Callable[[], None]] = []
         self.unchecked: list[str] = []  # Linear subclasses with a forward of their own (quantised, LoRA …): left alone
@@ -111,10 +111,9 @@ class SensorHandle:
     def device_for(self, t: torch.Tensor) -> Device:
         """The Device whose checked GEMM runs work on ``t``: its own GPU, else the CPU reference path."""
         index = (t.device.index or 0) if self.config.device != "cpu" and t.device.type == "cuda" else None
-        key = "cpu" if index is None else f"cuda:{index}"
-        dev = self._devices.get(key)
+        dev = self._devices.get(index)
         if dev is None:
-            dev = self._devices[key] = get_backend("cpu").device(0) if index is None else _cuda_device(index)
+            dev = self._devices[index] = get_backend("cpu").device(0) if index is None else _cuda_device(index)
         return dev
 
     def fault_for(self, device: Device) -> FaultPlan | None:
