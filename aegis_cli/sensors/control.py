@@ -105,8 +105,10 @@ class Controller:
         """Close a step whose time without sensors and verifier was ``base_s``: new probabilities
         under the budget, per-step counts reset."""
         for st in self.ops.values():
-            st.idle_steps = 0 if st.checks else st.idle_steps + 1
-            st.phase = 0 if st.checks else st.phase
+            if st.checks:  # the phase only delays the first check
+                st.idle_steps = st.phase = 0
+            else:
+                st.idle_steps += 1
             st.launches_total += st.launches
             st.checks_total += st.checks
         if self.budget is not None and base_s > 0:
