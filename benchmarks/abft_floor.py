@@ -47,6 +47,8 @@ VARIANTS = {"plain": ("nosums", {}), "checked": ("", {}), "rows": ("", {"AEGIS_P
             "cols": ("", {"AEGIS_PROBE_COLS": 1}), "both": ("", {"AEGIS_PROBE_ROWS": 1, "AEGIS_PROBE_COLS": 1}),
             "abft": ("", {"AEGIS_ABFT_ROWS": 1}), "tc": ("", {"AEGIS_PROBE_ROWS": 1, "AEGIS_PROBE_TCSUMS": 1}),
             "tcboth": ("", {"AEGIS_PROBE_ROWS": 1, "AEGIS_PROBE_TCSUMS": 1, "AEGIS_PROBE_COLS": 1})}
+ROW_VARIANTS = ("plain", "checked", "rows", "tc", "abft")  # timed on every layout
+COL_VARIANTS = ("cols", "both", "tcboth")  # and on wgrad, its column check
 
 
 def accuracy(dev, layout: Layout, m: int, n: int, k: int) -> dict:
@@ -75,8 +77,7 @@ def run(reps: int) -> list[dict]:
             ops = operands(name, layout, "cuda", 7)
             m, n, k = ops.mnk
             wgrad = layout is Layout.WGRAD
-            variants = {v: VARIANTS[v] for v in (("plain", "checked", "rows", "tc", "abft", "cols", "both", "tcboth") if wgrad
-                                                   else ("plain", "checked", "rows", "tc", "abft"))}
+            variants = {v: VARIANTS[v] for v in ROW_VARIANTS + (COL_VARIANTS if wgrad else ())}
             (row,) = gemm.compare(variants, [(m, n, k)], reps=reps, layout=layout)
             flop = 2.0 * m * n * k
             row["ms"] = {v[: -len("_tflops")]: flop / (tf * 1e9) for v, tf in row.items() if v.endswith("_tflops")}
