@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gemm
-from sensor_reference import LINEARS, TOKENS, operands, timed
+from sensor_reference import LINEARS, operands, timed
 
 from aegis_cli.backends.cuda import CudaDevice
 from aegis_cli.ops import numerics
@@ -47,11 +47,8 @@ VARIANTS = {"plain": ("nosums", {}), "checked": ("", {}), "rows": ("", {"AEGIS_P
             "cols": ("", {"AEGIS_PROBE_COLS": 1}), "both": ("", {"AEGIS_PROBE_ROWS": 1, "AEGIS_PROBE_COLS": 1}),
             "abft": ("", {"AEGIS_ABFT_ROWS": 1}), "tc": ("", {"AEGIS_PROBE_ROWS": 1, "AEGIS_PROBE_TCSUMS": 1}),
             "tcboth": ("", {"AEGIS_PROBE_ROWS": 1, "AEGIS_PROBE_TCSUMS": 1, "AEGIS_PROBE_COLS": 1})}
-
-
-def shape(name: str, layout: Layout) -> tuple[int, int, int]:
-    fin, fout = LINEARS[name]
-    return {Layout.FWD: (TOKENS, fout, fin), Layout.DGRAD: (TOKENS, fin, fout), Layout.WGRAD: (fout, fin, TOKENS)}[layout]
+ROW_VARIANTS = ("plain", "checked", "rows", "tc", "abft")  # timed on every layout
+COL_VARIANTS = ("cols", "both", "tcboth")  # and on wgrad, its column check
 
 
 def accuracy(dev, layout: Layout, m: int, n: int, k: int) -> dict:
@@ -77,14 +74,13 @@ def run(reps: int) -> list[dict]:
     rows = []
     for name in LINEARS:
         for layout in Layout:
-            m, n, k = shape(name, layout)
+            ops = operands(name, layout, "cuda", 7)
+            m, n, k = ops.mnk
             wgrad = layout is Layout.WGRAD
-            variants = {v: VARIANTS[v] for v in (("plain", "checked", "rows", "tc", "abft", "cols", "both", "tcboth") if wgrad
-                                                   else ("plain", "checked", "rows", "tc", "abft"))}
+            variants = {v: VARIANTS[v] for v in ROW_VARIANTS + (COL_VARIANTS if wgrad else ())}
             (row,) = gemm.compare(variants, [(m, n, k)], reps=reps, layout=layout)
             flop = 2.0 * m * n * k
             row["ms"] = {v[: -len("_tflops")]: flop / (tf * 1e9) for v, tf in row.items() if v.endswith("_tflops")}
-            ops = operands(name, layout, "cuda", 7)
             # passes over memory for the tile sums: the right operand as (K, N) over 128-column tiles,
             # and wgrad's left as (K, M) over 64-row tiles (its column check)
             right = ops.b.t() if layout is Layout.FWD else ops.b
