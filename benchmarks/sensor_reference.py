@@ -135,7 +135,7 @@ def stats_alone(ops, res, reps: int) -> dict:
 
     def fn():
         for x, t in stats:
-            cuda_reference.tile_stats(x, t, 0)
+            cuda_reference.tile_stats(x, t)
         for x, t in abs_c:
             cuda_reference.tile_abs_sums(x, t)
 

@@ -59,12 +59,6 @@ def _mode(left: torch.Tensor) -> int:
     return SCALAR
 
 
-def _launch(entry: str, dev: int, grid: tuple[int, ...], block: int, args: list, smem: int = 0) -> None:
-    func = loader.get_function(KERNEL, entry, device_id=dev, defines=DEFINES, max_dynamic_smem=smem)
-    loader.launch(func, grid, block, args, device_id=dev, stream=torch.cuda.current_stream(dev).cuda_stream, smem=smem,
-                  label=entry)
-
-
 ST_COLS, ST_K, ST_VEC_COLS, ST_VEC_K = 0, 1, 2, 3  # the statistics' modes
 
 
@@ -82,7 +76,7 @@ def stats_mode(x: torch.Tensor, t: int) -> tuple[int, int]:
     return (ST_K if sk == 1 and sn != 1 else ST_COLS), 32
 
 
-def _stats(x: torch.Tensor, t: int, dev: int, outs: list[torch.Tensor]) -> None:
+def _stats(x: torch.Tensor, t: int, outs: list[torch.Tensor]) -> None:
     """Enqueue the statistics of ``x`` over tiles of ``t`` columns into ``outs`` (rt, rta, rtq; or rta alone)."""
     k, n = x.shape
     nt = -(-n // t)
@@ -90,28 +84,27 @@ def _stats(x: torch.Tensor, t: int, dev: int, outs: list[torch.Tensor]) -> None:
     mode, lanes = stats_mode(x, t)
     threads = {ST_VEC_COLS: k * nt * lanes, ST_VEC_K: -(-k // 64) * nt * 32, ST_K: k * nt}.get(mode, k * nt * 32)
     entry = ("aegis_sr_stats" if len(outs) == 3 else "aegis_sr_abs") + ("_k" if mode == ST_VEC_K else "")
-    _launch(entry, dev, (max(1, min(-(-threads // STAT_THREADS), MAX_GRID)),), STAT_THREADS,
-            [ctypes.c_uint64(x.data_ptr()), ctypes.c_int64(k), ctypes.c_int64(n), ctypes.c_int64(sk), ctypes.c_int64(sn),
-             ctypes.c_int(t), ctypes.c_int(nt), ctypes.c_int(mode), ctypes.c_int(lanes),
-             *(ctypes.c_uint64(s.data_ptr()) for s in outs)])
+    loader.run(KERNEL, entry, (max(1, min(-(-threads // STAT_THREADS), MAX_GRID)),), STAT_THREADS,
+               [ctypes.c_uint64(x.data_ptr()), ctypes.c_int64(k), ctypes.c_int64(n), ctypes.c_int64(sk), ctypes.c_int64(sn),
+                ctypes.c_int(t), ctypes.c_int(nt), ctypes.c_int(mode), ctypes.c_int(lanes),
+                *(ctypes.c_uint64(s.data_ptr()) for s in outs)], on=x, defines=DEFINES)
 
 
-def tile_stats(x: torch.Tensor, t: int, dev: int) -> torch.Tensor:
+def tile_stats(x: torch.Tensor, t: int) -> torch.Tensor:
     """(3, K, ceil(N/t)) fp64: Σ, Σ|·| and Σ·² of each row of bf16 ``x`` (K, N) over tiles of ``t``
     columns (any strides), enqueued without a sync."""
     k, n = x.shape
     stats = torch.empty((3, k, -(-n // t)), dtype=torch.float64, device=x.device)
-    _stats(x, t, dev, list(stats))
+    _stats(x, t, list(stats))
     return stats
 
 
 def tile_abs_sums(x: torch.Tensor, t: int) -> torch.Tensor:
     """Σ|x| over tiles of ``t`` columns of a bf16 CUDA tensor (M, N): (M, ceil(N/t)) fp64, exact
     (bf16 values summed in fp64), the bits of ``tile_stats(x, t)[1]``; Σ|·| alone, enqueued without a sync."""
-    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     m, n = x.shape
     out = torch.empty((m, -(-n // t)), dtype=torch.float64, device=x.device)
-    _stats(x, t, dev, [out])
+    _stats(x, t, [out])
     return out
 
 
@@ -122,18 +115,17 @@ def lean_side(left: torch.Tensor, right: torch.Tensor, t: int,
     unless ``rho``. ``applies(left, right)`` must hold."""
     (r, k), n = left.shape, right.shape[1]
     nt = -(-n // t)
-    dev = left.device.index if left.device.index is not None else torch.cuda.current_device()
     f64 = {"dtype": torch.float64, "device": left.device}
-    stats = tile_stats(right, t, dev)
+    stats = tile_stats(right, t)
     splits, k_split = splits_for(r, k, nt)
     part = torch.empty((3, splits, r, nt), **f64)
     sr, sk_l = left.stride()
-    _launch("aegis_sr_main" if rho else "aegis_sr_main_norho", dev, (-(-r // ROWS), -(-nt // TILES), splits), MAIN_THREADS,
-            [ctypes.c_uint64(left.data_ptr()), ctypes.c_int64(r), ctypes.c_int64(k), ctypes.c_int64(sr), ctypes.c_int64(sk_l),
-             ctypes.c_int(_mode(left)), *(ctypes.c_uint64(x.data_ptr()) for x in stats), ctypes.c_int(nt),
-             ctypes.c_int64(k_split), ctypes.c_uint64(part.data_ptr())], SMEM)
+    loader.run(KERNEL, "aegis_sr_main" if rho else "aegis_sr_main_norho", (-(-r // ROWS), -(-nt // TILES), splits), MAIN_THREADS,
+               [ctypes.c_uint64(left.data_ptr()), ctypes.c_int64(r), ctypes.c_int64(k), ctypes.c_int64(sr), ctypes.c_int64(sk_l),
+                ctypes.c_int(_mode(left)), *(ctypes.c_uint64(x.data_ptr()) for x in stats), ctypes.c_int(nt),
+                ctypes.c_int64(k_split), ctypes.c_uint64(part.data_ptr())], on=left, smem=SMEM, defines=DEFINES)
     out = torch.empty((3, r, nt), **f64)
-    _launch("aegis_sr_reduce", dev, (min(-(-(r * nt) // RED_THREADS), MAX_GRID),), RED_THREADS,
-            [ctypes.c_uint64(part.data_ptr()), ctypes.c_int(splits), ctypes.c_int64(r * nt),
-             *(ctypes.c_uint64(x.data_ptr()) for x in out)])
+    loader.run(KERNEL, "aegis_sr_reduce", (min(-(-(r * nt) // RED_THREADS), MAX_GRID),), RED_THREADS,
+               [ctypes.c_uint64(part.data_ptr()), ctypes.c_int(splits), ctypes.c_int64(r * nt),
+                *(ctypes.c_uint64(x.data_ptr()) for x in out)], on=left, defines=DEFINES)
     return out[0], out[1], out[2] if rho else None
