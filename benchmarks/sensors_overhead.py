@@ -186,7 +186,7 @@ def summarise(times: list[float]) -> dict:
 
 
 def paired(ws: list[dict], plain: list[dict]) -> dict:
-    """A mode's overhead from its rounds: each round's mean step over the same round's plain mean,
+    """A mode's overhead from its rounds: each round's mean step over the same round's ``plain`` mean,
     their mean and standard error (rounds are paired so that drift between rounds cancels; a mode
     that failed ran its first rounds only)."""
     ratios = [statistics.fmean(w["times"]) / statistics.fmean(p["times"]) - 1
@@ -282,12 +282,9 @@ def run(args) -> dict:
                 out[name]["stats"] = [w["stats"] for w in ws]
         for name in modes:
             out[name].update(paired(windows[name], windows["plain"]))
-        k = out.get("unsampled", {}).get("mean_s")
         for name in ("every", "sampled", "coverage"):  # the sensing alone, beside the instrumentation
-            if name not in out:
-                continue
-            m = out[name]["mean_s"]
-            out[name]["overhead_vs_unsampled"] = (m / k - 1) if k and m else None
+            if name in out and "unsampled" in out:
+                out[name]["overhead_vs_unsampled"] = paired(windows[name], windows["unsampled"])["overhead"]
         return out
 
     def clean() -> dict:
