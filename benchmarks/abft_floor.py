@@ -36,13 +36,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gemm
-from sensor_reference import LINEARS, operands, timed
+from sensor_reference import LAYERS, LINEARS, operands, per_step, timed
 
 from aegis_cli.backends.cuda import CudaDevice
 from aegis_cli.ops import numerics
 from aegis_cli.ops.gemm import GemmOperands, Layout
 
-LAYERS = 22
 VARIANTS = {"plain": ("nosums", {}), "checked": ("", {}), "rows": ("", {"AEGIS_PROBE_ROWS": 1}),
             "cols": ("", {"AEGIS_PROBE_COLS": 1}), "both": ("", {"AEGIS_PROBE_ROWS": 1, "AEGIS_PROBE_COLS": 1}),
             "abft": ("", {"AEGIS_ABFT_ROWS": 1}), "tc": ("", {"AEGIS_PROBE_ROWS": 1, "AEGIS_PROBE_TCSUMS": 1}),
@@ -83,11 +82,10 @@ def run(reps: int) -> list[dict]:
             row["ms"] = {v[: -len("_tflops")]: flop / (tf * 1e9) for v, tf in row.items() if v.endswith("_tflops")}
             # passes over memory for the tile sums: the right operand as (K, N) over 128-column tiles,
             # and wgrad's left as (K, M) over 64-row tiles (its column check)
-            right = ops.b.t() if layout is Layout.FWD else ops.b
-            row["b_pass_ms"] = timed(lambda x=right: dev.tile_abs_sums(x, 128), reps)
+            row["b_pass_ms"] = timed(lambda x=ops.b_kn: dev.tile_abs_sums(x, 128), reps)
             row["a_pass_ms"] = timed(lambda x=ops.a: dev.tile_abs_sums(x, 64), reps) if wgrad else 0.0
             row["accuracy"] = accuracy(dev, layout, m, n, k)
-            row.update(op=f"{name}/{layout.value}", count=1 if name == "head" else LAYERS)
+            row.update(op=f"{name}/{layout.value}", count=per_step(name))
             rows.append(row)
             print(f"{row['op']:<16} " + "  ".join(f"{v} {t:.3f}" for v, t in row["ms"].items())
                   + f"  passes {row['b_pass_ms']:.3f} + {row['a_pass_ms']:.3f} ms; {row['accuracy']}", flush=True)
