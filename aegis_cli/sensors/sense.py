@@ -64,7 +64,7 @@ class GemmContext:
 
 def _held(ops: GemmOperands, res: GemmResult) -> list[torch.Tensor]:
     """The tensors a queued launch holds (its context copies them): sized before they are copied."""
-    return [ops.a, ops.b, res.c, res.row_sums, res.col_sums]
+    return [*_watched(ops, res), res.row_sums, res.col_sums]
 
 
 def op_id(layer: str, layout: Layout, m: int, n: int, k: int) -> str:
