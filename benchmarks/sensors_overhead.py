@@ -23,8 +23,6 @@ its standard error over the rounds:
              100 steps, and none unchecked for longer (the coverage floor)
   coverage   p = 0: each operator exactly once per 100 steps, the floor alone (its phases spread
              over the steps): the least sampling the issue allows
-  overlap    coverage, each check on a side stream (``SensorConfig.check_stream``): its reference
-             and comparison overlap the step's next kernels
   drained    sampled, the device drained (synchronised) before the step boundary: what the
              boundary cost when the sensors read their comparisons that way (before session 13)
 
@@ -48,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import itertools
 import json
 import os
@@ -71,7 +68,7 @@ from sensors_noise import noise_study  # noqa: E402
 
 from aegis_cli.sensors import Action, SensorConfig, instrument, uninstrument  # noqa: E402
 
-MODES = ("plain", "unsampled", "kernels", "every", "sampled", "coverage", "overlap", "drained")
+MODES = ("plain", "unsampled", "kernels", "every", "sampled", "coverage", "drained")
 NEVER = 10**9  # coverage_steps that never forces a check within a run
 
 
@@ -84,7 +81,6 @@ def configs(args) -> dict[str, SensorConfig | None]:
         "every": SensorConfig(sample_prob=1.0, overhead_budget=None, queue_size=16, seed=args.seed),
         "sampled": sampled_config(args),
         "coverage": coverage_config(args),
-        "overlap": dataclasses.replace(coverage_config(args), check_stream=True),
         "drained": sampled_config(args),  # drained at the boundary (Bench.window)
     }
 

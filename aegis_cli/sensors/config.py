@@ -49,9 +49,6 @@ class SensorConfig:
     raise_headroom: float = 2.0
     max_raise: float = 1e3
     decay: float = 0.9
-    # CUDA: a sampled GEMM's check (its reference and comparison) on a side stream of its device,
-    # overlapping the step's own work after the checked GEMM, instead of in the step's stream
-    check_stream: bool = False
     attention: bool = False  # route F.scaled_dot_product_attention through the checked attention while instrumented
     fingerprints: bool = True  # fingerprint checkpointed regions (original vs recomputed activations)
     bundle_dir: str | None = None  # where confirmed events are saved as vTask bundles (None: not saved)
@@ -79,9 +76,8 @@ class SensorConfig:
                 raise ConfigError(f"sensor config: {name} must be an integer ≥ {lo}, got {value!r}")
         if self.rank is not None and (isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0):
             raise ConfigError(f"sensor config: rank must be an integer ≥ 0, got {self.rank!r}")
-        for name in ("attention", "check_stream"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"sensor config: {name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.attention, bool):
+            raise ConfigError(f"sensor config: attention must be true or false, got {self.attention!r}")
         if self.inject is not None:
             FaultPlan.parse(self.inject)  # refused now (InjectSpecError), not at the first launch
 

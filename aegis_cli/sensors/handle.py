@@ -87,7 +87,6 @@ class SensorHandle:
         self.action = Action.CONTINUE  # the strongest action asked for since the last step()
         self._names = {id(m): name or "model" for name, m in model.named_modules()}
         self._devices: dict[int | None, Device] = {}  # by CUDA index; None: the CPU reference path
-        self.streams: dict[int, torch.cuda.Stream] = {}  # the checks' side streams (config.check_stream), by CUDA index
         self._plans: dict[str, FaultPlan | None] = {}
         self._restore: list[Callable[[], None]] = []
         self.unchecked: list[str] = []  # Linear subclasses with a forward of their own (quantised, LoRA …): left alone

@@ -27,7 +27,6 @@ Self-tests run through ``Device.checked_gemm`` as a scan does.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -266,33 +265,18 @@ def sense(h, device: Device, layer: str, ops: GemmOperands, res: GemmResult, sit
     more than PENDING_BYTES (on the CPU: at once)."""
     floor = h.config.thresholds.tau
     tau = h.controller.tau(key, floor)
-    with _check_stream(h, device):
-        timer = CheckTimer(device)
-        k = ops.mnk[2]
-        parts, summary = enqueue(ops, res, device.noise_model(k), device.accumulation_bound(k) > 0, device)
-        if summary.is_cuda:  # read back at the boundary by waiting for this check's end event alone
-            summary = torch.empty(summary.shape, dtype=summary.dtype, pin_memory=True).copy_(summary, non_blocking=True)
-        timer.stop()
+    timer = CheckTimer(device)
+    k = ops.mnk[2]
+    parts, summary = enqueue(ops, res, device.noise_model(k), device.accumulation_bound(k) > 0, device)
+    if summary.is_cuda:  # read back at the boundary by waiting for this check's end event alone
+        summary = torch.empty(summary.shape, dtype=summary.dtype, pin_memory=True).copy_(summary, non_blocking=True)
+    timer.stop()
     watched = _watched(ops, res)
     pend = Pending(layer, site, key, device, ops, res, tau, floor, parts, summary, _versions(watched), timer, nbytes(watched))
     h.unread.append(pend)
     h.unread_bytes += pend.nbytes
     if not timer.on_device or h.unread_bytes > PENDING_BYTES:  # on the CPU the work is done already: read it now
         resolve(h)
-
-
-def _check_stream(h, device: Device) -> contextlib.AbstractContextManager:
-    """Where a sampled check's work is enqueued: the step's current stream, or with
-    ``config.check_stream`` the device's side stream, after the work queued so far (the checked
-    GEMM), so that the step's next kernels need not wait for it. The tensors it reads are held until
-    the boundary has waited for its end event, so their memory is not reused before it ran."""
-    if not (h.config.check_stream and isinstance(device, CudaDevice)):
-        return contextlib.nullcontext()
-    side = h.streams.get(device.index)
-    if side is None:
-        side = h.streams[device.index] = torch.cuda.Stream(device.torch_device)
-    side.wait_stream(torch.cuda.current_stream(device.torch_device))
-    return torch.cuda.stream(side)
 
 
 def resolve(h) -> None:

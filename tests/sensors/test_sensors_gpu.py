@@ -183,33 +183,6 @@ def test_sampled_runs_repeat_bit_for_bit_on_cuda():
 
 
 @gpu
-def test_checks_on_a_side_stream_read_what_the_step_stream_reads():
-    """``check_stream``: the same launches sampled, the same training bits, and each check's largest
-    difference the same as in the step's own stream (the reference and comparison are the same
-    kernels, only enqueued elsewhere)."""
-    cfg = {"sample_prob": 0.3, "overhead_budget": None}
-    with deterministic():
-        la, pa, ha = train(4, cfg)
-        lb, pb, hb = train(4, {**cfg, "check_stream": True})
-    assert torch.equal(la.view(torch.int32), lb.view(torch.int32))
-    assert all(torch.equal(pa[n].view(torch.int16), pb[n].view(torch.int16)) for n in pa)
-    assert 0 < ha.stats.checked == hb.stats.checked and hb.stats.confirmed == 0
-    assert hb.stats_dict()["clean_max_ratio"] == ha.stats_dict()["clean_max_ratio"] > 0
-    assert len(hb.streams) == 1 and not ha.streams
-
-
-@gpu
-def test_accumulator_fault_is_confirmed_from_a_side_stream():
-    h = instrument(model := cuda_gpt(), SensorConfig(**EVERY, inject=FAULT, check_stream=True))
-    x, y = on_cuda(next(batches(CFG, 8)))
-    model(x, y)[1].backward()
-    action = h.step()
-    uninstrument(model)
-    confirmed = [e for e in h.events if e.kind == "confirmed"]
-    assert action is Action.STOP and [e.op for e in confirmed] == ["blocks.1.mlp.fc"], [e.summary for e in h.events]
-
-
-@gpu
 def test_step_boundary_waits_for_the_checks_not_for_the_device():
     """The boundary waits for each check's own end event, so work queued after the step's last check
     is still running when step() returns (the optimizer's launches follow at once); every check is
