@@ -69,11 +69,10 @@ from sensors_noise import noise_study  # noqa: E402
 from aegis_cli.sensors import Action, SensorConfig, instrument, uninstrument  # noqa: E402
 
 MODES = ("plain", "unsampled", "kernels", "every", "sampled", "coverage", "drained")
-NEVER = 10**9  # coverage_steps that never forces a check within a run
 
 
 def configs(args) -> dict[str, SensorConfig | None]:
-    never = {"sample_prob": 0.0, "overhead_budget": None, "coverage_steps": NEVER, "seed": args.seed}
+    never = {"sample_prob": 0.0, "overhead_budget": None, "coverage_steps": None, "seed": args.seed}
     return {
         "plain": None,
         "unsampled": SensorConfig(**never),

@@ -37,7 +37,7 @@ class SensorConfig:
     sample_prob: float = 1.0
     # the share of the step (without sensors) the sensing may take; None keeps sample_prob fixed
     overhead_budget: float | None = 0.01
-    coverage_steps: int = 100  # every operator is checked at least once in this many steps, whatever the budget
+    coverage_steps: int | None = 100  # every operator is checked at least once in this many steps, whatever the budget (None: no floor)
     # the verifier: its share of the step at each step boundary, and how many it verifies there even over it
     verify_budget: float = 0.01
     min_verify: int = 1
@@ -69,11 +69,14 @@ class SensorConfig:
         _range("decay", self.decay, 0.0, 1.0)
         _range("raise_headroom", self.raise_headroom, 1.0, 1e6)
         _range("max_raise", self.max_raise, 1.0, 1e12)
-        for name in ("coverage_steps", "min_verify", "reruns", "queue_size", "queue_bytes", "max_vtask_bytes", "seed"):
+        for name in ("min_verify", "reruns", "queue_size", "queue_bytes", "max_vtask_bytes", "seed"):
             value = getattr(self, name)
             lo = 0 if name in ("min_verify", "seed") else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < lo:
                 raise ConfigError(f"sensor config: {name} must be an integer ≥ {lo}, got {value!r}")
+        if self.coverage_steps is not None and (isinstance(self.coverage_steps, bool) or not isinstance(self.coverage_steps, int)
+                                                or self.coverage_steps < 1):
+            raise ConfigError(f"sensor config: coverage_steps must be an integer ≥ 1 or None, got {self.coverage_steps!r}")
         if self.rank is not None and (isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0):
             raise ConfigError(f"sensor config: rank must be an integer ≥ 0, got {self.rank!r}")
         if not isinstance(self.attention, bool):

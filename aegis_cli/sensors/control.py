@@ -6,7 +6,8 @@ probability p. At each step boundary the budget B = overhead_budget × (the step
 sensors and verifier) is shared by water-filling: operators sorted by their demand d = launches
 per step × measured seconds per check, each takes min(d, what is left ÷ operators left), so cheap
 operators are checked every time and the expensive ones share the rest. Whatever the budget, an
-operator unchecked for ``coverage_steps - 1`` steps is checked at its next launch; those forced
+operator unchecked for ``coverage_steps - 1`` steps is checked at its next launch (``None``: no
+floor, for measurements that must never force a check); those forced
 checks are paid from the operator's share first (``_share``), so sensing keeps to the budget
 unless the coverage floor alone exceeds it. Each operator's first forced check comes after a phase
 of its own (drawn from the seed and its name), so the floor's checks spread evenly over the steps
@@ -49,7 +50,7 @@ class OpState:
 
 
 class Controller:
-    def __init__(self, sample_prob: float, budget: float | None, coverage_steps: int, *, headroom: float, max_raise: float,
+    def __init__(self, sample_prob: float, budget: float | None, coverage_steps: int | None, *, headroom: float, max_raise: float,
                  decay: float, seed: int):
         self.sample_prob, self.budget, self.coverage = sample_prob, budget, coverage_steps
         self.headroom, self.max_raise, self.decay = headroom, max_raise, decay
@@ -61,7 +62,7 @@ class Controller:
         st = self.ops.get(op)
         if st is None:
             # its own generator: the phase depends on the seed and the name, not on the order operators appear in
-            phase = random.Random(f"{self.seed}:{op}").randrange(self.coverage)
+            phase = random.Random(f"{self.seed}:{op}").randrange(self.coverage) if self.coverage else 0
             st = self.ops[op] = OpState(prob=self.sample_prob, phase=phase)
         return st
 
@@ -70,7 +71,7 @@ class Controller:
         """Whether this launch of ``op`` is checked."""
         st = self._op(op)
         st.launches += 1
-        due = st.checks == 0 and st.idle_steps + st.phase >= self.coverage - 1
+        due = self.coverage is not None and st.checks == 0 and st.idle_steps + st.phase >= self.coverage - 1
         if due or st.prob >= 1.0 or self.coin.random() < st.prob:
             st.checks += 1  # counted now: its cost may be known only at the step boundary (spent)
             return True
@@ -128,10 +129,13 @@ class Controller:
         left = budget_s
         for i, (d, st) in enumerate(demand):
             share = left / (len(demand) - i)
-            floor = st.cost_s / self.coverage
+            floor = st.cost_s / self.coverage if self.coverage else 0.0
             st.prob = min(1.0, max(0.0, share - floor) / d)
             q = (1.0 - st.prob) ** st.launches  # P(a step without a coin check)
-            per_step = (1.0 - q) / (1.0 - q**self.coverage) if q < 1.0 else 1.0 / self.coverage  # steps with a check
+            if self.coverage is None:
+                per_step = 1.0 - q
+            else:  # steps with a check
+                per_step = (1.0 - q) / (1.0 - q**self.coverage) if q < 1.0 else 1.0 / self.coverage
             left -= st.cost_s * (per_step + st.prob * st.launches - (1.0 - q))  # + launches beyond the first in a step
 
     def to_dict(self) -> dict:

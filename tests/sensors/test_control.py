@@ -70,6 +70,22 @@ def test_every_operator_is_checked_within_the_coverage_window():
     assert checked_at[-1] >= 15
 
 
+def test_no_coverage_floor_never_forces_a_check():
+    """``coverage_steps=None``: only the coin decides (p = 0: never), and the budget's share has no floor to pay."""
+    c = controller(sample_prob=0.0, budget=None, coverage_steps=None)
+    ops = [f"op{i}" for i in range(300)]
+    for _ in range(50):
+        assert not any(c.want(op) for op in ops)
+        c.end_step(1.0)
+    budgeted = controller(sample_prob=1.0, budget=0.01, coverage_steps=None)
+    for _ in range(3):  # 4 operators at 10 ms a check against a 10 ms budget: a quarter each, nothing kept for a floor
+        for op in ops[:4]:
+            if budgeted.want(op):
+                budgeted.spent(op, 1e-2)
+        budgeted.end_step(1.0)
+    assert [budgeted.ops[op].prob for op in ops[:4]] == pytest.approx([0.25] * 4)
+
+
 def test_the_coverage_floor_spreads_over_the_steps():
     """Operators' first forced checks fall at phases of their own (from the seed and the name), so the
     floor checks about operators ÷ coverage a step, not all of them in one step out of 100."""

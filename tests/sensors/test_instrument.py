@@ -192,7 +192,7 @@ def test_linear_subclasses_with_a_forward_of_their_own_are_left_alone():
 def test_unsampled_launches_skip_the_checked_gemm_and_give_the_same_bits_on_the_cpu():
     """The controller decides first: an unsampled launch runs the plain product (on the CPU path the
     one the CPU checked GEMM forms, bit for bit), so losses and parameters do not depend on sampling."""
-    never = {"sample_prob": 0.0, "coverage_steps": 10**9}
+    never = {"sample_prob": 0.0, "coverage_steps": None}
     la, pa, sa = train(3)
     lb, pb, sb = train(3, **never)
     assert sb["launches"] == sa["launches"] == 81 and sb["checked"] == 0 and sa["checked"] == 81
@@ -233,7 +233,7 @@ def test_a_layer_with_nothing_sampled_runs_torchs_own_linear(monkeypatch):
     model = gpt().to(torch.bfloat16)
     x, y = next(batches())
     want_loss, want_grads = loss_and_grads(model, x, y)
-    h = instrument(model, SensorConfig(sample_prob=0.0, overhead_budget=None, coverage_steps=10**9))
+    h = instrument(model, SensorConfig(sample_prob=0.0, overhead_budget=None, coverage_steps=None))
     loss, g = loss_and_grads(model, x, y)
     h.step()
     uninstrument(model)
@@ -256,7 +256,7 @@ def test_the_bias_inside_the_function_is_linears():
     from aegis_cli.sensors.linear import CheckedLinearFunction, _Site
 
     model = mlp()
-    h = instrument(model, SensorConfig(sample_prob=0.0, overhead_budget=None, coverage_steps=10**9))
+    h = instrument(model, SensorConfig(sample_prob=0.0, overhead_budget=None, coverage_steps=None))
     site = _Site(h, "probe")
     g = torch.Generator().manual_seed(2)
     x0, w0, b0 = (torch.randn(s, generator=g).to(torch.bfloat16) for s in ((3, 8, 32), (16, 32), (16,)))
