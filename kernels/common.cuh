@@ -25,6 +25,21 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// The GEMMs' bias epilogue: columns col, col + 1 of a bf16 output row plus their bias, added in
+// fp32 and rounded to bf16 as torch's bf16 add rounds (a bias past N reads as 0; col is even, so
+// a pair load is aligned when N is even).
+__device__ __forceinline__ __nv_bfloat162 bias_pair(__nv_bfloat162 v, const bf16* __restrict__ bias, int col, int N) {
+    float2 b = make_float2(0.f, 0.f);
+    if ((N & 1) == 0 && col + 1 < N) {
+        b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(bias + col));
+    } else {
+        if (col < N) b.x = __bfloat162float(bias[col]);
+        if (col + 1 < N) b.y = __bfloat162float(bias[col + 1]);
+    }
+    const float2 f = __bfloat1622float2(v);
+    return __floats2bfloat162_rn(__fadd_rn(f.x, b.x), __fadd_rn(f.y, b.y));
+}
+
 // ---- fault injection ------------------------------------------------------------
 // Host (aegis_cli/backends/cuda.py) turns a FaultPlan into this block. Element edits
 // are grouped per output tile (CSR: edit_off[tile] .. edit_off[tile+1]) so a CTA scans

@@ -127,9 +127,15 @@ __device__ __forceinline__ void wgmma_256(float* d, uint64_t da, uint64_t db, in
 // 32-bit store per pair wrote 16 bytes into each of 8 rows' sectors (Nsight Compute: 15.5 of 32
 // bytes used; the stores cost ~10 % of the kernel at K = 3584). Other N: one 32-bit store per
 // pair, or per element at odd N. d[n8*4 + h*2 + j] is row row0 + 8h, column col0 + 8·n8 + j.
-__device__ __forceinline__ void store_c(const float (&d)[128], bool odd, bf16* __restrict__ C, int M, int N, int row0,
-                                        int col0) {
-    auto pair = [&](int n8, int h) { return __floats2bfloat162_rn(d[n8 * 4 + h * 2], d[n8 * 4 + h * 2 + 1]); };
+// With ``bias`` (one bf16 per column, else null) each output is the rounded accumulator plus its
+// column's bias, rounded again: bf16(float(bf16(acc)) + float(bias)), the bits of torch's bf16 add
+// of the bias to this kernel's C, so fusing it changes no result (bias_pair).
+__device__ __forceinline__ void store_c(const float (&d)[128], bool odd, bf16* __restrict__ C, const bf16* __restrict__ bias,
+                                        int M, int N, int row0, int col0) {
+    auto pair = [&](int n8, int h) {
+        const __nv_bfloat162 v = __floats2bfloat162_rn(d[n8 * 4 + h * 2], d[n8 * 4 + h * 2 + 1]);
+        return bias ? bias_pair(v, bias, col0 + n8 * 8, N) : v;
+    };
     if ((N & 3) == 0) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -305,7 +311,8 @@ __device__ __forceinline__ void split3(float v, bf16* out) {  // v = hi + mid + 
 template <bool A_KMAJOR, bool B_KMAJOR>
 __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDesc* tmB, bf16* __restrict__ C,
                                                 float* __restrict__ row_sums, float* __restrict__ col_sums,
-                                                int* __restrict__ tile_sm, int M, int N, int K, const InjectParams& inj) {
+                                                int* __restrict__ tile_sm, const bf16* __restrict__ bias, int M, int N,
+                                                int K, const InjectParams& inj) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     // 1024-byte alignment for the 128B swizzle pattern
     const uint32_t raw = smem_u32(smem_raw);
@@ -565,7 +572,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
         // stores last (packed C held in registers) the checked kernel paid a point more at
         // K = 3584 and two at K = 1024 (benchmarks/RESULTS.md, "Cycles per tile").
 #ifndef AEGIS_NO_CSTORE  // experiment knob: time the kernel without its C stores (C left unwritten)
-        store_c(d, tig & 1, C, M, N, row0, col0);
+        store_c(d, tig & 1, C, bias, M, N, row0, col0);
 #endif
 #ifdef AEGIS_ROWS
         // row sums: one per (row h, 128-column half), in-thread, then over the 4 lanes of the row
@@ -702,8 +709,8 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
 #define AEGIS_WGMMA_ENTRY(NAME, AK, BK_)                                                                             \
     extern "C" __global__ void __launch_bounds__(NTHREADS, 1)                                                       \
         NAME(const __grid_constant__ TmaDesc tmA, const __grid_constant__ TmaDesc tmB, bf16* C, float* row_sums,    \
-             float* col_sums, int* tile_sm, int M, int N, int K, InjectParams inj) {                                \
-        gemm_wgmma_body<AK, BK_>(&tmA, &tmB, C, row_sums, col_sums, tile_sm, M, N, K, inj);                         \
+             float* col_sums, int* tile_sm, const bf16* bias, int M, int N, int K, InjectParams inj) {              \
+        gemm_wgmma_body<AK, BK_>(&tmA, &tmB, C, row_sums, col_sums, tile_sm, bias, M, N, K, inj);                   \
     }
 
 AEGIS_WGMMA_ENTRY(gemm_wgmma_fwd, true, true)      // A (M,K), B stored (N,K)

@@ -213,9 +213,11 @@ class CudaDevice(Device):
 
     # -- the checked GEMM ------------------------------------------------------------
     def prepare(self, a: torch.Tensor, b: torch.Tensor, layout: Layout, *, variant: str = "", kernel: str | None = None,
-                inject: InjectParams | None = None) -> _Launch:
+                inject: InjectParams | None = None, bias: torch.Tensor | None = None) -> _Launch:
         """Allocate outputs and pack one launch of C = A·B from the stored operands (no sync).
-        ``variant``: "" (checksums), "nosums" (benchmark baseline) or "inject"."""
+        ``variant``: "" (checksums), "nosums" (benchmark baseline) or "inject". ``bias`` (bf16, one
+        per column of C): C = bf16(bf16(A·B) + bias) in the epilogue, the bits of adding it to C
+        with torch; the checksums stay those of the accumulator, A·B (docs/kernels.md)."""
         ops = GemmOperands(a, b, layout)
         m, n, k = ops.mnk
         if max(m, n, k) > MAX_DIM:  # the kernels index and count k-blocks in 32-bit ints
@@ -230,9 +232,11 @@ class CudaDevice(Device):
         row_sums = torch.full(rs_shape, fill, device=dev) if fill else torch.empty(rs_shape, device=dev)
         col_sums = torch.full(cs_shape, fill, device=dev) if fill else torch.empty(cs_shape, device=dev)
         tile_sm = torch.full((cs_shape[0], rs_shape[1]), -1, dtype=torch.int32, device=dev)
+        bias = self._bias(bias, n)
         entry = layout.value
         func = _function(kind, entry, variant, self.index)
         outs = [ctypes.c_void_p(t.data_ptr()) for t in (c, row_sums, col_sums, tile_sm)]
+        outs.append(ctypes.c_void_p(bias.data_ptr() if bias is not None else 0))
         inj = inject if inject is not None else no_inject()
         if kind == "wgmma":
             a_box = (64, 128) if layout is not Layout.WGRAD else (64, 64)
@@ -249,8 +253,17 @@ class CudaDevice(Device):
             grid, block, smem = (-(-n // 128), -(-m // 128)), 256, _MMA_SMEM  # one CTA per 128x128 output tile
         if grid[1] > 65535:
             raise DeviceError(f"M = {m} exceeds the mma kernel's grid limit")
-        return _Launch(kind, func, grid, block, smem, args, keep=[a, b, c, row_sums, col_sums, tile_sm],
+        return _Launch(kind, func, grid, block, smem, args, keep=[a, b, c, row_sums, col_sums, tile_sm, bias],
                        stream=loader.current_stream(self.index), device_id=self.index, label=f"gemm_{kind} {layout.value} {m}x{n}x{k}")
+
+    def _bias(self, bias: torch.Tensor | None, n: int) -> torch.Tensor | None:
+        """The epilogue's bias as the kernels read it: N bf16 values on this device, 4-byte aligned."""
+        if bias is None:
+            return None
+        if bias.dtype != torch.bfloat16 or bias.device != self.torch_device or tuple(bias.shape) != (n,):
+            raise DeviceError(f"cuda:{self.index}: the GEMM's bias must be a bf16 vector of {n} on {self.torch_device}, "
+                              f"got {bias.dtype} {tuple(bias.shape)} on {bias.device}")
+        return bias if bias.is_contiguous() and bias.data_ptr() % 4 == 0 else torch.empty_like(bias, memory_format=torch.contiguous_format).copy_(bias)
 
     def kernel_for(self, a: torch.Tensor, b: torch.Tensor, k: int, kernel: str | None = None) -> str:
         """The kernel a launch will use: wgmma needs TMA-able operands (16-byte aligned rows)."""
