@@ -75,10 +75,25 @@ def _function(kind: str, entry: str, variant: str, device_id: int) -> int:
 
 
 _LIBCUDA = None
+_MAPS: dict[tuple, object] = {}  # encoded TMA descriptors by (device, address, shape, row stride, box)
+_MAPS_MAX = 4096  # a training step's distinct operands are a few hundred; beyond this the cache starts over
 
 
 def _tensor_map(t: torch.Tensor, box_inner: int, box_outer: int):
-    """128-byte TMA descriptor of a row-major bf16 matrix, 128B swizzle, zero fill outside."""
+    """128-byte TMA descriptor of a row-major bf16 matrix, 128B swizzle, zero fill outside. A
+    descriptor is a function of its key alone (it holds the address, not the tensor), and launches
+    copy it by value, so each key is encoded once (a ctypes driver call per operand per launch
+    otherwise: a training step launches the same few hundred operands every step)."""
+    key = (t.device.index, t.data_ptr(), *t.shape, t.stride(0), box_inner, box_outer)
+    desc = _MAPS.get(key)
+    if desc is None:
+        if len(_MAPS) >= _MAPS_MAX:
+            _MAPS.clear()
+        desc = _MAPS[key] = _encode_map(t, box_inner, box_outer)
+    return desc
+
+
+def _encode_map(t: torch.Tensor, box_inner: int, box_outer: int):
     global _LIBCUDA
     if _LIBCUDA is None:
         _LIBCUDA = ctypes.CDLL("libcuda.so.1")
@@ -231,7 +246,9 @@ class CudaDevice(Device):
         rs_shape, cs_shape = (m, -(-n // tn)), (-(-m // tm), n)
         row_sums = torch.full(rs_shape, fill, device=dev) if fill else torch.empty(rs_shape, device=dev)
         col_sums = torch.full(cs_shape, fill, device=dev) if fill else torch.empty(cs_shape, device=dev)
-        tile_sm = torch.full((cs_shape[0], rs_shape[1]), -1, dtype=torch.int32, device=dev)
+        # every tile's SM is written by the kernel: filled (with -1) only when poisoning, as C is
+        ts_shape = (cs_shape[0], rs_shape[1])
+        tile_sm = torch.full(ts_shape, -1, dtype=torch.int32, device=dev) if fill else torch.empty(ts_shape, dtype=torch.int32, device=dev)
         bias = self._bias(bias, n)
         entry = layout.value
         func = _function(kind, entry, variant, self.index)

@@ -1,7 +1,10 @@
 """Tier 2 (GPU): the checked GEMMs' bias epilogue (``CudaDevice.prepare(bias=…)``) gives the bits of
-torch's bf16 add of the bias to the kernel's C, and leaves C's checksums those of A·B."""
+torch's bf16 add of the bias to the kernel's C, and leaves C's checksums those of A·B; the cached
+TMA descriptors are the ones a fresh encoding gives."""
 
 from __future__ import annotations
+
+import ctypes
 
 import pytest
 import torch
@@ -56,10 +59,11 @@ def test_bias_epilogue_is_torchs_add_and_keeps_the_sums(dev, layout, shape):
         dev.poison = False
     assert fused.kernel == plain.kernel
     c0, rs0, cs0, _ = plain.outputs
-    c1, rs1, cs1, _ = fused.outputs
+    c1, rs1, cs1, sm1 = fused.outputs
     assert torch.equal(_bits(c1), _bits(c0 + bias))
     assert not torch.equal(_bits(c1), _bits(c0))  # the bias is there
     assert torch.equal(_bits(rs1), _bits(rs0)) and torch.equal(_bits(cs1), _bits(cs0))
+    assert int(sm1.min()) >= 0  # every tile's SM written (tile_sm is no longer filled first)
 
 
 def test_a_bias_of_the_wrong_shape_or_dtype_is_refused(dev):
@@ -69,3 +73,19 @@ def test_a_bias_of_the_wrong_shape_or_dtype_is_refused(dev):
                  torch.zeros(48, dtype=torch.float32, device=dev.torch_device), torch.zeros(48, dtype=torch.bfloat16)):
         with pytest.raises(DeviceError, match="bias"):
             dev.prepare(a, b, Layout.FWD, bias=bias)
+
+
+def test_cached_tensor_maps_are_the_encoded_ones():
+    from aegis_cli.backends import cuda
+
+    if "wgmma" not in _kernels():
+        pytest.skip("TMA needs sm_90")
+    x = torch.zeros(512, 256, dtype=torch.bfloat16, device="cuda:0")
+    first = cuda._tensor_map(x, 64, 128)
+    assert cuda._tensor_map(x, 64, 128) is first  # the same key: encoded once
+    fresh = cuda._encode_map(x, 64, 128)
+    assert bytes(first) == bytes(fresh)
+    other = cuda._tensor_map(x[128:], 64, 128)  # another address and shape: another descriptor
+    assert other is not first and bytes(other) == bytes(cuda._encode_map(x[128:], 64, 128))
+    assert bytes(cuda._tensor_map(x, 64, 64)) != bytes(first)  # the box is part of the key
+    assert ctypes.addressof(first) % 64 == 0
