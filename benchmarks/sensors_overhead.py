@@ -327,7 +327,8 @@ def run(args) -> dict:
         part(result, "warmup", warmup)
         part(result, "interleaved", interleaved)
         if args.profile > 0:
-            part(result, "profile", lambda: sensors_profile.run(bench, {m: configs(args)[m] for m in args.profile_modes}, args.profile, counter))
+            profiled = {m: configs(args)[sensors_profile.EXPERIMENTS.get(m, m)] for m in args.profile_modes}
+            part(result, "profile", lambda: sensors_profile.run(bench, profiled, args.profile, counter))
         if args.noise_steps > 0:
             part(result, "noise", lambda: noise_study(bench, args.noise_steps, counter))
         if args.clean_steps > 0:

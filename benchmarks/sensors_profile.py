@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import json
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -143,9 +145,70 @@ def fresh_device_seconds() -> float:
     return time.perf_counter() - t0
 
 
+# experiment modes: the config of the mode each varies (sensors_overhead builds the configs)
+EXPERIMENTS = {"nosums": "kernels"}
+
+
+@contextlib.contextmanager
+def _variant(mode: str):
+    """``nosums`` (experiment): the pinned step on the kernels' AEGIS_NOSUMS build, C alone, so the
+    checksums' share of the pinned GEMMs' time in the step shows; any other mode as it is."""
+    if mode != "nosums":
+        yield
+        return
+    from aegis_cli.backends.cuda import CudaDevice
+
+    prepare = CudaDevice.prepare
+    CudaDevice.prepare = functools.partialmethod(prepare, variant="nosums")
+    try:
+        yield
+    finally:
+        CudaDevice.prepare = prepare
+
+
+class _Clocks:
+    """SM clock and power sampled by NVML every 10 ms on a thread while a mode's steps run: whether
+    a mode runs the GPU at other clocks (power capping) than plain."""
+
+    def __init__(self, bench):
+        from aegis_cli.backends import get_backend
+        from aegis_cli.backends.nvml import Telemetry
+
+        self.tel = Telemetry(get_backend("cuda").device(0).identity) if bench.dev.type == "cuda" else None
+        self.samples: list[dict] = []
+        self._stop = threading.Event()
+
+    def __enter__(self):
+        if self.tel is not None and self.tel.available:
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def _run(self):
+        while not self._stop.wait(0.01):
+            r = self.tel.read()
+            if r:
+                self.samples.append(r)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        if self.tel is not None and self.tel.available:
+            self._thread.join()
+            self.tel.close()
+
+    def summary(self) -> dict:
+        xs = self.samples
+        if not xs:
+            return {}
+        mean = lambda k: statistics.fmean(x[k] for x in xs if x[k] is not None) if any(x[k] is not None for x in xs) else None
+        capped = sum(any("power" in t.lower() for t in (x["throttle"] or [])) for x in xs) / len(xs)
+        return {"samples": len(xs), "sm_clock_mhz": mean("sm_clock_mhz"), "power_w": mean("power_w"), "power_capped": capped}
+
+
 def run(bench, modes: dict, steps: int, counter) -> dict:
     """Profile ``steps`` steps of each mode (name → SensorConfig, None for plain; ``drained`` drains
-    the device at the step boundary, ``kernels`` runs pinned); attribute and compare with plain."""
+    the device at the step boundary, ``kernels`` runs pinned, ``nosums`` pinned on the plain build);
+    attribute and compare with plain."""
     from aegis_cli.sensors import instrument, uninstrument
 
     cuda = bench.dev.type == "cuda"
@@ -158,17 +221,21 @@ def run(bench, modes: dict, steps: int, counter) -> dict:
         handle = instrument(bench.model, cfg) if cfg is not None else None
 
         def step(handle=handle, mode=mode):
-            with handle.pin() if mode == "kernels" else contextlib.nullcontext():
+            with handle.pin() if mode in ("kernels", "nosums") else contextlib.nullcontext():
                 bench.step(next(counter), handle, mode == "drained", _annotated)
 
         try:
-            for _ in range(2):  # unprofiled: the handle's first steps
-                step()
-            checked0 = handle.stats.checked if handle else 0
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for _ in range(steps):
+            with _variant(mode):
+                for _ in range(2):  # unprofiled: the handle's first steps
                     step()
-            checks = (handle.stats.checked - checked0) if handle else 0
+                with _Clocks(bench) as clocks:  # unprofiled too: the clocks of the mode's own steps
+                    for _ in range(steps):
+                        step()
+                checked0 = handle.stats.checked if handle else 0
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    for _ in range(steps):
+                        step()
+                checks = (handle.stats.checked - checked0) if handle else 0
         finally:
             if handle is not None:
                 uninstrument(bench.model)
@@ -176,7 +243,7 @@ def run(bench, modes: dict, steps: int, counter) -> dict:
         prof.export_chrome_trace(str(path))
         rows = attribute(json.loads(path.read_text()))
         path.unlink()
-        out["modes"][mode] = {**summarise(rows), "checks_per_step": checks / steps}
+        out["modes"][mode] = {**summarise(rows), "checks_per_step": checks / steps, "clocks": clocks.summary()}
     plain = out["modes"]["plain"]
     for mode in out["modes"]:
         if mode == "plain":
@@ -200,20 +267,18 @@ def _or_error(fn, *args) -> dict:
 
 
 def host_costs(bench, reps: int = 200) -> dict:
-    """Host µs of one checked launch by part, on the model's largest forward GEMM shape (mlp.fc's),
-    and of torch's matmul of the same operands: the parts of ``CudaDevice.prepare`` (the two tensor
-    maps, the four outputs), the driver launch of a prepared launch, ``sense.launch`` whole, and
-    ``sense.run_gemm`` pinned (what a Linear's GEMM costs the host in the pinned step)."""
+    """Host µs of one checked launch by part, and of torch's matmul of the same operands: the parts of
+    ``CudaDevice.prepare`` (a tensor map, the four outputs), the driver launch of a prepared launch,
+    ``sense.launch`` whole, and ``sense.run_gemm`` pinned (what a Linear's GEMM costs the host in the
+    pinned step). On a small forward GEMM, so that the GPU keeps up and the host's time is what is timed."""
     from aegis_cli.backends import cuda, get_backend
     from aegis_cli.ops.gemm import GemmOperands, Layout
     from aegis_cli.sensors import SensorConfig, instrument, sense, uninstrument
 
     dev = get_backend("cuda").device(0)
-    tokens = bench.batches[0][0].numel()
-    fin = bench.cfg.dim
     g = torch.Generator(device=bench.dev).manual_seed(5)
-    a = torch.randn(tokens, fin, generator=g, device=bench.dev).to(torch.bfloat16)
-    b = (torch.randn(4 * fin, fin, generator=g, device=bench.dev) * 0.02).to(torch.bfloat16)
+    a = torch.randn(256, 256, generator=g, device=bench.dev).to(torch.bfloat16)
+    b = (torch.randn(512, 256, generator=g, device=bench.dev) * 0.02).to(torch.bfloat16)
     ops = GemmOperands(a, b, Layout.FWD)
     m, n, _ = ops.mnk
     prepared = dev.prepare(a, b, Layout.FWD)
@@ -224,16 +289,18 @@ def host_costs(bench, reps: int = 200) -> dict:
         with handle.pin():
             sense.run_gemm(handle, "host", Layout.FWD, a, b, False)
 
-    parts = {"tensor map (one operand)": lambda: cuda._tensor_map(a, 64, 128),
+    parts = {"tensor map (one operand, cached)": lambda: cuda._tensor_map(a, 64, 128),
+             "encode a tensor map": lambda: cuda._encode_map(a, 64, 128),
              "outputs (C, sums, tile→SM)": lambda: (torch.empty((m, n), dtype=torch.bfloat16, device=bench.dev),
                                                     torch.empty((m, -(-n // 128)), device=bench.dev),
                                                     torch.empty((-(-m // 64), n), device=bench.dev),
-                                                    torch.full((-(-m // 64), -(-n // 128)), -1, dtype=torch.int32, device=bench.dev)),
+                                                    torch.empty((-(-m // 64), -(-n // 128)), dtype=torch.int32, device=bench.dev)),
              "prepare": lambda: dev.prepare(a, b, Layout.FWD),
              "driver launch (prepared)": prepared.run,
              "sense.launch": lambda: sense.launch(dev, ops, None, "train/host"),
              "run_gemm pinned": pinned,
-             "torch.matmul (cuBLAS)": lambda: torch.matmul(a, b.t())}
+             "torch.matmul (cuBLAS)": lambda: torch.matmul(a, b.t()),
+             "torch.nn.functional.linear": lambda: torch.nn.functional.linear(a, b)}
     out = {}
     try:
         for name, fn in parts.items():
@@ -257,11 +324,12 @@ def table(prof: dict) -> list[str]:
     fresh = prof["fresh_device_s"]
     lines = [f"profile (torch.profiler, {prof['modes']['plain']['steps']} steps a mode; ms a step)"
              + (f": a fresh CUDA Device costs {1e3 * fresh:.1f} ms of host time" if fresh is not None else "")]
-    lines.append("mode      wall     busy   idle   checks  kernels  host fwd/bwd/sensors/opt")
+    lines.append("mode      wall     busy   idle   checks  kernels  host fwd/bwd/sensors/opt   SM MHz  W  power-capped")
     for mode, m in prof["modes"].items():
-        h = m["host_ms"]
+        h, c = m["host_ms"], m.get("clocks") or {}
+        clk = (f"   {c['sm_clock_mhz'] or 0:6.0f} {c['power_w'] or 0:4.0f}  {100 * c['power_capped']:.0f}%" if c else "")
         lines.append(f"{mode:<8} {m['wall_ms']:7.2f} {m['busy_ms']:8.2f} {sum(m['idle_ms'].values()):6.2f} {m['checks_per_step']:7.2f} "
-                     f"{m['kernels']:8.0f}  {h['fwd']:.1f}/{h['bwd']:.1f}/{h['sensors']:.2f}/{h['opt']:.2f}")
+                     f"{m['kernels']:8.0f}  {h['fwd']:.1f}/{h['bwd']:.1f}/{h['sensors']:.2f}/{h['opt']:.2f}{clk}")
     for mode in prof["modes"]:
         x = prof["modes"][mode].get("extra_ms")
         if not x:
