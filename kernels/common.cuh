@@ -25,19 +25,18 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// The GEMMs' bias epilogue: columns col, col + 1 of a bf16 output row plus their bias, added in
-// fp32 and rounded to bf16 as torch's bf16 add rounds (a bias past N reads as 0; col is even, so
-// a pair load is aligned when N is even).
-__device__ __forceinline__ __nv_bfloat162 bias_pair(__nv_bfloat162 v, const bf16* __restrict__ bias, int col, int N) {
-    float2 b = make_float2(0.f, 0.f);
-    if ((N & 1) == 0 && col + 1 < N) {
-        b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(bias + col));
-    } else {
-        if (col < N) b.x = __bfloat162float(bias[col]);
-        if (col + 1 < N) b.y = __bfloat162float(bias[col + 1]);
-    }
-    const float2 f = __bfloat1622float2(v);
-    return __floats2bfloat162_rn(__fadd_rn(f.x, b.x), __fadd_rn(f.y, b.y));
+// The GEMMs' bias epilogue (docs/kernels.md): bias_load reads the bias of columns col, col + 1
+// (0 past N; col is even, so the pair load is aligned when N is even); bias_add adds a pair of them
+// to a pair of outputs already rounded to bf16, in fp32, rounding to bf16 again: the bits of
+// torch's bf16 add of the bias to C.
+__device__ __forceinline__ __nv_bfloat162 bias_load(const bf16* __restrict__ bias, int col, int N) {
+    if ((N & 1) == 0 && col + 1 < N) return *reinterpret_cast<const __nv_bfloat162*>(bias + col);
+    const bf16 zero = __float2bfloat16_rn(0.f);
+    return __halves2bfloat162(col < N ? bias[col] : zero, col + 1 < N ? bias[col + 1] : zero);
+}
+__device__ __forceinline__ __nv_bfloat162 bias_add(__nv_bfloat162 v, __nv_bfloat162 b) {
+    const float2 f = __bfloat1622float2(v), g = __bfloat1622float2(b);
+    return __floats2bfloat162_rn(__fadd_rn(f.x, g.x), __fadd_rn(f.y, g.y));
 }
 
 // ---- fault injection ------------------------------------------------------------

@@ -250,7 +250,7 @@ __device__ __forceinline__ void gemm_mma_body(const bf16* __restrict__ A, const 
 #endif
     if (threadIdx.x < 2 && (2 * bm + (int)threadIdx.x) * CTM < M) tile_sm[(2 * bm + threadIdx.x) * tiles_n + bn] = smid;
 
-    // bf16 output (plus the column's bias when given: bias_pair); pairs as one 32-bit store when
+    // bf16 output (plus the column's bias when given: bias_add); pairs as one 32-bit store when
     // both columns exist and are aligned
     const bool pair_ok = (N & 1) == 0;
 #pragma unroll
@@ -264,7 +264,7 @@ __device__ __forceinline__ void gemm_mma_body(const bf16* __restrict__ A, const 
                 if (r >= M) continue;
                 bf16* dst = C + (long long)r * N + c;
                 __nv_bfloat162 v = __floats2bfloat162_rn(acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);
-                if (bias) v = bias_pair(v, bias, c, N);
+                if (bias) v = bias_add(v, bias_load(bias, c, N));
                 if (pair_ok && c + 1 < N) {
                     *reinterpret_cast<__nv_bfloat162*>(dst) = v;
                 } else {

@@ -52,13 +52,13 @@ CUDA_NOISE = {"wgmma": numerics.NoiseModel(unit=8e-9, power=1.0, cap=numerics.S_
 CTA_TILES = {"wgmma": (2, 2), "mma": (2, 1)}  # checksum tiles per CTA tile (128x256, 128x128)
 _MMA_SMEM = 3 * 2 * (128 * 40) * 2  # STAGES · (A + B) · stage elements · 2 B (gemm_mma.cu)
 _WGMMA_STAGES = 4
-_WGMMA_SMEM = _WGMMA_STAGES * (128 * 64 * 2 + 256 * 64 * 2) + 16 * _WGMMA_STAGES + 2 * 8 * 256 * 4 + 1024
+_WGMMA_SMEM = _WGMMA_STAGES * (128 * 64 * 2 + 256 * 64 * 2) + 16 * _WGMMA_STAGES + 2 * 8 * 256 * 4 + 2 * 2 * 256 * 2 + 1024
 WGMMA_DEFINES: dict[str, object] = {}  # extra -D for gemm_wgmma.cu (experiments)
 MAX_DIM = (1 << 31) - (1 << 16)  # M, N, K: room for the kernels' 32-bit (K + BK - 1) / BK
 
 
 def _wgmma_smem() -> int:
-    """The wgmma kernel's dynamic shared memory: the ring and its scratch, plus the row check's
+    """The wgmma kernel's dynamic shared memory: the ring, its scratch and the staged bias, plus the row check's
     selector and checksum columns (gemm_wgmma.cu ABFT_SMEM) in the AEGIS_ABFT_ROWS experiment build."""
     return _WGMMA_SMEM + (6 * 1024 if "AEGIS_ABFT_ROWS" in WGMMA_DEFINES else 0)
 

@@ -334,7 +334,7 @@ def run_gemm(h, layer: str, layout: Layout, a: torch.Tensor, b: torch.Tensor, sa
     on sampling (a fault plan, a pinned region). Returns C (bf16) on ``a``'s device, plus ``bias``
     (bf16, on that device) when given: in the checked kernel's epilogue where nothing reads C itself
     (an unsampled pinned launch on CUDA without a fault plan: no comparison, no verifier), else
-    by torch's add after it; the same bits either way (kernels/common.cuh ``bias_pair``)."""
+    by torch's add after it; the same bits either way (kernels/common.cuh ``bias_add``)."""
     device = h.device_for(a)
     home = a.device
     ops = GemmOperands(a, b, layout)

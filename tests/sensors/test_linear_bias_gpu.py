@@ -26,9 +26,10 @@ def _step(cfg: dict, dtype: torch.dtype, autocast: bool):
     gy = torch.randn(2, 150, 1000, device="cuda:0").to(torch.bfloat16)
     h = instrument(lin, SensorConfig(**cfg))
     try:
-        with h.pin(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            y = lin(x)
-        y.backward(gy)
+        with h.pin():  # forward and backward, as in a pinned step
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                y = lin(x)
+            y.backward(gy)
         h.step()
     finally:
         uninstrument(lin)
