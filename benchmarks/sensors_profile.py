@@ -145,25 +145,34 @@ def fresh_device_seconds() -> float:
     return time.perf_counter() - t0
 
 
-# experiment modes: the config of the mode each varies (sensors_overhead builds the configs)
-EXPERIMENTS = {"nosums": "kernels"}
+# experiment modes, all pinned: the config of the mode each varies (sensors_overhead builds the configs)
+EXPERIMENTS = {"nosums": "kernels", "nosync": "kernels"}
+PINNED = ("kernels", *EXPERIMENTS)
 
 
 @contextlib.contextmanager
 def _variant(mode: str):
-    """``nosums`` (experiment): the pinned step on the kernels' AEGIS_NOSUMS build, C alone, so the
-    checksums' share of the pinned GEMMs' time in the step shows; any other mode as it is."""
-    if mode != "nosums":
+    """Experiments on the pinned step. ``nosums``: the kernels' AEGIS_NOSUMS build, C alone, so the
+    checksums' share of the pinned GEMMs' time in the step shows. ``nosync``: the step boundary
+    does not synchronise the device after pinned launches (``SensorHandle.enqueued`` reads False),
+    so what that drain costs shows. Any other mode as it is."""
+    if mode not in EXPERIMENTS:
         yield
         return
     from aegis_cli.backends.cuda import CudaDevice
+    from aegis_cli.sensors.handle import SensorHandle
 
     prepare = CudaDevice.prepare
-    CudaDevice.prepare = functools.partialmethod(prepare, variant="nosums")
+    if mode == "nosums":
+        CudaDevice.prepare = functools.partialmethod(prepare, variant="nosums")
+    else:  # a data descriptor outranks the instance's own attribute; deleted after, that shows again
+        SensorHandle.enqueued = property(lambda self: False, lambda self, value: None)
     try:
         yield
     finally:
         CudaDevice.prepare = prepare
+        if mode == "nosync":
+            del SensorHandle.enqueued
 
 
 class _Clocks:
@@ -207,7 +216,7 @@ class _Clocks:
 
 def run(bench, modes: dict, steps: int, counter) -> dict:
     """Profile ``steps`` steps of each mode (name → SensorConfig, None for plain; ``drained`` drains
-    the device at the step boundary, ``kernels`` runs pinned, ``nosums`` pinned on the plain build);
+    the device at the step boundary, ``kernels`` runs pinned, ``EXPERIMENTS`` vary it: ``_variant``);
     attribute and compare with plain."""
     from aegis_cli.sensors import instrument, uninstrument
 
@@ -221,7 +230,7 @@ def run(bench, modes: dict, steps: int, counter) -> dict:
         handle = instrument(bench.model, cfg) if cfg is not None else None
 
         def step(handle=handle, mode=mode):
-            with handle.pin() if mode in ("kernels", "nosums") else contextlib.nullcontext():
+            with handle.pin() if mode in PINNED else contextlib.nullcontext():
                 bench.step(next(counter), handle, mode == "drained", _annotated)
 
         try:
