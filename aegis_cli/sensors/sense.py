@@ -311,6 +311,29 @@ def resolve(h) -> None:
                       lambda p=p: GemmContext(p.device, h.fault_for(p.device), *snapshot(p.ops, p.res), p.layer, p.tau, p.floor))
 
 
+def settle_pinned(h, devices: list[Device], drain: bool = False) -> None:
+    """Surface failures of the unsampled checked kernels that pinned regions only enqueued, at a step
+    boundary but without draining the device: wait for the events recorded at the previous boundary
+    (that step's kernels: in a running loop, a step behind the GPU's work) and record this step's,
+    so a fault while one of them ran surfaces one boundary later, as a DeviceError naming the
+    device. ``drain``: wait for this step's at once (``flush``, ``close``)."""
+    for dev, event in h.pinned_marks:
+        dev.wait(event)
+    h.pinned_marks = []
+    if not h.enqueued:
+        return
+    h.enqueued = False
+    for dev in devices:
+        if not isinstance(dev, CudaDevice):  # the CPU's launches ran already
+            continue
+        if drain:
+            dev.synchronize()
+        else:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(dev.torch_device))
+            h.pinned_marks.append((dev, event))
+
+
 def launch(device: Device, ops: GemmOperands, fault: FaultPlan | None, site: str, bias: torch.Tensor | None = None) -> GemmResult:
     """The device's checked GEMM. On CUDA without a fault plan: enqueued on torch's current stream
     and returned at once (its outputs are ready in stream order, as any torch op's are). ``bias``
@@ -355,7 +378,7 @@ def run_gemm(h, layer: str, layout: Layout, a: torch.Tensor, b: torch.Tensor, sa
         res = launch(device, ops, fault, site, bias if fused else None)
         if sampled:  # its failures surface when resolve waits for its comparison
             sense(h, device, layer, ops, res, site, key)
-        else:  # pinned: its failures surface at the step boundary's synchronisation
+        else:  # pinned: its failures surface at a step boundary (settle_pinned)
             h.enqueued = True
     return res.c.to(home) if fused else _plus(res.c.to(home), bias)
 
