@@ -204,11 +204,12 @@ def test_step_boundary_waits_for_the_checks_not_for_the_device():
 
 @gpu
 def test_pinned_kernels_surface_a_boundary_later_without_draining():
-    """Checkpointed blocks run every GEMM on the checked kernel (pinned), nothing sampled: the boundary
+    """Fingerprinted blocks run every GEMM on the checked kernel (pinned), no GEMM sampled: the boundary
     records an event after them instead of synchronising (work queued after the step still runs when
     step() returns), and the next boundary waits for it; flush waits for the last."""
     model = cuda_gpt(checkpointing=True)
     h = instrument(model, SensorConfig(sample_prob=0.0, overhead_budget=None, coverage_steps=None))
+    h.controller.want = lambda op: op.startswith("ckpt/")  # every region fingerprinted, no GEMM sampled
     data = batches(CFG, 8)
     for _ in range(2):
         x, y = on_cuda(next(data))
