@@ -326,7 +326,8 @@ def run(args) -> dict:
         part(result, "warmup", warmup)
         part(result, "interleaved", interleaved)
         if args.profile > 0:
-            part(result, "profile", lambda: sensors_profile.run(bench, sampled_config(args), args.profile, counter))
+            profiled = {m: configs(args)[sensors_profile.EXPERIMENTS.get(m, m)] for m in args.profile_modes}
+            part(result, "profile", lambda: sensors_profile.run(bench, profiled, args.profile, counter))
         if args.noise_steps > 0:
             part(result, "noise", lambda: noise_study(bench, args.noise_steps, counter))
         if args.clean_steps > 0:
@@ -408,7 +409,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--clean-steps", type=int, default=1000, help="steps of the clean run (0: none)")
     p.add_argument("--clean-config", choices=("default", "coverage"), default="default",
                    help="the clean run's config: SensorConfig() or each operator exactly once per 100 steps")
-    p.add_argument("--profile", type=int, default=0, help="steps of plain, sampled and drained each under torch.profiler (0: none)")
+    p.add_argument("--profile", type=int, default=0, help="steps of plain and each --profile-modes mode under torch.profiler (0: none)")
+    p.add_argument("--profile-modes", type=lambda v: v.split(","), default=["sampled", "drained"], help="modes profiled beside plain")
     p.add_argument("--noise-steps", type=int, default=0, help="steps of the clean-noise study, every launch checked (0: none)")
     p.add_argument("--time-budget", type=float, default=240.0, help="seconds for the whole run: the clean run stops there")
     p.add_argument("--lr", type=float, default=3e-4)

@@ -25,6 +25,20 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
+// The GEMMs' bias epilogue (docs/kernels.md): bias_load reads the bias of columns col, col + 1
+// (0 past N; col is even, so the pair load is aligned when N is even); bias_add adds a pair of them
+// to a pair of outputs already rounded to bf16, in fp32, rounding to bf16 again: the bits of
+// torch's bf16 add of the bias to C.
+__device__ __forceinline__ __nv_bfloat162 bias_load(const bf16* __restrict__ bias, int col, int N) {
+    if ((N & 1) == 0 && col + 1 < N) return *reinterpret_cast<const __nv_bfloat162*>(bias + col);
+    const bf16 zero = __float2bfloat16_rn(0.f);
+    return __halves2bfloat162(col < N ? bias[col] : zero, col + 1 < N ? bias[col + 1] : zero);
+}
+__device__ __forceinline__ __nv_bfloat162 bias_add(__nv_bfloat162 v, __nv_bfloat162 b) {
+    const float2 f = __bfloat1622float2(v), g = __bfloat1622float2(b);
+    return __floats2bfloat162_rn(__fadd_rn(f.x, g.x), __fadd_rn(f.y, g.y));
+}
+
 // ---- fault injection ------------------------------------------------------------
 // Host (aegis_cli/backends/cuda.py) turns a FaultPlan into this block. Element edits
 // are grouped per output tile (CSR: edit_off[tile] .. edit_off[tile+1]) so a CTA scans

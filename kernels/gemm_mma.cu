@@ -95,8 +95,8 @@ __device__ __forceinline__ void load_tile(bf16* s, const bf16* g, int r0, int k0
 template <bool A_KMAJOR, bool B_KMAJOR>
 __device__ __forceinline__ void gemm_mma_body(const bf16* __restrict__ A, const bf16* __restrict__ B, bf16* __restrict__ C,
                                               float* __restrict__ row_sums, float* __restrict__ col_sums,
-                                              int* __restrict__ tile_sm, int M, int N, int K, long long lda, long long ldb,
-                                              int vec_a, int vec_b, const InjectParams& inj) {
+                                              int* __restrict__ tile_sm, const bf16* __restrict__ bias, int M, int N, int K,
+                                              long long lda, long long ldb, int vec_a, int vec_b, const InjectParams& inj) {
     extern __shared__ __align__(16) unsigned char smem_raw[];
     bf16* sA = reinterpret_cast<bf16*>(smem_raw);
     bf16* sB = sA + STAGES * STAGE_ELEMS;
@@ -250,7 +250,8 @@ __device__ __forceinline__ void gemm_mma_body(const bf16* __restrict__ A, const 
 #endif
     if (threadIdx.x < 2 && (2 * bm + (int)threadIdx.x) * CTM < M) tile_sm[(2 * bm + threadIdx.x) * tiles_n + bn] = smid;
 
-    // bf16 output; pairs as one 32-bit store when both columns exist and are aligned
+    // bf16 output (plus the column's bias when given: bias_add); pairs as one 32-bit store when
+    // both columns exist and are aligned
     const bool pair_ok = (N & 1) == 0;
 #pragma unroll
     for (int mi = 0; mi < 4; ++mi)
@@ -262,21 +263,22 @@ __device__ __forceinline__ void gemm_mma_body(const bf16* __restrict__ A, const 
                 int c = n0 + wn * 32 + ni * 8 + 2 * tig;
                 if (r >= M) continue;
                 bf16* dst = C + (long long)r * N + c;
-                float v0 = acc[mi][ni][2 * h], v1 = acc[mi][ni][2 * h + 1];
+                __nv_bfloat162 v = __floats2bfloat162_rn(acc[mi][ni][2 * h], acc[mi][ni][2 * h + 1]);
+                if (bias) v = bias_add(v, bias_load(bias, c, N));
                 if (pair_ok && c + 1 < N) {
-                    *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(v0, v1);
+                    *reinterpret_cast<__nv_bfloat162*>(dst) = v;
                 } else {
-                    if (c < N) dst[0] = __float2bfloat16_rn(v0);
-                    if (c + 1 < N) dst[1] = __float2bfloat16_rn(v1);
+                    if (c < N) dst[0] = __low2bfloat16(v);
+                    if (c + 1 < N) dst[1] = __high2bfloat16(v);
                 }
             }
 }
 
 #define AEGIS_MMA_ENTRY(NAME, AK, BK)                                                                              \
     extern "C" __global__ void __launch_bounds__(NTHREADS) NAME(                                                  \
-        const bf16* A, const bf16* B, bf16* C, float* row_sums, float* col_sums, int* tile_sm, int M, int N, int K, \
-        long long lda, long long ldb, int vec_a, int vec_b, InjectParams inj) {                                   \
-        gemm_mma_body<AK, BK>(A, B, C, row_sums, col_sums, tile_sm, M, N, K, lda, ldb, vec_a, vec_b, inj);        \
+        const bf16* A, const bf16* B, bf16* C, float* row_sums, float* col_sums, int* tile_sm, const bf16* bias,     \
+        int M, int N, int K, long long lda, long long ldb, int vec_a, int vec_b, InjectParams inj) {              \
+        gemm_mma_body<AK, BK>(A, B, C, row_sums, col_sums, tile_sm, bias, M, N, K, lda, ldb, vec_a, vec_b, inj);  \
     }
 
 AEGIS_MMA_ENTRY(gemm_mma_fwd, true, true)     // A (M,K), B stored (N,K)

@@ -139,9 +139,17 @@ __device__ __forceinline__ void wgmma_256(float* d, uint64_t da, uint64_t db, in
 // 32-bit store per pair wrote 16 bytes into each of 8 rows' sectors (Nsight Compute: 15.5 of 32
 // bytes used; the stores cost ~10 % of the kernel at K = 3584). Other N: one 32-bit store per
 // pair, or per element at odd N. d[n8*4 + h*2 + j] is row row0 + 8h, column col0 + 8·n8 + j.
-__device__ __forceinline__ void store_c(const float (&d)[128], bool odd, bf16* __restrict__ C, int M, int N, int row0,
-                                        int col0) {
-    auto pair = [&](int n8, int h) { return __floats2bfloat162_rn(d[n8 * 4 + h * 2], d[n8 * 4 + h * 2 + 1]); };
+// With ``sbias`` (the tile's 256 column biases staged in shared memory, else null) each output is
+// the rounded accumulator plus its column's bias, rounded again: bf16(float(bf16(acc)) + float(bias)),
+// the bits of torch's bf16 add of the bias to this kernel's C (bias_add). Staged once per tile by
+// the consumer warpgroup (one pair per thread, loaded during the main loop): per-element loads
+// from global memory here, in the latency-bound phase 1, cost the forward 25 % (H200, in the step).
+__device__ __forceinline__ void store_c(const float (&d)[128], bool odd, bf16* __restrict__ C, const __nv_bfloat162* sbias,
+                                        int M, int N, int row0, int col0) {
+    auto pair = [&](int n8, int h) {
+        const __nv_bfloat162 v = __floats2bfloat162_rn(d[n8 * 4 + h * 2], d[n8 * 4 + h * 2 + 1]);
+        return sbias ? bias_add(v, sbias[((col0 % BN) >> 1) + n8 * 4]) : v;
+    };
     if ((N & 3) == 0) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -238,8 +246,8 @@ __device__ __forceinline__ void burn(float seed, float* sink) {
 // m64n8k16 a stage with the B stage as the A operand (its 64 k as rows, 256 n as the reduction)
 // and a selector of ones as B (A's stage stands in for it here), each consumer for itself (with
 // _COLS also A's tile sums over its 64 rows, one more a k16). They
-// read the stages' own bf16 data and accumulate into registers nothing reads: C and the sums are
-// the plain build's.
+// read the stages' own bf16 data and accumulate into registers only a never-true test reads (ptxas
+// drops an MMA whose result nothing reads): C and the sums are the plain build's.
 template <int TA, int TB>
 __device__ __forceinline__ void wgmma_n8(float* e, uint64_t da, uint64_t db, int scale_d = 1) {
     asm volatile(
@@ -320,7 +328,8 @@ __device__ __forceinline__ void split3(float v, bf16* out) {  // v = hi + mid + 
 template <bool A_KMAJOR, bool B_KMAJOR>
 __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDesc* tmB, bf16* __restrict__ C,
                                                 float* __restrict__ row_sums, float* __restrict__ col_sums,
-                                                int* __restrict__ tile_sm, int M, int N, int K, const InjectParams& inj ABFT_PRE_PARAM) {
+                                                int* __restrict__ tile_sm, const bf16* __restrict__ bias, int M, int N,
+                                                int K, const InjectParams& inj ABFT_PRE_PARAM) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
     // 1024-byte alignment for the 128B swizzle pattern
     const uint32_t raw = smem_u32(smem_raw);
@@ -330,11 +339,13 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
     uint64_t* bars = reinterpret_cast<uint64_t*>(smem + STAGES * (A_STAGE_BYTES + B_STAGE_BYTES));
     float* red_col = reinterpret_cast<float*>(bars + 2 * STAGES);  // [2 tile parities][8 consumer warps][BN]
     (void)red_col;  // unused in the -DAEGIS_NOSUMS build
+    // the bias of a tile's columns, [2 consumers][2 tile parities][BN / 2 pairs] (with a bias only)
+    __nv_bfloat162* sbias = reinterpret_cast<__nv_bfloat162*>(red_col + 2 * 8 * BN);
     const uint32_t full0 = smem_u32(bars), empty0 = smem_u32(bars + STAGES);
 #ifdef AEGIS_ABFT_PRE
-    const uint32_t sR = (smem_u32(red_col + 2 * 8 * BN) + 1023) & ~1023u;  // STAGES pieces of 8 rows x 64 k
+    const uint32_t sR = (smem_u32(sbias + 2 * BN) + 1023) & ~1023u;  // STAGES pieces of 8 rows x 64 k
 #elif defined(AEGIS_ABFT_ROWS)
-    const uint32_t sSel = (smem_u32(red_col + 2 * 8 * BN) + 1023) & ~1023u;  // 8 rows x 64 n: row 0 ones
+    const uint32_t sSel = (smem_u32(sbias + 2 * BN) + 1023) & ~1023u;  // 8 rows x 64 n: row 0 ones
     const uint32_t sT = sSel + 1024;
     for (int i = threadIdx.x; i < 5 * 1024 / 16; i += NTHREADS) {  // the selector, then T zeroed (columns 6, 7 stay 0)
         const uint32_t one = i < 8 ? 0x3F803F80u : 0u;
@@ -526,6 +537,9 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
 
     int bm, bc;
     tile_coords(t, tiles_m, tiles_n, bm, bc);
+    // the bias pair this thread stages for the tile (columns 2·tt, 2·tt + 1), loaded a main loop ahead
+    const int tt2 = 2 * (threadIdx.x & 127);
+    __nv_bfloat162 bias_next = bias ? bias_load(bias, bc * BN + tt2, N) : __nv_bfloat162();
     // The first EARLY k-blocks of a tile are issued ahead of its main loop: here for the first
     // tile, inside the previous tile's epilogue for the others. head0 is the stage of k-block 0
     // when two were issued (-1 otherwise), prev the stage of the last one issued.
@@ -559,6 +573,12 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
         t_end = clock64();
 #endif
 
+        __nv_bfloat162* tbias = nullptr;
+        if (bias) {  // stage this tile's bias (the buffer of its parity: the last reads of it were two tiles ago)
+            tbias = sbias + (c * 2 + (ti & 1)) * (BN / 2);
+            tbias[tt2 >> 1] = bias_next;
+            wg_bar(c);
+        }
         // d[n8*4 + h*2 + j] sits at row bm*BM + c*64 + (cw&3)*16 + g + 8h, col bc*BN + n8*8 + 2*tig + j
         const int row0 = bm * BM + c * 64 + (cw & 3) * 16 + g;
         const int col0 = bc * BN + 2 * tig;
@@ -589,7 +609,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
         // stores last (packed C held in registers) the checked kernel paid a point more at
         // K = 3584 and two at K = 1024 (benchmarks/RESULTS.md, "Cycles per tile").
 #ifndef AEGIS_NO_CSTORE  // experiment knob: time the kernel without its C stores (C left unwritten)
-        store_c(d, tig & 1, C, M, N, row0, col0);
+        store_c(d, tig & 1, C, tbias, M, N, row0, col0);
 #endif
 #ifdef AEGIS_ROWS
         // row sums: one per (row h, 128-column half), in-thread, then over the 4 lanes of the row
@@ -702,6 +722,7 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
         }
         int nbm, nbc;
         tile_coords(nt, tiles_m, tiles_n, nbm, nbc);
+        if (bias) bias_next = bias_load(bias, nbc * BN + tt2, N);
         issue_head();
 #ifdef AEGIS_TIMING
         const long long t_head = clock64();
@@ -733,8 +754,8 @@ __device__ __forceinline__ void gemm_wgmma_body(const TmaDesc* tmA, const TmaDes
 #define AEGIS_WGMMA_ENTRY(NAME, AK, BK_)                                                                             \
     extern "C" __global__ void __launch_bounds__(NTHREADS, 1)                                                       \
         NAME(const __grid_constant__ TmaDesc tmA, const __grid_constant__ TmaDesc tmB, bf16* C, float* row_sums,    \
-             float* col_sums, int* tile_sm, int M, int N, int K, InjectParams inj ABFT_PRE_PARAM) {                 \
-        gemm_wgmma_body<AK, BK_>(&tmA, &tmB, C, row_sums, col_sums, tile_sm, M, N, K, inj ABFT_PRE_ARG);            \
+             float* col_sums, int* tile_sm, const bf16* bias, int M, int N, int K, InjectParams inj ABFT_PRE_PARAM) {   \
+        gemm_wgmma_body<AK, BK_>(&tmA, &tmB, C, row_sums, col_sums, tile_sm, bias, M, N, K, inj ABFT_PRE_ARG);      \
     }
 
 AEGIS_WGMMA_ENTRY(gemm_wgmma_fwd, true, true)      // A (M,K), B stored (N,K)

@@ -52,13 +52,13 @@ CUDA_NOISE = {"wgmma": numerics.NoiseModel(unit=8e-9, power=1.0, cap=numerics.S_
 CTA_TILES = {"wgmma": (2, 2), "mma": (2, 1)}  # checksum tiles per CTA tile (128x256, 128x128)
 _MMA_SMEM = 3 * 2 * (128 * 40) * 2  # STAGES · (A + B) · stage elements · 2 B (gemm_mma.cu)
 _WGMMA_STAGES = 4
-_WGMMA_SMEM = _WGMMA_STAGES * (128 * 64 * 2 + 256 * 64 * 2) + 16 * _WGMMA_STAGES + 2 * 8 * 256 * 4 + 1024
+_WGMMA_SMEM = _WGMMA_STAGES * (128 * 64 * 2 + 256 * 64 * 2) + 16 * _WGMMA_STAGES + 2 * 8 * 256 * 4 + 2 * 2 * 256 * 2 + 1024
 WGMMA_DEFINES: dict[str, object] = {}  # extra -D for gemm_wgmma.cu (experiments)
 MAX_DIM = (1 << 31) - (1 << 16)  # M, N, K: room for the kernels' 32-bit (K + BK - 1) / BK
 
 
 def _wgmma_smem() -> int:
-    """The wgmma kernel's dynamic shared memory: the ring and its scratch, plus the row check's
+    """The wgmma kernel's dynamic shared memory: the ring, its scratch and the staged bias, plus the row check's
     selector and checksum columns (gemm_wgmma.cu ABFT_SMEM) in the AEGIS_ABFT_ROWS experiment build."""
     return _WGMMA_SMEM + (6 * 1024 if "AEGIS_ABFT_ROWS" in WGMMA_DEFINES else 0)
 
@@ -75,10 +75,25 @@ def _function(kind: str, entry: str, variant: str, device_id: int) -> int:
 
 
 _LIBCUDA = None
+_MAPS: dict[tuple, object] = {}  # encoded TMA descriptors by (device, address, shape, row stride, box)
+_MAPS_MAX = 4096  # a training step's distinct operands are a few hundred; beyond this the cache starts over
 
 
 def _tensor_map(t: torch.Tensor, box_inner: int, box_outer: int):
-    """128-byte TMA descriptor of a row-major bf16 matrix, 128B swizzle, zero fill outside."""
+    """128-byte TMA descriptor of a row-major bf16 matrix, 128B swizzle, zero fill outside. A
+    descriptor is a function of its key alone (it holds the address, not the tensor), and launches
+    copy it by value, so each key is encoded once (a ctypes driver call per operand per launch
+    otherwise: a training step launches the same few hundred operands every step)."""
+    key = (t.device.index, t.data_ptr(), *t.shape, t.stride(0), box_inner, box_outer)
+    desc = _MAPS.get(key)
+    if desc is None:
+        if len(_MAPS) >= _MAPS_MAX:
+            _MAPS.clear()
+        desc = _MAPS[key] = _encode_map(t, box_inner, box_outer)
+    return desc
+
+
+def _encode_map(t: torch.Tensor, box_inner: int, box_outer: int):
     global _LIBCUDA
     if _LIBCUDA is None:
         _LIBCUDA = ctypes.CDLL("libcuda.so.1")
@@ -213,9 +228,11 @@ class CudaDevice(Device):
 
     # -- the checked GEMM ------------------------------------------------------------
     def prepare(self, a: torch.Tensor, b: torch.Tensor, layout: Layout, *, variant: str = "", kernel: str | None = None,
-                inject: InjectParams | None = None) -> _Launch:
+                inject: InjectParams | None = None, bias: torch.Tensor | None = None) -> _Launch:
         """Allocate outputs and pack one launch of C = A·B from the stored operands (no sync).
-        ``variant``: "" (checksums), "nosums" (benchmark baseline) or "inject"."""
+        ``variant``: "" (checksums), "nosums" (benchmark baseline) or "inject". ``bias`` (bf16, one
+        per column of C): C = bf16(bf16(A·B) + bias) in the epilogue, the bits of adding it to C
+        with torch; the checksums stay those of the accumulator, A·B (docs/kernels.md)."""
         ops = GemmOperands(a, b, layout)
         m, n, k = ops.mnk
         if max(m, n, k) > MAX_DIM:  # the kernels index and count k-blocks in 32-bit ints
@@ -229,10 +246,14 @@ class CudaDevice(Device):
         rs_shape, cs_shape = (m, -(-n // tn)), (-(-m // tm), n)
         row_sums = torch.full(rs_shape, fill, device=dev) if fill else torch.empty(rs_shape, device=dev)
         col_sums = torch.full(cs_shape, fill, device=dev) if fill else torch.empty(cs_shape, device=dev)
-        tile_sm = torch.full((cs_shape[0], rs_shape[1]), -1, dtype=torch.int32, device=dev)
+        # every tile's SM is written by the kernel: filled (with -1) only when poisoning, as C is
+        ts_shape = (cs_shape[0], rs_shape[1])
+        tile_sm = torch.full(ts_shape, -1, dtype=torch.int32, device=dev) if fill else torch.empty(ts_shape, dtype=torch.int32, device=dev)
+        bias = self._bias(bias, n)
         entry = layout.value
         func = _function(kind, entry, variant, self.index)
         outs = [ctypes.c_void_p(t.data_ptr()) for t in (c, row_sums, col_sums, tile_sm)]
+        outs.append(ctypes.c_void_p(bias.data_ptr() if bias is not None else 0))
         inj = inject if inject is not None else no_inject()
         if kind == "wgmma":
             a_box = (64, 128) if layout is not Layout.WGRAD else (64, 64)
@@ -249,8 +270,17 @@ class CudaDevice(Device):
             grid, block, smem = (-(-n // 128), -(-m // 128)), 256, _MMA_SMEM  # one CTA per 128x128 output tile
         if grid[1] > 65535:
             raise DeviceError(f"M = {m} exceeds the mma kernel's grid limit")
-        return _Launch(kind, func, grid, block, smem, args, keep=[a, b, c, row_sums, col_sums, tile_sm],
+        return _Launch(kind, func, grid, block, smem, args, keep=[a, b, c, row_sums, col_sums, tile_sm, bias],
                        stream=loader.current_stream(self.index), device_id=self.index, label=f"gemm_{kind} {layout.value} {m}x{n}x{k}")
+
+    def _bias(self, bias: torch.Tensor | None, n: int) -> torch.Tensor | None:
+        """The epilogue's bias as the kernels read it: N bf16 values on this device, 4-byte aligned."""
+        if bias is None:
+            return None
+        if bias.dtype != torch.bfloat16 or bias.device != self.torch_device or tuple(bias.shape) != (n,):
+            raise DeviceError(f"cuda:{self.index}: the GEMM's bias must be a bf16 vector of {n} on {self.torch_device}, "
+                              f"got {bias.dtype} {tuple(bias.shape)} on {bias.device}")
+        return bias if bias.is_contiguous() and bias.data_ptr() % 4 == 0 else torch.empty_like(bias, memory_format=torch.contiguous_format).copy_(bias)
 
     def kernel_for(self, a: torch.Tensor, b: torch.Tensor, k: int, kernel: str | None = None) -> str:
         """The kernel a launch will use: wgmma needs TMA-able operands (16-byte aligned rows)."""

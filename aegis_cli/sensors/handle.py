@@ -79,7 +79,8 @@ class SensorHandle:
         self.step_index = 0
         self.sensing = True  # off while the verifier re-runs work
         self._pinned = 0  # > 0 inside a fingerprinted region: every GEMM on the checked kernel (sense.run_gemm)
-        self.enqueued = False  # unsampled checked kernels launched since the last synchronisation (sense.run_gemm)
+        self.enqueued = False  # unsampled checked kernels launched since the last step boundary (sense.run_gemm)
+        self.pinned_marks: list = []  # (device, CUDA event) after the last boundary's enqueued kernels (sense.settle_pinned)
         self.unread: list = []  # sampled launches whose comparisons are enqueued, not yet read (sense.resolve)
         self.unread_bytes = 0
         self.timed: list = []  # (key, sense.CheckTimer) of attention checks on CUDA, charged at the step boundary (sense.resolve)
@@ -226,10 +227,7 @@ class SensorHandle:
         """End a step: verify queued suspicions within the verifier's budget, adapt sampling and
         thresholds, and return the strongest action asked for (then reset to CONTINUE)."""
         sense.resolve(self)  # this step's comparisons: waits for each one's end event, never drains the device
-        if self.enqueued:  # unsampled checked kernels were only enqueued (pinned regions): their failures surface here
-            for dev in list(self._devices.values()):
-                dev.synchronize()
-            self.enqueued = False
+        sense.settle_pinned(self, list(self._devices.values()))  # kernels pinned regions only enqueued: a step late, no drain
         step_s = time.perf_counter() - self._t0
         base = max(step_s - self._sense_step, 0.0)
         verify_s = self._verify(self.config.verify_budget * base, self.config.min_verify)
@@ -252,6 +250,7 @@ class SensorHandle:
     def flush(self) -> Action:
         """Verify everything still queued, whatever the budget (the end of training, a test)."""
         sense.resolve(self)
+        sense.settle_pinned(self, list(self._devices.values()), drain=True)
         self.stats.verify_s += self._verify(float("inf"), len(self.queue))
         action, self.action = self.action, Action.CONTINUE
         return action

@@ -8,8 +8,11 @@ stores them in (ops/gemm.py ``Layout``):
 
 bf16 operands, fp32 accumulation, bf16 results cast to the model's dtype: the arithmetic of a
 bf16 training step. A checked ``forward`` is set on the instance (the class and its code are
-untouched); ``restore`` deletes it again. The bias is added outside the function, so autograd
-derives its gradient as for any Linear (but on the fast path below).
+untouched); ``restore`` deletes it again. Where the result is bf16 the bias goes into the
+function, which returns its gradient itself (g2.sum(0), as autograd derives it for a bias added
+outside): a pinned, unsampled forward on CUDA adds it in the checked kernel's epilogue, with the
+bits of the add it replaces (docs/sensors.md §2.1); elsewhere it is added after the GEMM. Other
+result dtypes add it outside the function, as before.
 
 On a CUDA device, where the layer already computes in bf16 (bf16 tensors, or autocast to bf16),
 the layer's three launches are decided at its forward; when none is sampled it runs torch's own
@@ -54,8 +57,9 @@ class _Site:
         self.h, self.layer = h, layer
         self.keys = {lay: op_key(layer, lay) for lay in Layout}
 
-    def gemm(self, layout: Layout, a: torch.Tensor, b: torch.Tensor, sampled: bool | None) -> torch.Tensor:
-        return run_gemm(self.h, self.layer, layout, a.to(BF16).contiguous(), b.to(BF16).contiguous(), sampled)
+    def gemm(self, layout: Layout, a: torch.Tensor, b: torch.Tensor, sampled: bool | None,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
+        return run_gemm(self.h, self.layer, layout, a.to(BF16).contiguous(), b.to(BF16).contiguous(), sampled, bias)
 
     @staticmethod
     def linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -89,7 +93,7 @@ class _Site:
 
 
 class CheckedLinearFunction(torch.autograd.Function):
-    """Y = X·Wᵀ (+ bias, given only with ``decided``) with forward, dgrad and wgrad on the checked
+    """Y = X·Wᵀ (+ bias, given only for a bf16 result) with forward, dgrad and wgrad on the checked
     GEMM. ``decided``: the three launches' sampling, drawn at forward time (None: each launch asks
     the controller itself)."""
 
@@ -100,10 +104,10 @@ class CheckedLinearFunction(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.site, ctx.decided = site, decided
         ctx.bias_dtype = None if bias is None else bias.dtype
-        if bias is not None and not decided[0]:
+        if bias is not None and decided is not None and not decided[0]:
             return site.linear(x2, weight, bias).to(out_dtype).reshape(shape)
-        y = site.gemm(Layout.FWD, x2, weight, decided and decided[0]).to(out_dtype).reshape(shape)
-        return y if bias is None else y + bias.to(y.dtype)  # the checked kernel has no bias: added as outside
+        b = None if bias is None else bias.to(BF16)  # (out,): C + b as a bf16 add, or in the kernel's epilogue
+        return site.gemm(Layout.FWD, x2, weight, decided and decided[0], b).to(out_dtype).reshape(shape)
 
     @staticmethod
     def backward(ctx, gy: torch.Tensor):
@@ -130,7 +134,10 @@ def _checked_forward(site: _Site, original):
             if decided is None:  # nothing sampled: torch's Linear, as uninstrumented (cuBLAS, fused bias)
                 return original(x)
             return CheckedLinearFunction.apply(x, self.weight, self.bias, site, _out_dtype(x), decided)
-        y = CheckedLinearFunction.apply(x, self.weight, None, site, _out_dtype(x), None)
+        out = _out_dtype(x)
+        if self.bias is not None and out == BF16:  # the bias inside: fused into a pinned launch's epilogue
+            return CheckedLinearFunction.apply(x, self.weight, self.bias, site, out, None)
+        y = CheckedLinearFunction.apply(x, self.weight, None, site, out, None)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     return forward

@@ -311,12 +311,37 @@ def resolve(h) -> None:
                       lambda p=p: GemmContext(p.device, h.fault_for(p.device), *snapshot(p.ops, p.res), p.layer, p.tau, p.floor))
 
 
-def launch(device: Device, ops: GemmOperands, fault: FaultPlan | None, site: str) -> GemmResult:
+def settle_pinned(h, devices: list[Device], drain: bool = False) -> None:
+    """Surface failures of the unsampled checked kernels that pinned regions only enqueued, at a step
+    boundary but without draining the device: wait for the events recorded at the previous boundary
+    (that step's kernels: in a running loop, a step behind the GPU's work) and record this step's,
+    so a fault while one of them ran surfaces one boundary later, as a DeviceError naming the
+    device. ``drain``: wait for this step's at once (``flush``, ``close``)."""
+    for dev, event in h.pinned_marks:
+        dev.wait(event)
+    h.pinned_marks = []
+    if not h.enqueued:
+        return
+    h.enqueued = False
+    for dev in devices:
+        if not isinstance(dev, CudaDevice):  # the CPU's launches ran already
+            continue
+        if drain:
+            dev.synchronize()
+        else:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(dev.torch_device))
+            h.pinned_marks.append((dev, event))
+
+
+def launch(device: Device, ops: GemmOperands, fault: FaultPlan | None, site: str, bias: torch.Tensor | None = None) -> GemmResult:
     """The device's checked GEMM. On CUDA without a fault plan: enqueued on torch's current stream
-    and returned at once (its outputs are ready in stream order, as any torch op's are)."""
+    and returned at once (its outputs are ready in stream order, as any torch op's are). ``bias``
+    (only there): added to C in the kernel's epilogue, the checksums still A·B's; only for a launch
+    nothing compares or verifies (``run_gemm``), whose C is then not A·B."""
     if fault is None and isinstance(device, CudaDevice) and ops.b.device == ops.a.device:
         with torch.cuda.device(device.torch_device):
-            run = device.prepare(ops.a, ops.b, ops.layout)
+            run = device.prepare(ops.a, ops.b, ops.layout, bias=bias)
             run.run()
         c, row_sums, col_sums, tile_sm = run.outputs
         return GemmResult(c=c, row_sums=row_sums, col_sums=col_sums, tile=device.tile, tile_sm=tile_sm,
@@ -324,11 +349,15 @@ def launch(device: Device, ops: GemmOperands, fault: FaultPlan | None, site: str
     return device.checked_gemm(ops, fault, op=site)
 
 
-def run_gemm(h, layer: str, layout: Layout, a: torch.Tensor, b: torch.Tensor, sampled: bool | None = None) -> torch.Tensor:
+def run_gemm(h, layer: str, layout: Layout, a: torch.Tensor, b: torch.Tensor, sampled: bool | None = None,
+             bias: torch.Tensor | None = None) -> torch.Tensor:
     """One instrumented GEMM of bf16 ``a`` and ``b`` (stored per ``layout``): the controller decides
     first (``sampled``: already decided and counted by the caller); sampled, the device's checked
     GEMM and its comparison; else torch's GEMM (``Device.plain_gemm``), unless the bits must not depend
-    on sampling (a fault plan, a pinned region). Returns C (bf16) on ``a``'s device."""
+    on sampling (a fault plan, a pinned region). Returns C (bf16) on ``a``'s device, plus ``bias``
+    (bf16, on that device) when given: in the checked kernel's epilogue where nothing reads C itself
+    (an unsampled pinned launch on CUDA without a fault plan: no comparison, no verifier), else
+    by torch's add after it; the same bits either way (kernels/common.cuh ``bias_add``)."""
     device = h.device_for(a)
     home = a.device
     ops = GemmOperands(a, b, layout)
@@ -341,12 +370,18 @@ def run_gemm(h, layer: str, layout: Layout, a: torch.Tensor, b: torch.Tensor, sa
     fault = h.fault_for(device)
     with torch.autocast(home.type, enabled=False):  # the GEMM's own precision, never autocast's
         if not sampled and fault is None and not h.pinned:
-            return device.plain_gemm(ops).to(home)
+            return _plus(device.plain_gemm(ops).to(home), bias)
         m, n, k = ops.mnk
         site = op_id(layer, layout, m, n, k)
-        res = launch(device, ops, fault, site)
+        fused = (bias is not None and not sampled and fault is None and isinstance(device, CudaDevice)
+                 and ops.a.device == ops.b.device == bias.device)
+        res = launch(device, ops, fault, site, bias if fused else None)
         if sampled:  # its failures surface when resolve waits for its comparison
             sense(h, device, layer, ops, res, site, key)
-        else:  # pinned: its failures surface at the step boundary's synchronisation
+        else:  # pinned: its failures surface at a step boundary (settle_pinned)
             h.enqueued = True
-    return res.c.to(home)
+    return res.c.to(home) if fused else _plus(res.c.to(home), bias)
+
+
+def _plus(c: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return c if bias is None else c + bias

@@ -203,6 +203,26 @@ def test_step_boundary_waits_for_the_checks_not_for_the_device():
 
 
 @gpu
+def test_pinned_kernels_surface_a_boundary_later_without_draining():
+    """Checkpointed blocks run every GEMM on the checked kernel (pinned), nothing sampled: the boundary
+    records an event after them instead of synchronising (work queued after the step still runs when
+    step() returns), and the next boundary waits for it; flush waits for the last."""
+    model = cuda_gpt(checkpointing=True)
+    h = instrument(model, SensorConfig(sample_prob=0.0, overhead_budget=None, coverage_steps=None))
+    data = batches(CFG, 8)
+    for _ in range(2):
+        x, y = on_cuda(next(data))
+        model(x, y)[1].backward()
+        torch.cuda._sleep(400_000_000)  # about 0.2 s of GPU work after the step's kernels
+        after = torch.cuda.Event()
+        after.record()
+        h.step()
+        assert not after.query() and len(h.pinned_marks) == 1
+    uninstrument(model)
+    assert not h.pinned_marks and h.stats.checked == 0 and h.stats.fingerprinted == 2 * CFG.layers
+
+
+@gpu
 def test_handles_share_each_gpus_identity_not_its_device(monkeypatch):
     """NVML is read once per GPU per process (it is what making a CudaDevice costs); each handle still
     has a Device of its own (``poison``, the kernel choice)."""
