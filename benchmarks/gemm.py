@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from aegis_cli.ops import workloads
-from aegis_cli.ops.gemm import Layout
+from aegis_cli.ops.gemm import GemmOperands, Layout
 
 N_SETS = 3
 
@@ -154,10 +154,11 @@ def bench_shape(dev, name: str, layout: Layout, m: int, n: int, k: int, reps: in
 
 
 def _variant_launches(dev, variants: dict[str, tuple[str, dict]], sets, layout: Layout,
-                      ctas: int | None = None) -> dict[str, list]:
+                      ctas: int | None = None, extend=None) -> dict[str, list]:
     """One prepared launch per input set for each wgmma variant ``name: (variant, extra -D defines)``.
     ``ctas`` caps the persistent grid: the same tiles walked by fewer SMs, so the card runs below
-    its power cap and a cost that stays is time (issue, latency), not energy."""
+    its power cap and a cost that stays is time (issue, latency), not energy. ``extend(defines,
+    launch, operands)``: appends the arguments an experiment build takes beyond the kernel's own."""
     from aegis_cli.backends import cuda
 
     out = {}
@@ -166,6 +167,8 @@ def _variant_launches(dev, variants: dict[str, tuple[str, dict]], sets, layout: 
             cuda.WGMMA_DEFINES.clear()
             cuda.WGMMA_DEFINES.update(defines)
             out[name] = [dev.prepare(a, b, layout, variant=variant) for a, b in sets]
+            for launch, (a, b) in zip(out[name], sets, strict=True) if extend else ():
+                extend(defines, launch, GemmOperands(a, b, layout))
             for launch in out[name] if ctas else ():
                 launch.grid = (min(ctas, launch.grid[0]), 1)
     finally:
@@ -174,7 +177,7 @@ def _variant_launches(dev, variants: dict[str, tuple[str, dict]], sets, layout: 
 
 
 def compare(variants: dict[str, tuple[str, dict]], sizes, reps: int = 12, layout: Layout = Layout.FWD,
-            ctas: int | None = None) -> list[dict]:
+            ctas: int | None = None, extend=None) -> list[dict]:
     """Interleaved timing of wgmma-kernel variants, each ``name: (variant, extra -D defines)``, plus
     cuBLAS, on each (m, n, k) of ``sizes``; costs are relative to the first variant. Variants of
     the same build that should compute the same bits (no ``AEGIS_NO_*`` knob) are also checked
@@ -188,7 +191,7 @@ def compare(variants: dict[str, tuple[str, dict]], sizes, reps: int = 12, layout
         sets = _input_sets(dev, layout, m, n, k, 300)
         # cuBLAS runs on every SM: beside a capped grid it would set the power state for both
         fns = {} if ctas else {"cublas": lambda i, sets=sets: _torch_matmul(*sets[i % N_SETS], layout)}
-        launches = _variant_launches(dev, variants, sets, layout, ctas)
+        launches = _variant_launches(dev, variants, sets, layout, ctas, extend)
         fns.update({name: (lambda i, ls=ls: ls[i % N_SETS].run()) for name, ls in launches.items()})
         outputs = {name: (variant, launches[name][0].outputs)  # of input set 0
                    for name, (variant, defines) in variants.items() if not any(d.startswith("AEGIS_NO_") for d in defines)}

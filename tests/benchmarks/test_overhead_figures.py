@@ -46,10 +46,10 @@ def test_the_coverage_mode_checks_each_operator_from_its_phase(tmp_path):
 
 
 def test_abft_floor_sums_a_step_with_the_launch_counts():
-    acc = {"c_same": True, "observed_err": 1e-8, "expected_err": 1e-8, "expected_vs_observed": 3e-9}
+    acc = {"c_same": True, "observed_err": 1e-8, "expected_err": 1e-8, "pre_err": 1e-8, "expected_vs_observed": 3e-9}
 
     def row(op, count, wgrad, **ms):
-        base = {"cublas": 1.0, "plain": 0.99, "checked": 1.0, "rows": 1.0, "tc": 1.0, "abft": 1.5}
+        base = {"cublas": 1.0, "plain": 0.99, "checked": 1.0, "rows": 1.0, "tc": 1.0, "abft": 1.5, "pre": 1.01}
         if wgrad:
             base.update(cols=1.0, both=1.01, tcboth=1.02)
         return {"op": op, "m": 8, "n": 8, "k": 8, "count": count, "ms": {**base, **ms}, "b_pass_ms": 0.1,
@@ -63,5 +63,27 @@ def test_abft_floor_sums_a_step_with_the_launch_counts():
     assert tot["tensor_cores_ms"] == pytest.approx(22 * 1.0 + 22 * 1.02 + 2.2 - 46)
     # the row check built, wgrad's column check as its probes' extra (tcboth − tc)
     assert tot["in_kernel_ms"] == pytest.approx(22 * 1.5 + 22 * (1.5 + 0.02) + 3.0 - 46)
+    # pieces made before the kernel: its time, wgrad's column MMAs (both − rows) and a pass over B
+    assert tot["pre_ms"] == pytest.approx(22 * 1.11 + 22 * (1.11 + 0.01) + 1.11 - 46)
     text = abft_floor.table(rows, tot)
     assert "same" in text and "% of a 100.0 ms step" in text
+
+
+def test_abft_pieces_hold_the_tile_sums_in_the_swizzled_stage_layout():
+    """``abft_floor.pieces``: undoing the 128-byte swizzle of each 1 KB block gives rows 3·tile +
+    piece whose hi + mid + lo is each 128-column tile sum of B to fp32's precision, zero beyond K
+    and N and in rows 6 and 7."""
+    import torch
+
+    k, n = 200, 300  # ragged: a partial k-block and a partial 256-column block
+    b = torch.randn(k, n, generator=torch.Generator().manual_seed(3)).bfloat16()
+    p = abft_floor.pieces(b)
+    assert p.shape == (2, 4, 8, 64) and p.dtype == torch.bfloat16
+    r, kk = torch.arange(8)[:, None], torch.arange(64)[None, :]
+    logical = torch.gather(p, -1, (((kk >> 3) ^ r) * 8 + (kk & 7)).expand(p.shape))
+    assert not logical[:, :, 6:].any()
+    got = logical[:, :, :6].double().view(2, 4, 2, 3, 64).sum(3).permute(1, 3, 0, 2).reshape(256, 4)
+    want = torch.zeros(256, 512, dtype=torch.float64)
+    want[:k, :n] = b.double()
+    want = want.view(256, 4, 128).sum(-1)
+    assert torch.allclose(got, want, rtol=2**-23, atol=0) and not got[k:].any() and got[:k, 3].abs().max() == 0
