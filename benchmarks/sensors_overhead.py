@@ -26,6 +26,9 @@ its standard error over the rounds:
   drained    sampled, the device drained (synchronised) before the step boundary: what the
              boundary cost when the sensors read their comparisons that way (before session 13)
 
+Each window also samples the SM clock, the power and power capping through NVML every 10 ms
+(``sensors_profile.Clocks``): whether a mode's extra work moves the card's clocks.
+
 ``--profile N``: N steps each of plain, sampled and drained under torch.profiler, the step's GPU
 idle time and extra kernel time attributed (benchmarks/sensors_profile.py).
 
@@ -149,15 +152,16 @@ class Bench:
         handle = instrument(self.model, cfg) if cfg is not None else None
         times, stops = [], 0
         try:
-            for _ in range(skip + steps):
-                with handle.pin() if name == "kernels" else contextlib.nullcontext():
-                    dt, action = self.step(next(counter), handle, name == "drained")
-                times.append(dt)
-                stops += action is Action.STOP
+            with sensors_profile.Clocks(self) as clocks:  # whether a mode runs the GPU at other clocks (power)
+                for _ in range(skip + steps):
+                    with handle.pin() if name == "kernels" else contextlib.nullcontext():
+                        dt, action = self.step(next(counter), handle, name == "drained")
+                    times.append(dt)
+                    stops += action is Action.STOP
         finally:
             if handle is not None:
                 uninstrument(self.model)
-        out = {"mode": name, "times": times[skip:], "skipped": times[:skip], "stops": stops}
+        out = {"mode": name, "times": times[skip:], "skipped": times[:skip], "stops": stops, "clocks": clocks.summary()}
         if handle is not None:
             s = handle.stats_dict()
             out["stats"] = {k: s[k] for k in ("launches", "checked", "raised", "cleared", "confirmed", "dropped", "sense_s",
@@ -272,8 +276,11 @@ def run(args) -> dict:
                 if w is None:
                     continue
                 windows[name].append(w)
+                ck = w["clocks"]
                 print(f"round {r} {name:<8} mean {statistics.fmean(w['times']):.4f} s over {len(w['times'])} steps"
-                      + (f"; checked {w['stats']['checked']} of {w['stats']['launches']}" if "stats" in w else ""), flush=True)
+                      + (f"; checked {w['stats']['checked']} of {w['stats']['launches']}" if "stats" in w else "")
+                      + (f"; SM {ck['sm_clock_mhz']:.0f} MHz, {ck['power_w']:.0f} W, power-capped {100 * ck['power_capped']:.0f} %"
+                         if ck.get("sm_clock_mhz") and ck.get("power_w") else ""), flush=True)
         out = {}
         for name, ws in windows.items():
             times = [t for w in ws for t in w["times"]]
@@ -282,6 +289,7 @@ def run(args) -> dict:
                 out[name]["error"] = failed[name]
             if ws and "stats" in ws[0]:
                 out[name]["stats"] = [w["stats"] for w in ws]
+            out[name]["clocks"] = [w["clocks"] for w in ws]
         for name in modes:
             out[name].update(paired(windows[name], windows["plain"]))
         for name in ("every", "sampled", "coverage"):  # the sensing alone, beside the instrumentation
@@ -369,6 +377,11 @@ def table(result: dict) -> str:
         if checks and plain:  # the checks' own GPU time (CUDA events), per check and as a share of the plain step
             lines.append(f"{'':<25} {checks / steps:.2f} checks a step, {1e3 * sense_s / checks:.3f} ms each: "
                          f"{100 * sense_s / steps / plain:.2f}% of the plain step")
+        ck = [c for c in r.get("clocks") or [] if c.get("sm_clock_mhz") and c.get("power_w")]
+        if ck:  # NVML, sampled every 10 ms through the mode's windows
+            lines.append(f"{'':<25} SM clock {statistics.fmean(c['sm_clock_mhz'] for c in ck):.0f} MHz, "
+                         f"{statistics.fmean(c['power_w'] for c in ck):.0f} W, power-capped "
+                         f"{100 * statistics.fmean(c['power_capped'] for c in ck):.0f} % of the samples")
     c = result.get("clean") or {}
     if "mean_s" in c and c["mean_s"] is not None:
         ov = f"{100 * (c['mean_s'] / plain - 1):+.2f}%" if plain else "?"

@@ -175,7 +175,7 @@ def _variant(mode: str):
             del SensorHandle.enqueued
 
 
-class _Clocks:
+class Clocks:
     """SM clock and power sampled by NVML every 10 ms on a thread while a mode's steps run: whether
     a mode runs the GPU at other clocks (power capping) than plain."""
 
@@ -237,7 +237,7 @@ def run(bench, modes: dict, steps: int, counter) -> dict:
             with _variant(mode):
                 for _ in range(2):  # unprofiled: the handle's first steps
                     step()
-                with _Clocks(bench) as clocks:  # unprofiled too: the clocks of the mode's own steps
+                with Clocks(bench) as clocks:  # unprofiled too: the clocks of the mode's own steps
                     for _ in range(steps):
                         step()
                 checked0 = handle.stats.checked if handle else 0
