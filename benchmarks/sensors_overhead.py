@@ -26,7 +26,8 @@ its standard error over the rounds:
   drained    sampled, the device drained (synchronised) before the step boundary: what the
              boundary cost when the sensors read their comparisons that way (before session 13)
 
-``--profile N``: N steps each of plain, sampled and drained under torch.profiler, the step's GPU
+``--profile N``: N steps each of plain and the ``--profile-modes`` (default sampled and drained; also
+the pinned ``kernels`` and its experiments ``nosums``, ``nosync``) under torch.profiler, the step's GPU
 idle time and extra kernel time attributed (benchmarks/sensors_profile.py).
 
 ``--noise-steps`` steps with every launch checked record, per layout and layer, the clean
