@@ -29,7 +29,8 @@ its standard error over the rounds:
 Each window also samples the SM clock, the power and power capping through NVML every 10 ms
 (``sensors_profile.Clocks``): whether a mode's extra work moves the card's clocks.
 
-``--profile N``: N steps each of plain, sampled and drained under torch.profiler, the step's GPU
+``--profile N``: N steps each of plain and the ``--profile-modes`` (default sampled and drained; also
+the pinned ``kernels`` and its experiments ``nosums``, ``nosync``) under torch.profiler, the step's GPU
 idle time and extra kernel time attributed (benchmarks/sensors_profile.py).
 
 ``--noise-steps`` steps with every launch checked record, per layout and layer, the clean

@@ -154,8 +154,9 @@ PINNED = ("kernels", *EXPERIMENTS)
 def _variant(mode: str):
     """Experiments on the pinned step. ``nosums``: the kernels' AEGIS_NOSUMS build, C alone, so the
     checksums' share of the pinned GEMMs' time in the step shows. ``nosync``: the step boundary
-    does not synchronise the device after pinned launches (``SensorHandle.enqueued`` reads False),
-    so what that drain costs shows. Any other mode as it is."""
+    never waits for pinned launches (``SensorHandle.enqueued`` reads False, so ``sense.settle_pinned``
+    records no event to wait for at the next one; it drained the device when the experiment was
+    written), so what that wait costs shows. Any other mode as it is."""
     if mode not in EXPERIMENTS:
         yield
         return
@@ -292,7 +293,7 @@ def host_costs(bench, reps: int = 200) -> dict:
     m, n, _ = ops.mnk
     prepared = dev.prepare(a, b, Layout.FWD)
     lin = torch.nn.Linear(1, 1)
-    handle = instrument(lin, SensorConfig(sample_prob=0.0, overhead_budget=None, coverage_steps=10**9))
+    handle = instrument(lin, SensorConfig(sample_prob=0.0, overhead_budget=None, coverage_steps=None))
 
     def pinned():
         with handle.pin():

@@ -241,14 +241,15 @@ class CudaDevice(Device):
         kind = self.kernel_for(a, b, k, kernel)
         tm, tn = self.tile
         dev = self.torch_device
-        fill = float("nan") if self.poison else None
-        c = torch.full((m, n), fill, dtype=torch.bfloat16, device=dev) if fill else torch.empty((m, n), dtype=torch.bfloat16, device=dev)
-        rs_shape, cs_shape = (m, -(-n // tn)), (-(-m // tm), n)
-        row_sums = torch.full(rs_shape, fill, device=dev) if fill else torch.empty(rs_shape, device=dev)
-        col_sums = torch.full(cs_shape, fill, device=dev) if fill else torch.empty(cs_shape, device=dev)
-        # every tile's SM is written by the kernel: filled (with -1) only when poisoning, as C is
-        ts_shape = (cs_shape[0], rs_shape[1])
-        tile_sm = torch.full(ts_shape, -1, dtype=torch.int32, device=dev) if fill else torch.empty(ts_shape, dtype=torch.int32, device=dev)
+
+        def out(shape, poison, dtype=None):  # every element is written by the kernel: filled only when poisoning
+            return torch.full(shape, poison, dtype=dtype, device=dev) if self.poison else torch.empty(shape, dtype=dtype, device=dev)
+
+        nan = float("nan")
+        mt, nt = -(-m // tm), -(-n // tn)
+        c = out((m, n), nan, torch.bfloat16)
+        row_sums, col_sums = out((m, nt), nan), out((mt, n), nan)
+        tile_sm = out((mt, nt), -1, torch.int32)
         bias = self._bias(bias, n)
         entry = layout.value
         func = _function(kind, entry, variant, self.index)
@@ -280,7 +281,7 @@ class CudaDevice(Device):
         if bias.dtype != torch.bfloat16 or bias.device != self.torch_device or tuple(bias.shape) != (n,):
             raise DeviceError(f"cuda:{self.index}: the GEMM's bias must be a bf16 vector of {n} on {self.torch_device}, "
                               f"got {bias.dtype} {tuple(bias.shape)} on {bias.device}")
-        return bias if bias.is_contiguous() and bias.data_ptr() % 4 == 0 else torch.empty_like(bias, memory_format=torch.contiguous_format).copy_(bias)
+        return bias if bias.is_contiguous() and bias.data_ptr() % 4 == 0 else bias.clone(memory_format=torch.contiguous_format)
 
     def kernel_for(self, a: torch.Tensor, b: torch.Tensor, k: int, kernel: str | None = None) -> str:
         """The kernel a launch will use: wgmma needs TMA-able operands (16-byte aligned rows)."""

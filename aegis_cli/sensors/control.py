@@ -26,6 +26,7 @@ check, and raise the same cleared spike again). Each change is logged.
 from __future__ import annotations
 
 import logging
+import math
 import random
 from dataclasses import dataclass
 
@@ -52,7 +53,10 @@ class OpState:
 class Controller:
     def __init__(self, sample_prob: float, budget: float | None, coverage_steps: int | None, *, headroom: float, max_raise: float,
                  decay: float, seed: int):
-        self.sample_prob, self.budget, self.coverage = sample_prob, budget, coverage_steps
+        self.sample_prob, self.budget = sample_prob, budget
+        # None (no floor) is a window that never closes: nothing falls due, the floor's share is 0, and
+        # the budget's expected checks a step are the coin's alone, by the same formulas as a finite one
+        self.coverage = math.inf if coverage_steps is None else coverage_steps
         self.headroom, self.max_raise, self.decay = headroom, max_raise, decay
         self.seed = seed
         self.coin = random.Random(seed)
@@ -62,7 +66,7 @@ class Controller:
         st = self.ops.get(op)
         if st is None:
             # its own generator: the phase depends on the seed and the name, not on the order operators appear in
-            phase = random.Random(f"{self.seed}:{op}").randrange(self.coverage) if self.coverage else 0
+            phase = random.Random(f"{self.seed}:{op}").randrange(self.coverage) if self.coverage < math.inf else 0
             st = self.ops[op] = OpState(prob=self.sample_prob, phase=phase)
         return st
 
@@ -71,7 +75,7 @@ class Controller:
         """Whether this launch of ``op`` is checked."""
         st = self._op(op)
         st.launches += 1
-        due = self.coverage is not None and st.checks == 0 and st.idle_steps + st.phase >= self.coverage - 1
+        due = st.checks == 0 and st.idle_steps + st.phase >= self.coverage - 1
         if due or st.prob >= 1.0 or self.coin.random() < st.prob:
             st.checks += 1  # counted now: its cost may be known only at the step boundary (spent)
             return True
@@ -129,13 +133,10 @@ class Controller:
         left = budget_s
         for i, (d, st) in enumerate(demand):
             share = left / (len(demand) - i)
-            floor = st.cost_s / self.coverage if self.coverage else 0.0
+            floor = st.cost_s / self.coverage
             st.prob = min(1.0, max(0.0, share - floor) / d)
             q = (1.0 - st.prob) ** st.launches  # P(a step without a coin check)
-            if self.coverage is None:
-                per_step = 1.0 - q
-            else:  # steps with a check
-                per_step = (1.0 - q) / (1.0 - q**self.coverage) if q < 1.0 else 1.0 / self.coverage
+            per_step = (1.0 - q) / (1.0 - q**self.coverage) if q < 1.0 else 1.0 / self.coverage  # steps with a check
             left -= st.cost_s * (per_step + st.prob * st.launches - (1.0 - q))  # + launches beyond the first in a step
 
     def to_dict(self) -> dict:

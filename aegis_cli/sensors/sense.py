@@ -334,12 +334,18 @@ def settle_pinned(h, devices: list[Device], drain: bool = False) -> None:
             h.pinned_marks.append((dev, event))
 
 
+def _enqueues(device: Device, ops: GemmOperands, fault: FaultPlan | None) -> bool:
+    """Whether ``launch`` enqueues the kernel itself (CUDA, no fault plan, both operands on one
+    device): the one path that takes a bias."""
+    return fault is None and isinstance(device, CudaDevice) and ops.b.device == ops.a.device
+
+
 def launch(device: Device, ops: GemmOperands, fault: FaultPlan | None, site: str, bias: torch.Tensor | None = None) -> GemmResult:
     """The device's checked GEMM. On CUDA without a fault plan: enqueued on torch's current stream
     and returned at once (its outputs are ready in stream order, as any torch op's are). ``bias``
-    (only there): added to C in the kernel's epilogue, the checksums still A·B's; only for a launch
-    nothing compares or verifies (``run_gemm``), whose C is then not A·B."""
-    if fault is None and isinstance(device, CudaDevice) and ops.b.device == ops.a.device:
+    (only there, ``_enqueues``): added to C in the kernel's epilogue, the checksums still A·B's; only
+    for a launch nothing compares or verifies (``run_gemm``), whose C is then not A·B."""
+    if _enqueues(device, ops, fault):
         with torch.cuda.device(device.torch_device):
             run = device.prepare(ops.a, ops.b, ops.layout, bias=bias)
             run.run()
@@ -373,8 +379,7 @@ def run_gemm(h, layer: str, layout: Layout, a: torch.Tensor, b: torch.Tensor, sa
             return _plus(device.plain_gemm(ops).to(home), bias)
         m, n, k = ops.mnk
         site = op_id(layer, layout, m, n, k)
-        fused = (bias is not None and not sampled and fault is None and isinstance(device, CudaDevice)
-                 and ops.a.device == ops.b.device == bias.device)
+        fused = bias is not None and not sampled and _enqueues(device, ops, fault) and bias.device == ops.a.device
         res = launch(device, ops, fault, site, bias if fused else None)
         if sampled:  # its failures surface when resolve waits for its comparison
             sense(h, device, layer, ops, res, site, key)
