@@ -242,13 +242,13 @@ class CudaDevice(Device):
         tm, tn = self.tile
         dev = self.torch_device
 
-        def out(shape, poison, dtype=None):  # every element is written by the kernel: filled only when poisoning
+        def out(shape, poison, dtype):  # every element is written by the kernel: filled only when poisoning
             return torch.full(shape, poison, dtype=dtype, device=dev) if self.poison else torch.empty(shape, dtype=dtype, device=dev)
 
         nan = float("nan")
         mt, nt = -(-m // tm), -(-n // tn)
         c = out((m, n), nan, torch.bfloat16)
-        row_sums, col_sums = out((m, nt), nan), out((mt, n), nan)
+        row_sums, col_sums = out((m, nt), nan, torch.float32), out((mt, n), nan, torch.float32)  # never torch's default dtype
         tile_sm = out((mt, nt), -1, torch.int32)
         bias = self._bias(bias, n)
         entry = layout.value

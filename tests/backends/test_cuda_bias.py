@@ -1,6 +1,7 @@
 """Tier 2 (GPU): the checked GEMMs' bias epilogue (``CudaDevice.prepare(bias=…)``) gives the bits of
 torch's bf16 add of the bias to the kernel's C, and leaves C's checksums those of A·B; the cached
-TMA descriptors are the ones a fresh encoding gives."""
+TMA descriptors are the ones a fresh encoding gives; the outputs keep their dtypes whatever torch's
+default dtype."""
 
 from __future__ import annotations
 
@@ -89,3 +90,19 @@ def test_cached_tensor_maps_are_the_encoded_ones():
     assert other is not first and bytes(other) == bytes(cuda._encode_map(x[128:], 64, 128))
     assert bytes(cuda._tensor_map(x, 64, 64)) != bytes(first)  # the box is part of the key
     assert ctypes.addressof(first) % 64 == 0
+
+
+def test_outputs_keep_their_dtypes_under_a_float64_default(dev):
+    """A training script may set torch's default dtype to float64: the sums the kernel writes as fp32
+    must still land in fp32 buffers (the same bits as under float32's default)."""
+    a = dev.generate((256, 96), "normal", 11)
+    b = dev.generate((96, 320), "normal", 12)
+    c0, rs0, cs0, _ = _run(dev, a, b, Layout.DGRAD).outputs
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        c1, rs1, cs1, sm1 = _run(dev, a, b, Layout.DGRAD).outputs
+    finally:
+        torch.set_default_dtype(old)
+    assert (rs1.dtype, cs1.dtype, c1.dtype, sm1.dtype) == (torch.float32, torch.float32, torch.bfloat16, torch.int32)
+    assert torch.equal(_bits(rs1), _bits(rs0)) and torch.equal(_bits(cs1), _bits(cs0)) and torch.equal(_bits(c1), _bits(c0))
