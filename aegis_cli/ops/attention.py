@@ -26,6 +26,7 @@ import torch
 from aegis_cli.ops.errors import ConfigError, InjectSpecError
 
 BLOCK = 64  # query and key block of the tiled reference (the kernels' tile edge)
+F32 = torch.float32  # the reference's accumulators, the kernels' (never torch's default dtype)
 MAX_SEQ = 1 << 17
 
 # stage → which tensor its index addresses: dims named from (B, Hq|Hkv, S, S|D)
@@ -208,14 +209,14 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
         q32 = _bf16(q32)  # a Q element is bf16 as loaded: the kernels round the corrupted value back
     k32, v32 = _expand(k.float(), shape.group), _expand(v.float(), shape.group)
     b, h, s, d = q32.shape
-    o = torch.empty((b, h, s, d), device=q.device)
-    lse = torch.empty((b, h, s), device=q.device)
+    o = torch.empty((b, h, s, d), device=q.device, dtype=F32)
+    lse = torch.empty((b, h, s), device=q.device, dtype=F32)
     for i0 in range(0, s, block):
         i1 = min(s, i0 + block)
         qi = q32[:, :, i0:i1]
-        m = torch.full((b, h, i1 - i0), -math.inf, device=q.device)
-        l_sum = torch.zeros((b, h, i1 - i0), device=q.device)
-        acc = torch.zeros((b, h, i1 - i0, d), device=q.device)
+        m = torch.full((b, h, i1 - i0), -math.inf, device=q.device, dtype=F32)
+        l_sum = torch.zeros((b, h, i1 - i0), device=q.device, dtype=F32)
+        acc = torch.zeros((b, h, i1 - i0, d), device=q.device, dtype=F32)
         for j0 in range(0, i1 if causal else s, block):
             j1 = min(s, j0 + block)
             sc = (qi @ k32[:, :, j0:j1].transpose(-1, -2)) * scale
@@ -249,14 +250,14 @@ def flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
     k32, v32 = _expand(k.float(), g), _expand(v.float(), g)
     b, h, s, d = q32.shape
     delta = (do32 * o.float()).sum(-1)  # (B, Hq, S)
-    dq = torch.zeros((b, h, s, d), device=q.device)
-    dk = torch.empty((b, h, s, d), device=q.device)
-    dv = torch.empty((b, h, s, d), device=q.device)
+    dq = torch.zeros((b, h, s, d), device=q.device, dtype=F32)
+    dk = torch.empty((b, h, s, d), device=q.device, dtype=F32)
+    dv = torch.empty((b, h, s, d), device=q.device, dtype=F32)
     for j0 in range(0, s, block):
         j1 = min(s, j0 + block)
         kj, vj = k32[:, :, j0:j1], v32[:, :, j0:j1]
-        dk_acc = torch.zeros((b, h, j1 - j0, d), device=q.device)
-        dv_acc = torch.zeros((b, h, j1 - j0, d), device=q.device)
+        dk_acc = torch.zeros((b, h, j1 - j0, d), device=q.device, dtype=F32)
+        dv_acc = torch.zeros((b, h, j1 - j0, d), device=q.device, dtype=F32)
         for i0 in range((j0 // block) * block if causal else 0, s, block):
             i1 = min(s, i0 + block)
             sc = (q32[:, :, i0:i1] @ kj.transpose(-1, -2)) * scale

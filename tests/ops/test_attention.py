@@ -54,6 +54,21 @@ def test_backward_repeats_bit_identical():
                            y.view(torch.int16 if y.element_size() == 2 else torch.int32))
 
 
+def test_reference_ignores_torchs_default_dtype():
+    """A training script may set float64 as torch's default dtype: the reference still accumulates in
+    fp32, as the kernels do (the same bits)."""
+    ops = draw(1, 2, 2, 70, 32, seed=9)
+    a = run(ops)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        b = run(ops)
+    finally:
+        torch.set_default_dtype(old)
+    for x, y in zip((a[0].o, a[0].lse, *a[1].tensors().values()), (b[0].o, b[0].lse, *b[1].tensors().values()), strict=True):
+        assert x.dtype == y.dtype and torch.equal(x, y)
+
+
 @pytest.mark.parametrize("stage", list(A.STAGES))
 def test_each_stage_fault_changes_what_it_feeds(stage):
     ops = draw(1, 2, 1, 70, 64, causal=True, seed=9)
