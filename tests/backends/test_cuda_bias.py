@@ -12,24 +12,10 @@ import torch
 
 from aegis_cli.ops.errors import DeviceError
 from aegis_cli.ops.gemm import Layout
+from tests.backends.conftest import cuda_kernels
 
 pytestmark = pytest.mark.gpu
 SHAPES = [(256, 512, 320), (129, 258, 72), (77, 1001, 264), (300, 6, 40), (64, 40, 13)]  # odd N, N % 4 = 2, no TMA
-
-
-def _kernels() -> list[str]:
-    if not torch.cuda.is_available():
-        return ["mma"]
-    return ["mma", "wgmma"] if torch.cuda.get_device_capability(0) == (9, 0) else ["mma"]
-
-
-@pytest.fixture(scope="module", params=["mma", "wgmma"])
-def dev(request):
-    from aegis_cli.backends.cuda import CudaDevice
-
-    if request.param not in _kernels():
-        pytest.skip("wgmma needs sm_90")
-    return CudaDevice(0, kernel=request.param)
 
 
 def _run(dev, a, b, layout, bias=None):
@@ -79,7 +65,7 @@ def test_a_bias_of_the_wrong_shape_or_dtype_is_refused(dev):
 def test_cached_tensor_maps_are_the_encoded_ones():
     from aegis_cli.backends import cuda
 
-    if "wgmma" not in _kernels():
+    if "wgmma" not in cuda_kernels():
         pytest.skip("TMA needs sm_90")
     x = torch.zeros(512, 256, dtype=torch.bfloat16, device="cuda:0")
     first = cuda._tensor_map(x, 64, 128)

@@ -18,21 +18,6 @@ TAU = numerics.Thresholds().tau
 LAYOUTS = list(Layout)
 
 
-def _kernels() -> list[str]:
-    if not torch.cuda.is_available():
-        return ["mma"]
-    return ["mma", "wgmma"] if torch.cuda.get_device_capability(0) == (9, 0) else ["mma"]
-
-
-@pytest.fixture(scope="module", params=["mma", "wgmma"])
-def dev(request):
-    from aegis_cli.backends.cuda import CudaDevice
-
-    if request.param not in _kernels():
-        pytest.skip("wgmma needs sm_90")
-    return CudaDevice(0, kernel=request.param)
-
-
 def _ops(dev, layout: Layout, m: int, n: int, k: int, seed: int, dist: str = "normal", scale=(0, 0)) -> GemmOperands:
     a = dev.generate(layout.a_stored_shape(m, k), dist, seed)
     b = dev.generate(layout.b_stored_shape(k, n), dist, seed + 7919)
