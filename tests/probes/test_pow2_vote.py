@@ -17,7 +17,7 @@ from aegis_cli.ops import workloads
 from aegis_cli.ops.numerics import Thresholds
 from aegis_cli.ops.verdict import Verdict
 from aegis_cli.probes.gemm import GemmCase, GemmProbe
-from tests.backends.test_cuda_gemm import _kernels
+from tests.backends.conftest import cuda_kernels
 
 POW2 = "gemm.pow2_exact"
 SCALES = [[0, 0], [-16, -16], [16, 16], [-8, 8]]
@@ -149,7 +149,7 @@ def test_two_scales_that_disagree_fall_back_to_the_base_run():
 def cuda(kernel: str):
     from aegis_cli.backends.cuda import CudaDevice
 
-    if kernel not in _kernels():
+    if kernel not in cuda_kernels():
         pytest.skip("wgmma needs sm_90")
     return CudaDevice(0, kernel=kernel)
 
