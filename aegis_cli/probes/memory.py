@@ -146,8 +146,8 @@ def _hold(dev: torch.device, seconds: float, backend: str) -> dict:
     n = 4096 if backend != "cpu" else 256
     g = torch.Generator(device=dev)
     g.manual_seed(12345)
-    a = torch.randn((n, n), generator=g, device=dev).to(torch.bfloat16)
-    b = torch.randn((n, n), generator=g, device=dev).to(torch.bfloat16)
+    a = torch.randn((n, n), generator=g, device=dev, dtype=torch.float32).to(torch.bfloat16)
+    b = torch.randn((n, n), generator=g, device=dev, dtype=torch.float32).to(torch.bfloat16)
     c = torch.empty((n, n), dtype=torch.bfloat16, device=dev)
     t0, count = time.perf_counter(), 0
     while time.perf_counter() - t0 < seconds:
