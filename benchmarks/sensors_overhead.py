@@ -27,7 +27,9 @@ its standard error over the rounds:
              boundary cost when the sensors read their comparisons that way (before session 13)
 
 Each window also samples the SM clock, the power and power capping through NVML every 10 ms
-(``sensors_profile.Clocks``): whether a mode's extra work moves the card's clocks.
+(``sensors_profile.Clocks``): whether a mode's extra work moves the card's clocks; and records,
+step by step beside the step times, the operators each step checked (``checked_ops``): whether a
+step's cost follows where its checks fell (a check late in backward makes the boundary wait).
 
 ``--profile N``: N steps each of plain and the ``--profile-modes`` (default sampled and drained; also
 the pinned ``kernels`` and its experiments ``nosums``, ``nosync``) under torch.profiler, the step's GPU
@@ -151,24 +153,34 @@ class Bench:
     def window(self, name: str, cfg: SensorConfig | None, steps: int, counter: itertools.count, skip: int = 0) -> dict:
         """``steps`` timed steps of one mode after ``skip`` more (kept apart: the model just instrumented or restored)."""
         handle = instrument(self.model, cfg) if cfg is not None else None
-        times, stops = [], 0
+        times, stops, checked = [], 0, []
         try:
             with sensors_profile.Clocks(self) as clocks:  # whether a mode runs the GPU at other clocks (power)
                 for _ in range(skip + steps):
+                    before = _checks(handle)
                     with handle.pin() if name == "kernels" else contextlib.nullcontext():
                         dt, action = self.step(next(counter), handle, name == "drained")
                     times.append(dt)
                     stops += action is Action.STOP
+                    after = _checks(handle)
+                    checked.append(sorted(op for op, n in after.items() if n > before.get(op, 0)))
         finally:
             if handle is not None:
                 uninstrument(self.model)
         out = {"mode": name, "times": times[skip:], "skipped": times[:skip], "stops": stops, "clocks": clocks.summary()}
+        if handle is not None:  # which operators each step checked: a step's cost against where its checks fell
+            out["checked_ops"] = checked[skip:]
         if handle is not None:
             s = handle.stats_dict()
             out["stats"] = {k: s[k] for k in ("launches", "checked", "raised", "cleared", "confirmed", "dropped", "sense_s",
                                               "verify_s", "clean_max_ratio", "skipped_nonfinite")}
             out["stats"]["sense_per_check_s"] = s["sense_s"] / s["checked"] if s["checked"] else None
         return out
+
+
+def _checks(handle) -> dict[str, int]:
+    """Each operator's checks so far (none without a handle)."""
+    return {} if handle is None else {op: st.checks_total for op, st in handle.controller.ops.items()}
 
 
 def gemm_work(model: torch.nn.Module, tokens: int, tile: tuple[int, int] = (64, 128)) -> dict:
@@ -290,6 +302,8 @@ def run(args) -> dict:
                 out[name]["error"] = failed[name]
             if ws and "stats" in ws[0]:
                 out[name]["stats"] = [w["stats"] for w in ws]
+            if ws and "checked_ops" in ws[0]:
+                out[name]["checked_ops"] = [ops for w in ws for ops in w["checked_ops"]]  # beside "times", step by step
             out[name]["clocks"] = [w["clocks"] for w in ws]
         for name in modes:
             out[name].update(paired(windows[name], windows["plain"]))

@@ -42,6 +42,9 @@ def test_the_coverage_mode_checks_each_operator_from_its_phase(tmp_path):
     # window, a fresh handle with the same seed, checks the same few of its launches and raises nothing
     assert len({s["checked"] for s in stats}) == 1 and all(s["checked"] < s["launches"] for s in stats)
     assert all(s["raised"] == 0 for s in stats)
+    # step by step, which operators it checked: as many lists as timed steps, no more checks than counted
+    assert len(cov["checked_ops"]) == len(cov["times"]) and sum(map(len, cov["checked_ops"])) <= sum(s["checked"] for s in stats)
+    assert "checked_ops" not in res["interleaved"]["plain"]
     assert (tmp_path / "sensors_overhead.json").exists()
 
 
