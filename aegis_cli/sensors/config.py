@@ -25,6 +25,13 @@ def _range(name: str, value: float, lo: float, hi: float) -> None:
         raise ConfigError(f"sensor config: {name} must lie in {lo:g}…{hi:g}, got {value!r}")
 
 
+def _integer(name: str, value, lo: int, none_ok: bool = False) -> None:
+    if none_ok and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ConfigError(f"sensor config: {name} must be an integer ≥ {lo}{' or None' if none_ok else ''}, got {value!r}")
+
+
 @dataclass(kw_only=True)
 class SensorConfig:
     """How the sensors of one training job sense, verify, save and react."""
@@ -70,15 +77,9 @@ class SensorConfig:
         _range("raise_headroom", self.raise_headroom, 1.0, 1e6)
         _range("max_raise", self.max_raise, 1.0, 1e12)
         for name in ("min_verify", "reruns", "queue_size", "queue_bytes", "max_vtask_bytes", "seed"):
-            value = getattr(self, name)
-            lo = 0 if name in ("min_verify", "seed") else 1
-            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-                raise ConfigError(f"sensor config: {name} must be an integer ≥ {lo}, got {value!r}")
-        if self.coverage_steps is not None and (isinstance(self.coverage_steps, bool) or not isinstance(self.coverage_steps, int)
-                                                or self.coverage_steps < 1):
-            raise ConfigError(f"sensor config: coverage_steps must be an integer ≥ 1 or None, got {self.coverage_steps!r}")
-        if self.rank is not None and (isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0):
-            raise ConfigError(f"sensor config: rank must be an integer ≥ 0, got {self.rank!r}")
+            _integer(name, getattr(self, name), 0 if name in ("min_verify", "seed") else 1)
+        _integer("coverage_steps", self.coverage_steps, 1, none_ok=True)
+        _integer("rank", self.rank, 0, none_ok=True)
         if not isinstance(self.attention, bool):
             raise ConfigError(f"sensor config: attention must be true or false, got {self.attention!r}")
         if self.inject is not None:
