@@ -168,9 +168,8 @@ class Bench:
             if handle is not None:
                 uninstrument(self.model)
         out = {"mode": name, "times": times[skip:], "skipped": times[:skip], "stops": stops, "clocks": clocks.summary()}
-        if handle is not None:  # which operators each step checked: a step's cost against where its checks fell
-            out["checked_ops"] = checked[skip:]
         if handle is not None:
+            out["checked_ops"] = checked[skip:]  # which operators each step checked: a step's cost against where its checks fell
             s = handle.stats_dict()
             out["stats"] = {k: s[k] for k in ("launches", "checked", "raised", "cleared", "confirmed", "dropped", "sense_s",
                                               "verify_s", "clean_max_ratio", "skipped_nonfinite")}
