@@ -150,6 +150,12 @@ class Bench:
             self.sync()
         return time.perf_counter() - t0, action
 
+    def mode_step(self, name: str, i: int, handle, mark=_unmarked) -> tuple[float, Action]:
+        """One step as mode ``name`` runs it: pinned to the checked kernels (``kernels`` and its
+        experiments, sensors_profile.PINNED), drained at the boundary (``drained``), else plain ``step``."""
+        with handle.pin() if name in sensors_profile.PINNED else contextlib.nullcontext():
+            return self.step(i, handle, name == "drained", mark)
+
     def window(self, name: str, cfg: SensorConfig | None, steps: int, counter: itertools.count, skip: int = 0) -> dict:
         """``steps`` timed steps of one mode after ``skip`` more (kept apart: the model just instrumented or restored)."""
         handle = instrument(self.model, cfg) if cfg is not None else None
@@ -158,8 +164,7 @@ class Bench:
             with sensors_profile.Clocks(self) as clocks:  # whether a mode runs the GPU at other clocks (power)
                 for _ in range(skip + steps):
                     before = _checks(handle)
-                    with handle.pin() if name == "kernels" else contextlib.nullcontext():
-                        dt, action = self.step(next(counter), handle, name == "drained")
+                    dt, action = self.mode_step(name, next(counter), handle)
                     times.append(dt)
                     stops += action is Action.STOP
                     after = _checks(handle)

@@ -147,7 +147,7 @@ def fresh_device_seconds() -> float:
 
 # experiment modes, all pinned: the config of the mode each varies (sensors_overhead builds the configs)
 EXPERIMENTS = {"nosums": "kernels", "nosync": "kernels"}
-PINNED = ("kernels", *EXPERIMENTS)
+PINNED = ("kernels", *EXPERIMENTS)  # the modes Bench.mode_step runs pinned
 
 
 @contextlib.contextmanager
@@ -216,9 +216,9 @@ class Clocks:
 
 
 def run(bench, modes: dict, steps: int, counter) -> dict:
-    """Profile ``steps`` steps of each mode (name → SensorConfig, None for plain; ``drained`` drains
-    the device at the step boundary, ``kernels`` runs pinned, ``EXPERIMENTS`` vary it: ``_variant``);
-    attribute and compare with plain."""
+    """Profile ``steps`` steps of each mode (name → SensorConfig, None for plain; each step as
+    ``Bench.mode_step`` runs it: ``drained`` drains the device at the step boundary, ``kernels`` runs
+    pinned, ``EXPERIMENTS`` vary it: ``_variant``); attribute and compare with plain."""
     from aegis_cli.sensors import instrument, uninstrument
 
     cuda = bench.dev.type == "cuda"
@@ -231,8 +231,7 @@ def run(bench, modes: dict, steps: int, counter) -> dict:
         handle = instrument(bench.model, cfg) if cfg is not None else None
 
         def step(handle=handle, mode=mode):
-            with handle.pin() if mode in PINNED else contextlib.nullcontext():
-                bench.step(next(counter), handle, mode == "drained", _annotated)
+            bench.mode_step(mode, next(counter), handle, _annotated)
 
         try:
             with _variant(mode):
