@@ -162,13 +162,14 @@ class Bench:
         times, stops, checked = [], 0, []
         try:
             with sensors_profile.Clocks(self) as clocks:  # whether a mode runs the GPU at other clocks (power)
+                before = _checks(handle)
                 for _ in range(skip + steps):
-                    before = _checks(handle)
                     dt, action = self.mode_step(name, next(counter), handle)
                     times.append(dt)
                     stops += action is Action.STOP
                     after = _checks(handle)
                     checked.append(sorted(op for op, n in after.items() if n > before.get(op, 0)))
+                    before = after
         finally:
             if handle is not None:
                 uninstrument(self.model)
