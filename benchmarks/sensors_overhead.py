@@ -103,10 +103,6 @@ def clean_config(args) -> SensorConfig:
     return coverage_config(args) if args.clean_config == "coverage" else SensorConfig(seed=args.seed)
 
 
-def _unmarked(_name: str) -> contextlib.AbstractContextManager:
-    return contextlib.nullcontext()
-
-
 class Bench:
     def __init__(self, args):
         self.args = args
@@ -128,7 +124,7 @@ class Bench:
         if self.dev.type == "cuda":
             torch.cuda.synchronize(self.dev)
 
-    def step(self, i: int, handle, drain: bool = False, mark=_unmarked) -> tuple[float, Action]:
+    def step(self, i: int, handle, drain: bool = False, mark=contextlib.nullcontext) -> tuple[float, Action]:
         """One training step, timed from a synchronised start to a synchronised end (``drain``: the
         device synchronised before the sensors' step boundary too; ``mark(name)``: a context around
         the step and each of its phases, step fwd bwd sensors opt: sensors_profile annotates them)."""
@@ -150,7 +146,7 @@ class Bench:
             self.sync()
         return time.perf_counter() - t0, action
 
-    def mode_step(self, name: str, i: int, handle, mark=_unmarked) -> tuple[float, Action]:
+    def mode_step(self, name: str, i: int, handle, mark=contextlib.nullcontext) -> tuple[float, Action]:
         """One step as mode ``name`` runs it: pinned to the checked kernels (``kernels`` and its
         experiments, sensors_profile.PINNED), drained at the boundary (``drained``), else plain ``step``."""
         with handle.pin() if name in sensors_profile.PINNED else contextlib.nullcontext():
