@@ -210,7 +210,11 @@ class Clocks:
         xs = self.samples
         if not xs:
             return {}
-        mean = lambda k: statistics.fmean(x[k] for x in xs if x[k] is not None) if any(x[k] is not None for x in xs) else None
+
+        def mean(key: str) -> float | None:
+            vals = [x[key] for x in xs if x[key] is not None]
+            return statistics.fmean(vals) if vals else None
+
         capped = sum(any("power" in t.lower() for t in (x["throttle"] or [])) for x in xs) / len(xs)
         return {"samples": len(xs), "sm_clock_mhz": mean("sm_clock_mhz"), "power_w": mean("power_w"), "power_capped": capped}
 
