@@ -82,11 +82,11 @@ def configs(args) -> dict[str, SensorConfig | None]:
     return {
         "plain": None,
         "unsampled": SensorConfig(**never),
-        "kernels": SensorConfig(**never),  # run pinned (Bench.window)
+        "kernels": SensorConfig(**never),  # run pinned (Bench.mode_step)
         "every": SensorConfig(sample_prob=1.0, overhead_budget=None, queue_size=16, seed=args.seed),
         "sampled": sampled_config(args),
         "coverage": coverage_config(args),
-        "drained": sampled_config(args),  # drained at the boundary (Bench.window)
+        "drained": sampled_config(args),  # drained at the boundary (Bench.mode_step)
     }
 
 
