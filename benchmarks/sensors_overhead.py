@@ -82,11 +82,11 @@ def configs(args) -> dict[str, SensorConfig | None]:
     return {
         "plain": None,
         "unsampled": SensorConfig(**never),
-        "kernels": SensorConfig(**never),  # run pinned (Bench.window)
+        "kernels": SensorConfig(**never),  # run pinned (Bench.mode_step)
         "every": SensorConfig(sample_prob=1.0, overhead_budget=None, queue_size=16, seed=args.seed),
         "sampled": sampled_config(args),
         "coverage": coverage_config(args),
-        "drained": sampled_config(args),  # drained at the boundary (Bench.window)
+        "drained": sampled_config(args),  # drained at the boundary (Bench.mode_step)
     }
 
 
@@ -101,10 +101,6 @@ def coverage_config(args) -> SensorConfig:
 
 def clean_config(args) -> SensorConfig:
     return coverage_config(args) if args.clean_config == "coverage" else SensorConfig(seed=args.seed)
-
-
-def _unmarked(_name: str) -> contextlib.AbstractContextManager:
-    return contextlib.nullcontext()
 
 
 class Bench:
@@ -128,7 +124,7 @@ class Bench:
         if self.dev.type == "cuda":
             torch.cuda.synchronize(self.dev)
 
-    def step(self, i: int, handle, drain: bool = False, mark=_unmarked) -> tuple[float, Action]:
+    def step(self, i: int, handle, drain: bool = False, mark=contextlib.nullcontext) -> tuple[float, Action]:
         """One training step, timed from a synchronised start to a synchronised end (``drain``: the
         device synchronised before the sensors' step boundary too; ``mark(name)``: a context around
         the step and each of its phases, step fwd bwd sensors opt: sensors_profile annotates them)."""
@@ -150,27 +146,32 @@ class Bench:
             self.sync()
         return time.perf_counter() - t0, action
 
+    def mode_step(self, name: str, i: int, handle, mark=contextlib.nullcontext) -> tuple[float, Action]:
+        """One step as mode ``name`` runs it: pinned to the checked kernels (``kernels`` and its
+        experiments, sensors_profile.PINNED), drained at the boundary (``drained``), else plain ``step``."""
+        with handle.pin() if name in sensors_profile.PINNED else contextlib.nullcontext():
+            return self.step(i, handle, name == "drained", mark)
+
     def window(self, name: str, cfg: SensorConfig | None, steps: int, counter: itertools.count, skip: int = 0) -> dict:
         """``steps`` timed steps of one mode after ``skip`` more (kept apart: the model just instrumented or restored)."""
         handle = instrument(self.model, cfg) if cfg is not None else None
         times, stops, checked = [], 0, []
         try:
             with sensors_profile.Clocks(self) as clocks:  # whether a mode runs the GPU at other clocks (power)
+                before = _checks(handle)
                 for _ in range(skip + steps):
-                    before = _checks(handle)
-                    with handle.pin() if name == "kernels" else contextlib.nullcontext():
-                        dt, action = self.step(next(counter), handle, name == "drained")
+                    dt, action = self.mode_step(name, next(counter), handle)
                     times.append(dt)
                     stops += action is Action.STOP
                     after = _checks(handle)
                     checked.append(sorted(op for op, n in after.items() if n > before.get(op, 0)))
+                    before = after
         finally:
             if handle is not None:
                 uninstrument(self.model)
         out = {"mode": name, "times": times[skip:], "skipped": times[:skip], "stops": stops, "clocks": clocks.summary()}
-        if handle is not None:  # which operators each step checked: a step's cost against where its checks fell
-            out["checked_ops"] = checked[skip:]
         if handle is not None:
+            out["checked_ops"] = checked[skip:]  # which operators each step checked: a step's cost against where its checks fell
             s = handle.stats_dict()
             out["stats"] = {k: s[k] for k in ("launches", "checked", "raised", "cleared", "confirmed", "dropped", "sense_s",
                                               "verify_s", "clean_max_ratio", "skipped_nonfinite")}

@@ -147,7 +147,7 @@ def fresh_device_seconds() -> float:
 
 # experiment modes, all pinned: the config of the mode each varies (sensors_overhead builds the configs)
 EXPERIMENTS = {"nosums": "kernels", "nosync": "kernels"}
-PINNED = ("kernels", *EXPERIMENTS)
+PINNED = ("kernels", *EXPERIMENTS)  # the modes Bench.mode_step runs pinned
 
 
 @contextlib.contextmanager
@@ -210,15 +210,19 @@ class Clocks:
         xs = self.samples
         if not xs:
             return {}
-        mean = lambda k: statistics.fmean(x[k] for x in xs if x[k] is not None) if any(x[k] is not None for x in xs) else None
+
+        def mean(key: str) -> float | None:
+            vals = [x[key] for x in xs if x[key] is not None]
+            return statistics.fmean(vals) if vals else None
+
         capped = sum(any("power" in t.lower() for t in (x["throttle"] or [])) for x in xs) / len(xs)
         return {"samples": len(xs), "sm_clock_mhz": mean("sm_clock_mhz"), "power_w": mean("power_w"), "power_capped": capped}
 
 
 def run(bench, modes: dict, steps: int, counter) -> dict:
-    """Profile ``steps`` steps of each mode (name → SensorConfig, None for plain; ``drained`` drains
-    the device at the step boundary, ``kernels`` runs pinned, ``EXPERIMENTS`` vary it: ``_variant``);
-    attribute and compare with plain."""
+    """Profile ``steps`` steps of each mode (name → SensorConfig, None for plain; each step as
+    ``Bench.mode_step`` runs it: ``drained`` drains the device at the step boundary, ``kernels`` runs
+    pinned, ``EXPERIMENTS`` vary it: ``_variant``); attribute and compare with plain."""
     from aegis_cli.sensors import instrument, uninstrument
 
     cuda = bench.dev.type == "cuda"
@@ -231,8 +235,7 @@ def run(bench, modes: dict, steps: int, counter) -> dict:
         handle = instrument(bench.model, cfg) if cfg is not None else None
 
         def step(handle=handle, mode=mode):
-            with handle.pin() if mode in PINNED else contextlib.nullcontext():
-                bench.step(next(counter), handle, mode == "drained", _annotated)
+            bench.mode_step(mode, next(counter), handle, _annotated)
 
         try:
             with _variant(mode):
