@@ -36,7 +36,8 @@ from aegis_cli.ops.gemm import GemmOperands, GemmResult
 @dataclass
 class Slab:
     """The outputs of up to ``size`` launches of one prepared GEMM: slot i's C is ``c[i]``, its
-    row sums ``row_sums[i]``, and so on (tile→SM filled with -1, as prepare leaves it)."""
+    row sums ``row_sums[i]``, and so on (tile→SM filled with -1 first, so a tile no launch wrote
+    shows; prepare fills it only when poisoning)."""
 
     c: torch.Tensor  # (size, M, N) bf16
     row_sums: torch.Tensor  # (size, M, nt_n) fp32
@@ -78,7 +79,7 @@ def _pointers(launch) -> list[int]:
 
 def _fresh(launch):
     """``launch`` on torch's current stream, writing into outputs newly allocated there (of the
-    same shapes; tile→SM filled with -1, as prepare leaves it), arguments repacked; the launch it
+    same shapes; tile→SM filled with -1 first, as Slab's), arguments repacked; the launch it
     came from keeps its own."""
     old = launch.keep[OUTS]
     outs = [torch.empty_like(t) for t in old[:3]] + [torch.full_like(old[3], -1)]

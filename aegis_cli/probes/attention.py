@@ -210,8 +210,7 @@ class AttentionProbe:
                 continue
             self._count(x.checked)
             self._note(x.checked)
-            found = self._confirm(case, x.ev, x.edo, x.ops, x.ref, x.expected, x.fwd, x.bwd, x.checked) \
-                if x.checked.signals and (only is None or cid == only) else []
+            found = self._confirm(case, x) if x.checked.signals and (only is None or cid == only) else []
             evidence += found
             self.on_case(cid)
             if any(e.severity is Verdict.FAULTY for e in found) and self.stop(cid):
@@ -230,15 +229,16 @@ class AttentionProbe:
             self.stats.clean_max[name] = max(self.stats.clean_max.get(name, 0.0), v)
             self.stats.clean_ratio = max(self.stats.clean_ratio, v / checked.tau[name])
 
-    def _confirm(self, case, ev, edo, ops, ref, expected, fwd, bwd, checked) -> list[Evidence]:
-        """Re-run a flagged case; each signal is judged by how often it came back and whether
+    def _confirm(self, case: AttentionCase, x: ScaledRun) -> list[Evidence]:
+        """Re-run the flagged run ``x``; each signal is judged by how often it came back and whether
         the runs' bits agreed (the kernels are deterministic)."""
+        ev, edo, fwd, bwd, checked = x.ev, x.edo, x.fwd, x.bwd, x.checked
         cid = case.case_id(ev, edo)
         fp = lambda f, b: tuple(self.device.fingerprint(t) for t in checks.outputs_of(f, b).values())
         prints = {fp(fwd, bwd)}
         seen = {s.check: 0 for s in checked.signals}
         for _ in range(self.reruns):
-            f2, b2, c2 = self._once(ops, ref, expected, cid)
+            f2, b2, c2 = self._once(x.ops, x.ref, x.expected, cid)
             prints.add(fp(f2, b2))
             for s in c2.signals:
                 if s.check in seen:
