@@ -61,7 +61,8 @@
 #define B_STAGE_BYTES (BN * BK * 2)
 #define NTHREADS 384
 // Shared memory the host grants (cuda.py _wgmma_smem): ring + barriers + column-sum scratch
-// + slack to align the ring to 1024 B.
+// + the staged bias (2 KB) + slack to align the ring to 1024 B; the AEGIS_ABFT_ROWS builds add
+// ABFT_SMEM.
 
 struct __align__(64) TmaDesc {
     unsigned long long v[16];

@@ -3,13 +3,8 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
-
-def cuda_kernels() -> list[str]:
-    if not torch.cuda.is_available():
-        return ["mma"]
-    return ["mma", "wgmma"] if torch.cuda.get_device_capability(0) == (9, 0) else ["mma"]
+from tests.helpers import cuda_kernels
 
 
 @pytest.fixture(scope="module", params=["mma", "wgmma"])

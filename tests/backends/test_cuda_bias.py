@@ -12,7 +12,7 @@ import torch
 
 from aegis_cli.ops.errors import DeviceError
 from aegis_cli.ops.gemm import Layout
-from tests.backends.conftest import cuda_kernels
+from tests.helpers import cuda_kernels
 
 pytestmark = pytest.mark.gpu
 SHAPES = [(256, 512, 320), (129, 258, 72), (77, 1001, 264), (300, 6, 40), (64, 40, 13)]  # odd N, N % 4 = 2, no TMA

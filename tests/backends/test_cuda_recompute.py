@@ -23,15 +23,6 @@ pytestmark = pytest.mark.gpu
 NUMERICS = "numerics: threshold too tight for this input?"
 
 
-@pytest.fixture(scope="module", params=["mma", "wgmma"])
-def cuda(request):
-    from aegis_cli.backends.cuda import CudaDevice
-
-    if request.param == "wgmma" and torch.cuda.get_device_capability(0) != (9, 0):
-        pytest.skip("wgmma needs sm_90")
-    return CudaDevice(0, kernel=request.param)
-
-
 def _all(res, axes: str) -> torch.Tensor:
     sums = res.row_sums if axes == "row" else res.col_sums
     return torch.ones(tuple(sums.shape), dtype=torch.bool).nonzero()
@@ -40,12 +31,12 @@ def _all(res, axes: str) -> torch.Tensor:
 @pytest.mark.parametrize("dist", numerics.DISTRIBUTIONS)
 @pytest.mark.parametrize("layout", list(Layout), ids=[x.value for x in Layout])
 @pytest.mark.parametrize("k", [1024, 8192])
-def test_tensor_core_results_are_within_the_rigorous_bound(cuda, dist, layout, k):
+def test_tensor_core_results_are_within_the_rigorous_bound(dev, dist, layout, k):
     m, n = 256, 384
-    a = cuda.generate(layout.a_stored_shape(m, k), dist, 17 + k)
-    b = cuda.generate(layout.b_stored_shape(k, n), dist, 29 + k)
+    a = dev.generate(layout.a_stored_shape(m, k), dist, 17 + k)
+    b = dev.generate(layout.b_stored_shape(k, n), dist, 29 + k)
     ops = GemmOperands(a, b, layout)
-    res = cuda.checked_gemm(ops)
+    res = dev.checked_gemm(ops)
     for axes in ("row", "col"):
         rc = recheck.recompute(ops, res, axes, _all(res, axes))
         assert rc is not None and not rc.wrong, (axes, rc)
@@ -60,17 +51,17 @@ def test_tensor_core_results_are_within_the_rigorous_bound(cuda, dist, layout, k
         assert bad.wrong and bad.beyond_bound == 1
 
 
-def test_a_threshold_below_rounding_is_suspect_and_a_fault_is_faulty(cuda):
+def test_a_threshold_below_rounding_is_suspect_and_a_fault_is_faulty(dev):
     # an explicit τ = 1e-10 means what it says on a GPU too: it flags the tensor cores' own rounding
     # everywhere, reproducibly
     wl = workloads.load("cpu-quick")
     shape = max(wl.gemms(), key=lambda s: s.k)
     case = GemmCase(wl.name, shape, "heavy", 5)
-    ev = GemmProbe(cuda, numerics.Thresholds(tau=1e-10), reruns=2).run(case, [[0, 0]])
+    ev = GemmProbe(dev, numerics.Thresholds(tau=1e-10), reruns=2).run(case, [[0, 0]])
     assert ev and all(e.severity is Verdict.SUSPECT and NUMERICS in e.summary for e in ev)
     assert all(e.recompute["beyond_bound"] == 0 and e.reproduced == e.reruns for e in ev)
     plan = FaultPlan.parse("bitflip:target=acc,bit=exp,seed=3")
-    ev = GemmProbe(cuda, numerics.Thresholds(tau=1e-10), reruns=2, fault=plan).run(case, [[0, 0]])
+    ev = GemmProbe(dev, numerics.Thresholds(tau=1e-10), reruns=2, fault=plan).run(case, [[0, 0]])
     sums = [e for e in ev if e.check in CHECKSUM_CHECKS]
     assert sums and all(e.severity is Verdict.FAULTY and e.recompute["beyond_bound"] >= 1 for e in sums)
 

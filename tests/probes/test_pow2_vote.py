@@ -17,7 +17,7 @@ from aegis_cli.ops import workloads
 from aegis_cli.ops.numerics import Thresholds
 from aegis_cli.ops.verdict import Verdict
 from aegis_cli.probes.gemm import GemmCase, GemmProbe
-from tests.backends.conftest import cuda_kernels
+from tests.helpers import cuda_kernels
 
 POW2 = "gemm.pow2_exact"
 SCALES = [[0, 0], [-16, -16], [16, 16], [-8, 8]]
