@@ -33,7 +33,10 @@
 //                  fp64 with fp64 accumulation: sums within (K+1)·2⁻⁵³·s, s and ρ² within
 //                  (K+1)·2⁻⁵³ relative (non-negative terms), as the torch reference's (which k goes
 //                  to which MMA slot is a fixed permutation per layout: the order of the sum
-//                  changes, not its precision).
+//                  changes, not its precision). A CTA whose rows and tiles are all inside loads
+//                  each whole stage of 16-byte L vectors from two running positions (load_whole),
+//                  the rest through load_stage's general indexing: the same copies either way
+//                  (SR_WHOLE=0 builds the former; a test compares their bits).
 //                  Partial results go to part[3][splits][R][nt]. aegis_sr_main_norho: the same
 //                  without ρ² (left 0, its MMAs skipped), for callers that use no ρ.
 // aegis_sr_reduce  sums, s, rho (R, nt) fp64: the splits added in split order, then sqrt.
@@ -65,6 +68,9 @@ typedef long long i64;
 #endif
 #ifndef SR_KM_PACK
 #define SR_KM_PACK 1                       // k-major stage: 16-byte copies, a thread's 4 rows adjacent (0: 8-byte copies, rows 8 apart)
+#endif
+#ifndef SR_WHOLE
+#define SR_WHOLE 1                         // whole stages by load_whole (0: every stage by load_stage)
 #endif
 
 // load modes of the left operand (host-checked alignment)
@@ -408,6 +414,32 @@ __device__ __forceinline__ void load_stage(u16* __restrict__ sa, double* __restr
     }
 }
 
+// A whole stage (rows, tiles and k all inside; 16-byte vectors of L) by fixed offsets from two
+// running positions, l (L) and o (the statistics), which move SR_BK k a stage: the same copies to
+// the same places as load_stage, without its per-copy 64-bit indices and bounds (which were most
+// of this kernel's issued instructions, and its issue slots are what it is short of).
+//   L      4 vectors a thread: row-major, rows tid/4 + 32i at k 8·(tid%4) (l_step: 32 rows);
+//          k-major, k tid/16 + 8i at rows 8·(tid%16) (l_step: 8 k)
+//   stats  (k tid/16 + 8c, tile tid%16) of each statistic, c < 4 (o_step: 8 k)
+template <bool KMAJ, bool RHO>
+__device__ __forceinline__ void load_whole(u16* __restrict__ sa, double* __restrict__ sb, const u16* l, i64 l_step,
+                                           const double* __restrict__ rt, const double* __restrict__ rta,
+                                           const double* __restrict__ rtq, i64 o, i64 o_step) {
+    const int tid = threadIdx.x, n = tid & 15, kq = tid >> 4;
+    const int a_off = KMAJ ? kq * SR_KM_LD + 8 * n : (tid >> 2) * SR_BK + 8 * (tid & 3);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) cp_async(sa + a_off + i * (KMAJ ? 8 * SR_KM_LD : 32 * SR_BK), l + i * l_step, 16, 16);
+    // k = kq + 8c: k-major s = kq/4 + 2c, q = kq%4; row-major s = kq, q = c (load_stage's mapping)
+    const int b_off = KMAJ ? ((kq >> 2) * 2 + (n >> 3)) * 32 + (n & 7) * 4 + (kq & 3) : (kq * 2 + (n >> 3)) * 32 + (n & 7) * 4;
+    const int b_step = KMAJ ? 2 * 2 * 32 : 1;
+#pragma unroll
+    for (int st = 0; st < (RHO ? 3 : 2); ++st) {
+        const double* src = (st == 0 ? rt : st == 1 ? rta : rtq) + o;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) cp_async(sb + st * SR_B_ELEMS + b_off + c * b_step, src + c * o_step, 8, 8);
+    }
+}
+
 template <bool KMAJ, bool RHO>
 __device__ __forceinline__ void sr_main(u16* __restrict__ s_a, double* __restrict__ s_b, const u16* __restrict__ left,
                                         i64 R, i64 K, i64 sr, i64 sk, int mode, const double* __restrict__ rt,
@@ -438,20 +470,31 @@ __device__ __forceinline__ void sr_main(u16* __restrict__ s_a, double* __restric
     const int stages = (int)((ke - kb + SR_BK - 1) / SR_BK);
     // stage i in buffer i % SR_STAGES; one commit group per stage (empty past the end), so that
     // waiting for all but the newest SR_STAGES - 2 groups waits for the stage about to be multiplied
+    // load_whole where the CTA's rows and tiles are inside (block-uniform; a last partial stage by load_stage)
+    const bool whole = SR_WHOLE && r0 + SR_BM <= R && j0 + SR_BN <= nt && mode == (KMAJ ? SR_VEC_R16 : SR_VEC_K) &&
+                       (!KMAJ || SR_KM_PACK);
+    const u16* l = KMAJ ? left + r0 + 8 * (tid & 15) + (kb + (tid >> 4)) * sk : left + (r0 + (tid >> 2)) * sr + kb + 8 * (tid & 3);
+    const i64 l_step = KMAJ ? 8 * sk : 32 * sr, l_stage = KMAJ ? SR_BK * sk : SR_BK;
+    const i64 so = (kb + (tid >> 4)) * nt + j0 + (tid & 15);
+    const auto stage_in = [&](int i, int buf) {
+        const i64 k0 = kb + (i64)i * SR_BK;
+        if (whole && k0 + SR_BK <= ke)
+            load_whole<KMAJ, RHO>(s_a + buf * (SR_A_BYTES / 2), s_b + buf * 3 * SR_B_ELEMS, l + i * l_stage, l_step, rt,
+                                  rta, rtq, so + (i64)i * SR_BK * nt, 8 * (i64)nt);
+        else
+            load_stage<KMAJ, RHO>(s_a + buf * (SR_A_BYTES / 2), s_b + buf * 3 * SR_B_ELEMS, left, R, sr, sk, mode, r0, k0,
+                                  ke, rt, rta, rtq, nt, j0);
+    };
 #pragma unroll
     for (int i = 0; i < SR_STAGES - 1; ++i) {
-        if (i < stages)
-            load_stage<KMAJ, RHO>(s_a + i * (SR_A_BYTES / 2), s_b + i * 3 * SR_B_ELEMS, left, R, sr, sk, mode, r0,
-                                  kb + (i64)i * SR_BK, ke, rt, rta, rtq, nt, j0);
+        if (i < stages) stage_in(i, i);
         cp_async_commit();
     }
     for (int stage = 0; stage < stages; ++stage) {
         cp_async_wait_older();
         __syncthreads();  // this stage is in; every warp is done with the buffer refilled next
         const int next = stage + SR_STAGES - 1, nbuf = next % SR_STAGES, buf = stage % SR_STAGES;
-        if (next < stages)
-            load_stage<KMAJ, RHO>(s_a + nbuf * (SR_A_BYTES / 2), s_b + nbuf * 3 * SR_B_ELEMS, left, R, sr, sk, mode, r0,
-                                  kb + (i64)next * SR_BK, ke, rt, rta, rtq, nt, j0);
+        if (next < stages) stage_in(next, nbuf);
         cp_async_commit();
         const u16* sa = s_a + buf * (SR_A_BYTES / 2);
         const double* sb = s_b + buf * 3 * SR_B_ELEMS;

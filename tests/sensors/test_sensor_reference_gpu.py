@@ -214,3 +214,27 @@ def test_packed_kmajor_stage_keeps_the_bits(dev):
     finally:
         cr.DEFINES.pop("SR_KM_PACK", None)
     assert all(torch.equal(a, b) for a, b in zip(got, old, strict=True))
+
+
+@pytest.mark.parametrize("left_t", [False, True], ids=["left-rows", "left-cols"])
+def test_whole_stages_keep_the_bits(dev, left_t):
+    """Whole stages by load_whole (SR_WHOLE) copy the same values to the same places as load_stage:
+    the same bits with and without ρ, on a grid whose last row block, tile block and stage are
+    partial (those take load_stage) beside whole ones, and against the torch reference."""
+    from aegis_cli.backends import cuda_reference as cr
+
+    # R 1030: 8 whole row blocks and a partial one; K 700: 21 whole stages and a partial one;
+    # 40 tiles of 64: two whole tile blocks of 16 and a partial one
+    left = _bf16((1040, 700), 16, True)[:1030] if left_t else _bf16((1030, 704), 16, False)[:, :700]
+    right = _bf16((700, 2560), 17, False, 0.02)
+    assert _mode(left) == ("vec-r16" if left_t else "vec-k")
+    for rho in (True, False):
+        got = cr.lean_side(left, right, 64, rho)
+        try:
+            cr.DEFINES["SR_WHOLE"] = 0
+            old = cr.lean_side(left, right, 64, rho)
+        finally:
+            cr.DEFINES.pop("SR_WHOLE", None)
+        assert all(torch.equal(a, b) for a, b in zip(got[:2], old[:2], strict=True)), rho
+        assert (got[2] is None) == (old[2] is None) == (not rho) and (not rho or torch.equal(got[2], old[2]))
+    _check(cr.lean_side(left, right, 64), numerics.lean_side(left, right, 64), 700)
