@@ -38,8 +38,9 @@
 //                  the rest through load_stage's general indexing: the same copies either way
 //                  (SR_WHOLE=0 builds the former; a test compares their bits).
 //                  Partial results go to part[3][splits][R][nt]. aegis_sr_main_norho: the same
-//                  without ρ² (left 0, its MMAs skipped), for callers that use no ρ.
-// aegis_sr_reduce  sums, s, rho (R, nt) fp64: the splits added in split order, then sqrt.
+//                  without ρ² (its MMAs skipped, part[2][splits][R][nt]), for callers that use no ρ.
+// aegis_sr_reduce  sums, s, rho (R, nt) fp64: the splits added in split order, then sqrt (no rho
+//                  without the ρ² plane).
 //
 // Deterministic: every sum has a fixed order (no atomics); the split count is the host's, from
 // the shape only (backends/cuda_reference.py), so the bits repeat for a shape on any device of
@@ -567,7 +568,7 @@ __device__ __forceinline__ void sr_main(u16* __restrict__ s_a, double* __restric
                     if (j >= nt) continue;
                     const i64 o = ((i64)split * R + row) * nt + j;
 #pragma unroll
-                    for (int st = 0; st < 3; ++st) part[st * plane + o] = (st < stats) ? acc[st][mb][nb][i + c] : 0.0;
+                    for (int st = 0; st < stats; ++st) part[st * plane + o] = acc[st][mb][nb][i + c];
                 }
         }
 }
@@ -600,17 +601,17 @@ aegis_sr_main_norho(const u16* __restrict__ left, i64 R, i64 K, i64 sr, i64 sk, 
 
 extern "C" __global__ void __launch_bounds__(SR_RED_THREADS)
 aegis_sr_reduce(const double* __restrict__ part, int splits, i64 n, double* __restrict__ sums, double* __restrict__ s,
-                double* __restrict__ rho) {
+                double* __restrict__ rho) {  // rho null: no ρ² plane (aegis_sr_main_norho writes two)
     const i64 plane = (i64)splits * n;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         double a = 0.0, b = 0.0, c = 0.0;
         for (int z = 0; z < splits; ++z) {  // split order, whatever the grid
             a += part[(i64)z * n + i];
             b += part[plane + (i64)z * n + i];
-            c += part[2 * plane + (i64)z * n + i];
+            if (rho) c += part[2 * plane + (i64)z * n + i];
         }
         sums[i] = a;
         s[i] = b;
-        rho[i] = sqrt(c);
+        if (rho) rho[i] = sqrt(c);
     }
 }

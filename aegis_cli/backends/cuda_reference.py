@@ -118,14 +118,16 @@ def lean_side(left: torch.Tensor, right: torch.Tensor, t: int,
     f64 = {"dtype": torch.float64, "device": left.device}
     stats = tile_stats(right, t)
     splits, k_split = splits_for(r, k, nt)
-    part = torch.empty((3, splits, r, nt), **f64)
+    planes = 3 if rho else 2  # sums, s, and ρ² if asked for
+    part = torch.empty((planes, splits, r, nt), **f64)
     sr, sk_l = left.stride()
     loader.run(KERNEL, "aegis_sr_main" if rho else "aegis_sr_main_norho", (-(-r // ROWS), -(-nt // TILES), splits), MAIN_THREADS,
                [ctypes.c_uint64(left.data_ptr()), ctypes.c_int64(r), ctypes.c_int64(k), ctypes.c_int64(sr), ctypes.c_int64(sk_l),
                 ctypes.c_int(_mode(left)), *(ctypes.c_uint64(x.data_ptr()) for x in stats), ctypes.c_int(nt),
                 ctypes.c_int64(k_split), ctypes.c_uint64(part.data_ptr())], on=left, smem=SMEM, defines=DEFINES)
-    out = torch.empty((3, r, nt), **f64)
+    out = torch.empty((planes, r, nt), **f64)
     loader.run(KERNEL, "aegis_sr_reduce", (min(-(-(r * nt) // RED_THREADS), MAX_GRID),), RED_THREADS,
                [ctypes.c_uint64(part.data_ptr()), ctypes.c_int(splits), ctypes.c_int64(r * nt),
-                *(ctypes.c_uint64(x.data_ptr()) for x in out)], on=left, defines=DEFINES)
+                ctypes.c_uint64(out[0].data_ptr()), ctypes.c_uint64(out[1].data_ptr()),
+                ctypes.c_uint64(out[2].data_ptr() if rho else 0)], on=left, defines=DEFINES)
     return out[0], out[1], out[2] if rho else None
