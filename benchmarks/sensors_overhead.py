@@ -9,7 +9,10 @@ measured interleaved in ``--rounds`` rounds of ``--steps`` steps each (after ``-
 each mode, excluded), the order of the modes reversed every other round so that a drift of the
 GPU's clocks falls on both sides alike, each step timed to a device synchronisation; the first
 ``--skip`` steps of each window (the model just instrumented or restored) are left out of the
-figures. A mode's overhead is the mean of its rounds' ratios to the same round's plain window, with
+figures; before the first round, plain steps for ``--settle`` seconds (60 on CUDA) bring a
+power-capped card to its working temperature and clocks (without them round 0's plain window ran
+~60 MHz faster than the rest, and round 0's overhead was the largest in every run of session 16).
+A mode's overhead is the mean of its rounds' ratios to the same round's plain window, with
 its standard error over the rounds:
 
   plain      the model as it is: torch's own GEMMs (cuBLAS), no sensors
@@ -282,6 +285,16 @@ def run(args) -> dict:
                 print(f"warm-up {name:<8} {args.warmup} steps, last {w['times'][-1]:.4f} s", flush=True)
         return out
 
+    def settle() -> dict:
+        t0, steps, clocks = time.perf_counter(), 0, {}
+        while time.perf_counter() - t0 < args.settle:
+            w = bench.window("plain", None, 10, counter)
+            steps, clocks = steps + len(w["times"]), w["clocks"]
+        print(f"settled: {steps} plain steps in {time.perf_counter() - t0:.0f} s"
+              + (f"; last SM {clocks['sm_clock_mhz']:.0f} MHz, {clocks['power_w']:.0f} W" if clocks.get("sm_clock_mhz") else ""),
+              flush=True)
+        return {"steps": steps, "s": round(time.perf_counter() - t0, 1), "clocks": clocks}
+
     def interleaved() -> dict:
         windows: dict[str, list] = {name: [] for name in modes}
         for r in range(args.rounds):
@@ -348,6 +361,8 @@ def run(args) -> dict:
     part(result, "setup", setup)
     if bench is not None and "error" not in result["setup"]:
         part(result, "warmup", warmup)
+        if args.settle > 0:
+            part(result, "settle", settle)
         part(result, "interleaved", interleaved)
         if args.profile > 0:
             profiled = {m: configs(args)[sensors_profile.EXPERIMENTS.get(m, m)] for m in args.profile_modes}
@@ -413,7 +428,7 @@ def table(result: dict) -> str:
     for name, g in sorted((result.get("noise") or {}).get("groups", {}).items()):
         lines.append(f"noise {name:<18} checks {g['checks']:>4}  |Δ|/σ max {g['d_max']:7.3g} p99 {g['d_p99']:7.3g}  "
                      f"|Δ|/(K·2⁻²⁴Σ|c|) {g['d_over_xc']:6.3g}  ÷cap {g['d_over_cap']:6.3g}  sensors' σ: max {g['d_sensor']:6.3g}")
-    for name in ("setup", "warmup", "interleaved", "profile", "noise", "clean", "plain_after"):
+    for name in ("setup", "warmup", "settle", "interleaved", "profile", "noise", "clean", "plain_after"):
         if isinstance(result.get(name), dict) and "error" in result[name]:
             lines.append(f"{name} FAILED: {result[name]['error'][:150]}")
     if "profile" in result:
@@ -430,6 +445,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--warmup", type=int, default=3, help="steps of each mode before measuring (excluded)")
     p.add_argument("--steps", type=int, default=10, help="measured steps per mode and round")
+    p.add_argument("--settle", type=float, default=None,
+                   help="seconds of plain steps before the first round (default 60 on CUDA, 0 on the CPU: no power cap to settle)")
     p.add_argument("--rounds", type=int, default=2, help="rounds of the interleaved modes (the order reversed every other round)")
     p.add_argument("--skip", type=int, default=1, help="first steps of each window left out of the figures (just instrumented)")
     p.add_argument("--sample-prob", type=float, default=0.01, help="the sampled mode's per-launch probability")
@@ -445,7 +462,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.environ.get("OUT") or str(ROOT / "sensors_overhead_out"))
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.settle is None:
+        args.settle = 60.0 if args.device.startswith("cuda") else 0.0
+    return args
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -90,3 +90,13 @@ def test_abft_pieces_hold_the_tile_sums_in_the_swizzled_stage_layout():
     want[:k, :n] = b.double()
     want = want.view(256, 4, 128).sum(-1)
     assert torch.allclose(got, want, rtol=2**-23, atol=0) and not got[k:].any() and got[:k, 3].abs().max() == 0
+
+
+def test_settle_runs_plain_steps_before_the_rounds(tmp_path):
+    """--settle: plain steps (whole windows of 10) until the time is up, before round 0; none by
+    default on the CPU."""
+    args = ["--device", "cpu", "--preset", "tiny", "--dtype", "float32", "--modes", "plain", "--warmup", "1",
+            "--steps", "1", "--rounds", "1", "--clean-steps", "0", "--out", str(tmp_path)]
+    res = sensors_overhead.main([*args, "--settle", "0.001"])
+    assert res["settle"]["steps"] == 10 and "settle" in res["seconds"]
+    assert "settle" not in sensors_overhead.main(args) and sensors_overhead.parse(args).settle == 0.0
