@@ -58,6 +58,9 @@ typedef long long i64;
 #define SR_A_BYTES (SR_BK * SR_KM_LD * 2)  // one stage of L, either layout
 #define SR_B_ELEMS (8 * 2 * 32)            // one statistic of one stage, in fragment order
 #define SR_STAGES 3                        // stages in flight: two stream in while one is multiplied
+#ifndef SR_CTAS
+#define SR_CTAS 2                          // CTAs an SM the products are built for (3: 168 registers, some spilled)
+#endif
 #define SR_STAGE_BYTES (SR_A_BYTES + 3 * SR_B_ELEMS * 8)
 #define SR_SMEM (SR_STAGES * SR_STAGE_BYTES)  // dynamic shared memory of aegis_sr_main (the host's SMEM)
 #define SR_STAT_THREADS 256
@@ -586,13 +589,13 @@ __device__ __forceinline__ void sr_entry(const u16* left, i64 R, i64 K, i64 sr, 
         sr_main<false, RHO>(s_a, s_b, left, R, K, sr, sk, mode, rt, rta, rtq, nt, k_split, part);
 }
 
-extern "C" __global__ void __launch_bounds__(SR_THREADS, 2)
+extern "C" __global__ void __launch_bounds__(SR_THREADS, SR_CTAS)
 aegis_sr_main(const u16* __restrict__ left, i64 R, i64 K, i64 sr, i64 sk, int mode, const double* __restrict__ rt,
               const double* __restrict__ rta, const double* __restrict__ rtq, int nt, i64 k_split, double* __restrict__ part) {
     sr_entry<true>(left, R, K, sr, sk, mode, rt, rta, rtq, nt, k_split, part);
 }
 
-extern "C" __global__ void __launch_bounds__(SR_THREADS, 2)
+extern "C" __global__ void __launch_bounds__(SR_THREADS, SR_CTAS)
 aegis_sr_main_norho(const u16* __restrict__ left, i64 R, i64 K, i64 sr, i64 sk, int mode, const double* __restrict__ rt,
                     const double* __restrict__ rta, const double* __restrict__ rtq, int nt, i64 k_split,
                     double* __restrict__ part) {

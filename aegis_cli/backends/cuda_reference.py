@@ -30,7 +30,7 @@ TARGET_CTAS = 1024  # enough CTAs for a few waves on a large GPU; fixed, so spli
 MIN_SPLIT = 8 * BK  # k per CTA at least: the partials' traffic stays small beside the products
 MAX_GRID = 1 << 16
 SCALAR, VEC_K, VEC_R, VEC_R16 = 0, 1, 2, 3  # the kernel's load modes
-DEFINES: dict[str, int] = {}  # build defines (SR_MMA_K, SR_KM_PACK, SR_WHOLE); benchmarks/sensor_reference.py compares builds
+DEFINES: dict[str, int] = {}  # build defines (SR_MMA_K, SR_KM_PACK, SR_WHOLE, SR_CTAS); benchmarks/sensor_reference.py compares builds
 
 
 def applies(left: torch.Tensor, right: torch.Tensor) -> bool:
