@@ -602,19 +602,28 @@ aegis_sr_main_norho(const u16* __restrict__ left, i64 R, i64 K, i64 sr, i64 sk, 
     sr_entry<false>(left, R, K, sr, sk, mode, rt, rta, rtq, nt, k_split, part);
 }
 
-extern "C" __global__ void __launch_bounds__(SR_RED_THREADS)
-aegis_sr_reduce(const double* __restrict__ part, int splits, i64 n, double* __restrict__ sums, double* __restrict__ s,
-                double* __restrict__ rho) {  // rho null: no ρ² plane (aegis_sr_main_norho writes two)
+template <bool RHO>
+__device__ __forceinline__ void sr_reduce(const double* __restrict__ part, int splits, i64 n, double* __restrict__ sums,
+                                          double* __restrict__ s, double* __restrict__ rho) {
     const i64 plane = (i64)splits * n;
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
         double a = 0.0, b = 0.0, c = 0.0;
         for (int z = 0; z < splits; ++z) {  // split order, whatever the grid
             a += part[(i64)z * n + i];
             b += part[plane + (i64)z * n + i];
-            if (rho) c += part[2 * plane + (i64)z * n + i];
+            if (RHO) c += part[2 * plane + (i64)z * n + i];
         }
         sums[i] = a;
         s[i] = b;
-        if (rho) rho[i] = sqrt(c);
+        if (RHO) rho[i] = sqrt(c);
     }
+}
+
+extern "C" __global__ void __launch_bounds__(SR_RED_THREADS)
+aegis_sr_reduce(const double* __restrict__ part, int splits, i64 n, double* __restrict__ sums, double* __restrict__ s,
+                double* __restrict__ rho) {  // rho null: no ρ² plane (aegis_sr_main_norho writes two)
+    if (rho)
+        sr_reduce<true>(part, splits, n, sums, s, rho);
+    else
+        sr_reduce<false>(part, splits, n, sums, s, rho);
 }
