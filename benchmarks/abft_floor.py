@@ -88,7 +88,7 @@ def accuracy(dev, layout: Layout, m: int, n: int, k: int) -> dict:
     """The ABFT builds' row sums (expected: A times B's tile sums in three bf16 pieces, made in the
     kernel or before it) against the checked build's (observed: sums of the fp32 accumulator) and
     all against the fp64 reference, in units of s = Σ|a||b| over the tile; C must be the same bits."""
-    sets = gemm._input_sets(dev, layout, m, n, k, 300)[:1]
+    sets = gemm._input_sets(dev, layout, m, n, k, 300, count=1)
     launches = gemm._variant_launches(dev, {v: VARIANTS[v] for v in ("checked", "abft", "pre")}, sets, layout, extend=extend)
     outs = {}
     for v, (launch,) in launches.items():

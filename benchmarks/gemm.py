@@ -107,10 +107,10 @@ def _wgmma_source(path: str | None):
         cuda.WGMMA_DEFINES.update(saved)
 
 
-def _input_sets(dev, layout: Layout, m: int, n: int, k: int, seed: int) -> list[tuple]:
-    """N_SETS seeded random (A, B) pairs, stored as ``layout`` stores them."""
+def _input_sets(dev, layout: Layout, m: int, n: int, k: int, seed: int, count: int = N_SETS) -> list[tuple]:
+    """``count`` seeded random (A, B) pairs, stored as ``layout`` stores them."""
     return [(dev.generate(layout.a_stored_shape(m, k), "normal", seed + s), dev.generate(layout.b_stored_shape(k, n), "normal", seed + 100 + s))
-            for s in range(N_SETS)]
+            for s in range(count)]
 
 
 def _same_bits(outs: tuple, ref: tuple, checked: bool) -> bool:
