@@ -1,5 +1,6 @@
 """How the sensors' overhead benchmarks turn timings into figures, on the CPU: sensors_overhead's
-paired rounds and its coverage mode, abft_floor's per-step totals (the GPU parts need CUDA)."""
+paired rounds and its coverage mode, abft_floor's per-step totals, overhead_regression's fit (the GPU
+parts need CUDA)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import statistics
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import abft_floor
+import overhead_regression as reg
 import sensors_overhead
 
 
@@ -100,3 +103,25 @@ def test_settle_runs_plain_steps_before_the_rounds(tmp_path):
     res = sensors_overhead.main([*args, "--settle", "0.001"])
     assert res["settle"]["steps"] == 10 and "settle" in res["seconds"]
     assert "settle" not in sensors_overhead.main(args) and sensors_overhead.parse(args).settle == 0.0
+
+
+def test_the_regression_recovers_the_checks_price_and_a_per_step_one():
+    """overhead_regression.fit: steps that cost 1.2× their checks' isolated time plus 0.3 ms, over
+    rounds whose plain steps drift, give back slope 1.2 and 0.3 ms beyond the checks."""
+    costs = {"mlp.fc/fwd": 0.26, "mlp.fc/wgrad": 0.44, "head/fwd": 0.88}
+    ops = ["blocks.0.mlp.fc/fwd", "blocks.7.mlp.fc/wgrad", "head/fwd"]
+    rng = np.random.default_rng(3)
+    rounds, steps = 3, 60
+    checked = [list(rng.choice(ops, size=rng.integers(0, 4))) for _ in range(rounds * steps)]
+    drift = np.repeat([140.0, 142.5, 141.7], steps)
+    x = np.array([sum(costs[reg.kind(op)] for op in s) for s in checked])
+    noise = lambda: rng.normal(0, 0.05, rounds * steps)
+    run = {"interleaved": {
+        "plain": {"times": list((drift + noise()) / 1e3)},
+        "coverage": {"times": list((drift + 1.2 * x + 0.3 + noise()) / 1e3), "checked_ops": checked,
+                     "stats": [{}] * rounds}}}
+    got = reg.fit(run, costs)
+    assert abs(got["slope"] - 1.2) < 4 * got["slope_se"] + 0.02
+    assert abs(got["extra_ms"] - 0.3) < 0.05 and len(got["extra_ms_per_round"]) == rounds
+    with pytest.raises(KeyError, match="head/fwd"):
+        reg.fit(run, {k: v for k, v in costs.items() if k != "head/fwd"} | {"attn.qkv/fwd": 0.2})
