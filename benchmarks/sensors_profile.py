@@ -176,15 +176,23 @@ def _variant(mode: str):
             del SensorHandle.enqueued
 
 
+@functools.cache
+def _identity(index: int):
+    """The identity of CUDA device ``index``, made once: each fresh Device looks it up through NVML
+    (``fresh_device_seconds``), and every window of sensors_overhead samples clocks."""
+    from aegis_cli.backends import get_backend
+
+    return get_backend("cuda").device(index).identity
+
+
 class Clocks:
     """SM clock and power sampled by NVML every 10 ms on a thread while a mode's steps run: whether
     a mode runs the GPU at other clocks (power capping) than plain."""
 
     def __init__(self, bench):
-        from aegis_cli.backends import get_backend
         from aegis_cli.backends.nvml import Telemetry
 
-        self.tel = Telemetry(get_backend("cuda").device(0).identity) if bench.dev.type == "cuda" else None
+        self.tel = Telemetry(_identity(bench.dev.index or 0)) if bench.dev.type == "cuda" else None
         self.samples: list[dict] = []
         self._stop = threading.Event()
 
