@@ -287,13 +287,13 @@ def run(args) -> dict:
 
     def settle() -> dict:
         t0, steps, clocks = time.perf_counter(), 0, {}
-        while time.perf_counter() - t0 < args.settle:
+        while (elapsed := time.perf_counter() - t0) < args.settle:
             w = bench.window("plain", None, 10, counter)
             steps, clocks = steps + len(w["times"]), w["clocks"]
-        print(f"settled: {steps} plain steps in {time.perf_counter() - t0:.0f} s"
+        print(f"settled: {steps} plain steps in {elapsed:.0f} s"
               + (f"; last SM {clocks['sm_clock_mhz']:.0f} MHz, {clocks['power_w']:.0f} W" if clocks.get("sm_clock_mhz") else ""),
               flush=True)
-        return {"steps": steps, "s": round(time.perf_counter() - t0, 1), "clocks": clocks}
+        return {"steps": steps, "s": round(elapsed, 1), "clocks": clocks}
 
     def interleaved() -> dict:
         windows: dict[str, list] = {name: [] for name in modes}
