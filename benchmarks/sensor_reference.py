@@ -15,7 +15,7 @@ repeatability, and lists the top kernels by CUDA time (torch.profiler) of one ch
 Also times the kernel's sides alone (``cuda_reference.lean_side`` of each side the check computes:
 statistics, products, reduction), their rate in fp64 multiply-adds per second, and the same in
 other builds of the kernel (``--builds``, e.g. SR_KM_PACK=0: the k-major stage of 8-byte copies
-and 2-byte reads; SR_MMA_K=4: the products on m16n8k4); and the statistics alone (the right
+and 2-byte reads; SR_MMA_K=4: the products on m16n8k4; WAVE_SMS=512: the splits of four waves); and the statistics alone (the right
 operand of each side, ``tile_stats``, and Σ|c|, ``tile_abs_sums``, where the check reads it) with
 the bytes they move a second.
 Writes DIR/sensor_reference.json (DIR: --out, else $OUT, else .) and prints a table last.
@@ -24,6 +24,7 @@ Writes DIR/sensor_reference.json (DIR: --out, else $OUT, else .) and prints a ta
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -104,7 +105,29 @@ def agreement(ops, res, noise, dev) -> dict:
 
 
 def build_name(build: str) -> str:
-    return build.replace("=", "").lower()
+    return build.replace("=", "").replace(",", "_").lower()
+
+
+HOST_KNOBS = ("WAVE_SMS",)  # cuda_reference's own constants (the split count's rule), not kernel defines
+
+
+@contextlib.contextmanager
+def built(build: str):
+    """The kernel as ``build`` makes it, NAME=VALUE[,NAME=VALUE]: kernel defines, or
+    cuda_reference's HOST_KNOBS; everything restored after."""
+    saved = {name: getattr(cuda_reference, name) for name in HOST_KNOBS}
+    try:
+        for item in build.split(","):
+            name, value = item.split("=")
+            if name in HOST_KNOBS:
+                setattr(cuda_reference, name, int(value))
+            else:
+                cuda_reference.DEFINES[name] = int(value)
+        yield
+    finally:
+        cuda_reference.DEFINES.clear()
+        for name, value in saved.items():
+            setattr(cuda_reference, name, value)
 
 
 def sides_alone(ops, tile, rho: bool, reps: int, builds: list[str]) -> dict:
@@ -120,11 +143,8 @@ def sides_alone(ops, tile, rho: bool, reps: int, builds: list[str]) -> dict:
 
     out = {"sides_ms": timed(fn, reps)}
     for build in builds:
-        name, value = build.split("=")
-        cuda_reference.DEFINES.clear()
-        cuda_reference.DEFINES[name] = int(value)
-        out[f"sides_{build_name(build)}_ms"] = timed(fn, reps)
-    cuda_reference.DEFINES.clear()
+        with built(build):
+            out[f"sides_{build_name(build)}_ms"] = timed(fn, reps)
     fma = sum((3 if rho else 2) * left.shape[0] * left.shape[1] * -(-right.shape[1] // t) for left, right, t in sides)
     out["sides_tfma"] = fma / out["sides_ms"] / 1e9
     return out
@@ -219,7 +239,7 @@ def table(out: dict) -> str:
     lines = [f"{out['gpu']}, torch {out['torch']}: one check (sense.enqueue), ms by CUDA events",
              f"{'op':<18} {'M×N×K':>19} {'gemm':>7} {'torch':>7} {'kernel':>7} {'idle':>7} {'ref t':>7} {'ref k':>7} {'σ,diff':>7}"
              f" {'Δ/σ':>8} {'s rel':>8} {'σ rel':>8} rep {'sides':>7} {'TFMA/s':>6}"
-             + "".join(f" {b.rsplit('_', 1)[-1].lower()[-7:]:>7}" for b in out["builds"]) + f" {'stats':>7} {'TB/s':>5}"]
+             + "".join(f" {'b' + str(i + 1):>7}" for i in range(len(out["builds"]))) + f" {'stats':>7} {'TB/s':>5}"]
     for r in out["shapes"]:
         lines.append(f"{r['op']:<18} {'×'.join(map(str, r['mnk'])):>19} {r['gemm_ms']:7.3f} {r['enqueue_torch_ms']:7.3f} "
                      f"{r['enqueue_kernel_ms']:7.3f} {r['enqueue_kernel_idle_ms']:7.3f} {r['ref_torch_ms']:7.3f} "
@@ -228,6 +248,7 @@ def table(out: dict) -> str:
                      f"{r['sides_ms']:7.3f} {r['sides_tfma']:6.1f}"
                      + "".join(f" {r[f'sides_{build_name(b)}_ms']:7.3f}" for b in out["builds"])
                      + f" {r['stats_ms']:7.3f} {r['stats_tbs']:5.2f}")
+    lines += [f"b{i + 1}: built with {b}" for i, b in enumerate(out["builds"])]
     lines.append(f"per check at the coverage floor (operators weighted as the model has them), GPU time: torch "
                  f"{out['per_check_enqueue_torch_ms']:.3f} ms, kernel {out['per_check_enqueue_kernel_ms']:.3f} ms "
                  f"(kernel from an idle GPU, host gaps included: {out['per_check_enqueue_kernel_idle_ms']:.3f} ms); "
@@ -245,7 +266,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--profile", nargs="*", default=["mlp.fc/wgrad", "head/fwd", "head/wgrad"], help="ops whose top kernels to list")
     p.add_argument("--out", default=os.environ.get("OUT") or ".")
     p.add_argument("--builds", nargs="*", default=["SR_KM_PACK=0"],
-                   help="other builds of the kernel to time the sides in, NAME=VALUE defines (SR_KM_PACK=0, SR_MMA_K=4)")
+                   help="other builds of the kernel to time the sides in, NAME=VALUE[,NAME=VALUE]: kernel defines (SR_KM_PACK=0, "
+                        "SR_CTAS=3) or cuda_reference's WAVE_SMS (the split count's rule)")
     args = p.parse_args(argv)
     out = run(args)
     Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -39,6 +39,7 @@
 //                  (SR_WHOLE=0 builds the former; a test compares their bits).
 //                  Partial results go to part[3][splits][R][nt]. aegis_sr_main_norho: the same
 //                  without ρ² (its MMAs skipped, part[2][splits][R][nt]), for callers that use no ρ.
+//                  With one split the planes are the results (ρ, not ρ²) and nothing is reduced.
 // aegis_sr_reduce  sums, s, rho (R, nt) fp64: the splits added in split order, then sqrt (no rho
 //                  without the ρ² plane).
 //
@@ -50,8 +51,11 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 typedef long long i64;
 
-#define SR_THREADS 128                     // 4 warps, stacked along rows
-#define SR_BM 128                          // rows per CTA (32 per warp: two m16 blocks)
+#ifndef SR_WARPS
+#define SR_WARPS 4                         // warps a CTA, stacked along rows (8: 256 rows, one CTA an SM)
+#endif
+#define SR_THREADS (32 * SR_WARPS)
+#define SR_BM (32 * SR_WARPS)              // rows per CTA (32 per warp: two m16 blocks)
 #define SR_BN 16                           // tiles per CTA (two n8 blocks, every warp)
 #define SR_BK 32                           // k per stage (8 MMA k-steps of 4)
 #define SR_KM_LD (SR_BM + 16)              // row stride of the k-major stage: k rows 8 banks apart (conflict-free reads)
@@ -59,10 +63,10 @@ typedef long long i64;
 #define SR_B_ELEMS (8 * 2 * 32)            // one statistic of one stage, in fragment order
 #define SR_STAGES 3                        // stages in flight: two stream in while one is multiplied
 #ifndef SR_CTAS
-#define SR_CTAS 2                          // CTAs an SM the products are built for (3: 168 registers, some spilled)
+#define SR_CTAS (8 / SR_WARPS)             // CTAs an SM the products are built for (4 warps at 3: 168 registers, some spilled)
 #endif
 #define SR_STAGE_BYTES (SR_A_BYTES + 3 * SR_B_ELEMS * 8)
-#define SR_SMEM (SR_STAGES * SR_STAGE_BYTES)  // dynamic shared memory of aegis_sr_main (the host's SMEM)
+#define SR_SMEM (SR_STAGES * SR_STAGE_BYTES)  // dynamic shared memory of aegis_sr_main (the host's cuda_reference.geometry)
 #define SR_STAT_THREADS 256
 #define SR_STAT_CTAS 4                     // statistics CTAs an SM (64 registers): loads in flight
 #define SR_STAT_K_CTAS 2                   // those of aegis_sr_stats_k (8 accumulators a lane: 88 registers)
@@ -421,26 +425,33 @@ __device__ __forceinline__ void load_stage(u16* __restrict__ sa, double* __restr
 // A whole stage (rows, tiles and k all inside; 16-byte vectors of L) by fixed offsets from two
 // running positions, l (L) and o (the statistics), which move SR_BK k a stage: the same copies to
 // the same places as load_stage, without its per-copy 64-bit indices and bounds (which were most
-// of this kernel's issued instructions, and its issue slots are what it is short of).
-//   L      4 vectors a thread: row-major, rows tid/4 + 32i at k 8·(tid%4) (l_step: 32 rows);
-//          k-major, k tid/16 + 8i at rows 8·(tid%16) (l_step: 8 k)
-//   stats  (k tid/16 + 8c, tile tid%16) of each statistic, c < 4 (o_step: 8 k)
+// of this kernel's issued instructions, and its issue slots are what it is short of). With
+// W = SR_WARPS (4 vectors of L a thread: SR_BM · SR_BK / 8 = 4 · SR_THREADS):
+//   L      row-major, rows tid/4 + 8W·i at k 8·(tid%4) (l_step: 8W rows);
+//          k-major, k tid/(4W) + 8i at rows 8·(tid%(4W)) (l_step: 8 k)
+//   stats  (k tid/16 + 2W·c, tile tid%16) of each statistic, c < 16/W (o_step: 2W k)
+#define SR_L_ROWS (SR_BM / 8)  // 16-byte vectors across a k-major stage's rows
+#define SR_O_K (SR_THREADS / 16)  // k between a thread's statistics
 template <bool KMAJ, bool RHO>
 __device__ __forceinline__ void load_whole(u16* __restrict__ sa, double* __restrict__ sb, const u16* l, i64 l_step,
                                            const double* __restrict__ rt, const double* __restrict__ rta,
                                            const double* __restrict__ rtq, i64 o, i64 o_step) {
     const int tid = threadIdx.x, n = tid & 15, kq = tid >> 4;
-    const int a_off = KMAJ ? kq * SR_KM_LD + 8 * n : (tid >> 2) * SR_BK + 8 * (tid & 3);
+    const int a_off = KMAJ ? (int)(threadIdx.x / SR_L_ROWS) * SR_KM_LD + 8 * (int)(threadIdx.x % SR_L_ROWS)
+                           : (tid >> 2) * SR_BK + 8 * (tid & 3);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) cp_async(sa + a_off + i * (KMAJ ? 8 * SR_KM_LD : 32 * SR_BK), l + i * l_step, 16, 16);
-    // k = kq + 8c: k-major s = kq/4 + 2c, q = kq%4; row-major s = kq, q = c (load_stage's mapping)
-    const int b_off = KMAJ ? ((kq >> 2) * 2 + (n >> 3)) * 32 + (n & 7) * 4 + (kq & 3) : (kq * 2 + (n >> 3)) * 32 + (n & 7) * 4;
-    const int b_step = KMAJ ? 2 * 2 * 32 : 1;
+    for (int i = 0; i < 4; ++i)
+        cp_async(sa + a_off + i * (KMAJ ? 8 * SR_KM_LD : (SR_THREADS / 4) * SR_BK), l + i * l_step, 16, 16);
+    // k = kq + SR_O_K·c: k-major s = k/4, q = k%4; row-major s = k%8, q = k/8 (load_stage's mapping)
+    const int b_off = KMAJ ? ((kq >> 2) * 2 + (n >> 3)) * 32 + (n & 7) * 4 + (kq & 3)
+                     : SR_O_K == 8 ? (kq * 2 + (n >> 3)) * 32 + (n & 7) * 4  // kq < 8
+                                   : ((kq & 7) * 2 + (n >> 3)) * 32 + (n & 7) * 4 + (kq >> 3);
+    const int b_step = KMAJ ? (SR_O_K / 4) * 2 * 32 : SR_O_K / 8;
 #pragma unroll
     for (int st = 0; st < (RHO ? 3 : 2); ++st) {
         const double* src = (st == 0 ? rt : st == 1 ? rta : rtq) + o;
 #pragma unroll
-        for (int c = 0; c < 4; ++c) cp_async(sb + st * SR_B_ELEMS + b_off + c * b_step, src + c * o_step, 8, 8);
+        for (int c = 0; c < SR_BK / SR_O_K; ++c) cp_async(sb + st * SR_B_ELEMS + b_off + c * b_step, src + c * o_step, 8, 8);
     }
 }
 
@@ -477,14 +488,15 @@ __device__ __forceinline__ void sr_main(u16* __restrict__ s_a, double* __restric
     // load_whole where the CTA's rows and tiles are inside (block-uniform; a last partial stage by load_stage)
     const bool whole = SR_WHOLE && r0 + SR_BM <= R && j0 + SR_BN <= nt && mode == (KMAJ ? SR_VEC_R16 : SR_VEC_K) &&
                        (!KMAJ || SR_KM_PACK);
-    const u16* l = KMAJ ? left + r0 + 8 * (tid & 15) + (kb + (tid >> 4)) * sk : left + (r0 + (tid >> 2)) * sr + kb + 8 * (tid & 3);
-    const i64 l_step = KMAJ ? 8 * sk : 32 * sr, l_stage = KMAJ ? SR_BK * sk : SR_BK;
+    const u16* l = KMAJ ? left + r0 + 8 * (int)(threadIdx.x % SR_L_ROWS) + (kb + (int)(threadIdx.x / SR_L_ROWS)) * sk
+                        : left + (r0 + (tid >> 2)) * sr + kb + 8 * (tid & 3);
+    const i64 l_step = KMAJ ? 8 * sk : (SR_THREADS / 4) * sr, l_stage = KMAJ ? SR_BK * sk : SR_BK;
     const i64 so = (kb + (tid >> 4)) * nt + j0 + (tid & 15);
     const auto stage_in = [&](int i, int buf) {
         const i64 k0 = kb + (i64)i * SR_BK;
         if (whole && k0 + SR_BK <= ke)
             load_whole<KMAJ, RHO>(s_a + buf * (SR_A_BYTES / 2), s_b + buf * 3 * SR_B_ELEMS, l + i * l_stage, l_step, rt,
-                                  rta, rtq, so + (i64)i * SR_BK * nt, 8 * (i64)nt);
+                                  rta, rtq, so + (i64)i * SR_BK * nt, SR_O_K * (i64)nt);
         else
             load_stage<KMAJ, RHO>(s_a + buf * (SR_A_BYTES / 2), s_b + buf * 3 * SR_B_ELEMS, left, R, sr, sk, mode, r0, k0,
                                   ke, rt, rta, rtq, nt, j0);
@@ -571,7 +583,10 @@ __device__ __forceinline__ void sr_main(u16* __restrict__ s_a, double* __restric
                     if (j >= nt) continue;
                     const i64 o = ((i64)split * R + row) * nt + j;
 #pragma unroll
-                    for (int st = 0; st < stats; ++st) part[st * plane + o] = acc[st][mb][nb][i + c];
+                    for (int st = 0; st < stats; ++st) {  // one split: the planes are the results, ρ² as ρ
+                        const double x = acc[st][mb][nb][i + c];
+                        part[st * plane + o] = st == 2 && gridDim.z == 1 ? sqrt(x) : x;
+                    }
                 }
         }
 }

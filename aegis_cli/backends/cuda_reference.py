@@ -9,7 +9,7 @@ tensor cores (DMMA), exact fp64 operands and fp64 accumulation, so the errors ar
 K·2⁻⁵³·s as the torch reference's (the kernel's header says why). Three launches on
 torch's current stream, through the one loader/launcher, no synchronisation: the tile statistics
 of the right operand, the products (K split over CTAs), and the reduction of the splits in split
-order. The split count follows the shape alone, so the bits repeat for a shape on any device of
+order (none for one split). The split count follows the shape alone, so the bits repeat for a shape on any device of
 one architecture.
 Importing this module does not import CuPy or touch CUDA.
 """
@@ -23,14 +23,22 @@ import torch
 from aegis_cli.backends import loader
 
 KERNEL = "sensor_reference.cu"
-ROWS, TILES, BK = 128, 16, 32  # SR_BM, SR_BN, SR_BK of the kernel
-MAIN_THREADS, STAT_THREADS, RED_THREADS = 128, 256, 256
-SMEM = 3 * (32 * 144 * 2 + 3 * 512 * 8)  # SR_SMEM: three stages of L (k-major: 32 × 144 bf16) and of the statistics
-TARGET_CTAS = 1024  # enough CTAs for a few waves on a large GPU; fixed, so splits follow the shape only
+TILES, BK = 16, 32  # SR_BN, SR_BK of the kernel (SR_BM: ``geometry``)
+STAT_THREADS, RED_THREADS = 256, 256
+WAVE_SMS = 132  # the splits fill one wave of the products on an H100/H200; fixed, so splits follow the shape only
 MIN_SPLIT = 8 * BK  # k per CTA at least: the partials' traffic stays small beside the products
 MAX_GRID = 1 << 16
 SCALAR, VEC_K, VEC_R, VEC_R16 = 0, 1, 2, 3  # the kernel's load modes
-DEFINES: dict[str, int] = {}  # build defines (SR_MMA_K, SR_KM_PACK, SR_WHOLE, SR_CTAS); benchmarks/sensor_reference.py compares builds
+DEFINES: dict[str, int] = {}  # build defines (SR_WARPS, SR_CTAS, SR_MMA_K, SR_KM_PACK, SR_WHOLE); benchmarks/sensor_reference.py compares builds
+
+
+def geometry() -> tuple[int, int, int, int]:
+    """(rows a CTA, threads a CTA, its shared memory in bytes, CTAs an SM) of the products in the
+    build DEFINES makes: SR_BM, SR_THREADS, SR_SMEM (three stages of L, k-major rows padded by 16,
+    and of the three statistics), SR_CTAS."""
+    warps = DEFINES.get("SR_WARPS", 4)
+    rows = 32 * warps
+    return rows, rows, 3 * (BK * (rows + 16) * 2 + 3 * 512 * 8), DEFINES.get("SR_CTAS", 8 // warps)
 
 
 def applies(left: torch.Tensor, right: torch.Tensor) -> bool:
@@ -40,9 +48,14 @@ def applies(left: torch.Tensor, right: torch.Tensor) -> bool:
 
 
 def splits_for(r: int, k: int, nt: int) -> tuple[int, int]:
-    """(splits, k per split) of K for an (R, K) left operand and nt tiles: from the shape alone."""
-    blocks = -(-r // ROWS) * -(-nt // TILES)
-    want = max(1, -(-TARGET_CTAS // blocks))
+    """(splits, k per split) of K for an (R, K) left operand and nt tiles, from the shape alone: as
+    many as fit one wave (WAVE_SMS SMs at the build's CTAs an SM), at least one. More waves gain nothing (every CTA does equal
+    work) and each split writes and reads back a plane of partials (tens of MB a check at 4-16
+    splits: 7 % of the products' time on the H200, benchmarks/RESULTS.md session 17); a wave a
+    few CTAs over would nearly double the time."""
+    rows, _, _, per_sm = geometry()
+    blocks = -(-r // rows) * -(-nt // TILES)
+    want = max(1, WAVE_SMS * per_sm // blocks)
     k_split = max(MIN_SPLIT, -(-k // want))
     k_split = -(-k_split // BK) * BK
     return -(-k // k_split), k_split
@@ -121,10 +134,13 @@ def lean_side(left: torch.Tensor, right: torch.Tensor, t: int,
     planes = 3 if rho else 2  # sums, s, and ρ² if asked for
     part = torch.empty((planes, splits, r, nt), **f64)
     sr, sk_l = left.stride()
-    loader.run(KERNEL, "aegis_sr_main" if rho else "aegis_sr_main_norho", (-(-r // ROWS), -(-nt // TILES), splits), MAIN_THREADS,
+    rows, threads, smem, _ = geometry()
+    loader.run(KERNEL, "aegis_sr_main" if rho else "aegis_sr_main_norho", (-(-r // rows), -(-nt // TILES), splits), threads,
                [ctypes.c_uint64(left.data_ptr()), ctypes.c_int64(r), ctypes.c_int64(k), ctypes.c_int64(sr), ctypes.c_int64(sk_l),
                 ctypes.c_int(_mode(left)), *(ctypes.c_uint64(x.data_ptr()) for x in stats), ctypes.c_int(nt),
-                ctypes.c_int64(k_split), ctypes.c_uint64(part.data_ptr())], on=left, smem=SMEM, defines=DEFINES)
+                ctypes.c_int64(k_split), ctypes.c_uint64(part.data_ptr())], on=left, smem=smem, defines=DEFINES)
+    if splits == 1:  # the kernel wrote the results (ρ, not ρ²)
+        return part[0, 0], part[1, 0], part[2, 0] if rho else None
     out = torch.empty((planes, r, nt), **f64)
     loader.run(KERNEL, "aegis_sr_reduce", (min(-(-(r * nt) // RED_THREADS), MAX_GRID),), RED_THREADS,
                [ctypes.c_uint64(part.data_ptr()), ctypes.c_int(splits), ctypes.c_int64(r * nt),

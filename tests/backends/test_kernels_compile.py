@@ -19,7 +19,8 @@ KERNELS = sorted(p.name for p in paths.kernel_dir().glob("*.cu"))
 VARIANTS = {"gemm_mma.cu": ("", "-DAEGIS_INJECT", "-DAEGIS_NOSUMS"),
             "gemm_wgmma.cu": ("", "-DAEGIS_INJECT", "-DAEGIS_NOSUMS", "-DAEGIS_TIMING"),
             "attention_fwd.cu": ("", "-DAEGIS_INJECT", "-DAEGIS_NOSUMS", "-DATTN_FWD_MT=2"),
-            "attention_bwd.cu": ("", "-DAEGIS_INJECT", "-DAEGIS_NOSUMS", "-DATTN_DQ_MT=2 -DATTN_DQ_BN=32 -DATTN_DKDV_HEAVY_FIRST=1")}
+            "attention_bwd.cu": ("", "-DAEGIS_INJECT", "-DAEGIS_NOSUMS", "-DATTN_DQ_MT=2 -DATTN_DQ_BN=32 -DATTN_DKDV_HEAVY_FIRST=1"),
+            "sensor_reference.cu": ("", "-DSR_WARPS=8")}
 CASES = [(k, v) for k in KERNELS for v in VARIANTS.get(k, ("",))]
 
 

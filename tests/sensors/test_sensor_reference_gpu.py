@@ -238,3 +238,28 @@ def test_whole_stages_keep_the_bits(dev, left_t):
         assert all(torch.equal(a, b) for a, b in zip(got[:2], old[:2], strict=True)), rho
         assert (got[2] is None) == (old[2] is None) == (not rho) and (not rho or torch.equal(got[2], old[2]))
     _check(cr.lean_side(left, right, 64), numerics.lean_side(left, right, 64), 700)
+
+
+@pytest.mark.parametrize("left_t", [False, True], ids=["left-rows", "left-cols"])
+def test_eight_warp_ctas_keep_the_bits(dev, left_t):
+    """CTAs of 8 warps (SR_WARPS=8: 256 rows, one an SM) stack the same 32-row warps: where the
+    split count is the same (whole pairs of 128-row blocks), the same bits as 4 warps, with and
+    without ρ; on a ragged grid, within the bound of the torch reference."""
+    from aegis_cli.backends import cuda_reference as cr
+
+    left = _bf16((1024, 1000), 18, True) if left_t else _bf16((1024, 1000), 18, False)
+    right = _bf16((1000, 2560), 19, False, 0.02)
+    for rho in (True, False):
+        got = cr.lean_side(left, right, 64, rho)
+        try:
+            cr.DEFINES["SR_WARPS"] = 8
+            splits = cr.splits_for(1024, 1000, 40)
+            eight = cr.lean_side(left, right, 64, rho)
+            ragged = cr.lean_side(left[:1000], right[:, :2500], 64, rho)
+        finally:
+            cr.DEFINES.pop("SR_WARPS", None)
+        assert splits == cr.splits_for(1024, 1000, 40)  # what equal bits need
+        assert all(torch.equal(a, b) for a, b in zip(got[:2], eight[:2], strict=True)), rho
+        assert not rho or torch.equal(got[2], eight[2])
+        if rho:
+            _check(ragged, numerics.lean_side(left[:1000], right[:, :2500], 64), 1000)
