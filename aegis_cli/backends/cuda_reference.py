@@ -47,18 +47,41 @@ def applies(left: torch.Tensor, right: torch.Tensor) -> bool:
             and left.dim() == right.dim() == 2 and left.numel() > 0 and right.numel() > 0)
 
 
-def splits_for(r: int, k: int, nt: int) -> tuple[int, int]:
-    """(splits, k per split) of K for an (R, K) left operand and nt tiles, from the shape alone: as
-    many as fit one wave (WAVE_SMS SMs at the build's CTAs an SM), at least one. More waves gain nothing (every CTA does equal
-    work) and each split writes and reads back a plane of partials (tens of MB a check at 4-16
-    splits: 7 % of the products' time on the H200, benchmarks/RESULTS.md session 17); a wave a
-    few CTAs over would nearly double the time."""
+def splits_for(r: int, k: int, nt: int, planes: int = 3) -> tuple[int, int]:
+    """(splits, k per split) of K for an (R, K) left operand, nt tiles and ``planes`` outputs
+    (3 with ρ², else 2), from the shape alone: the count of least estimated time (``_split_cost``)."""
     rows, _, _, per_sm = geometry()
     blocks = -(-r // rows) * -(-nt // TILES)
-    want = max(1, WAVE_SMS * per_sm // blocks)
-    k_split = max(MIN_SPLIT, -(-k // want))
-    k_split = -(-k_split // BK) * BK
-    return -(-k // k_split), k_split
+    best, best_cost = 1, float("inf")
+    for splits in range(1, max(1, -(-k // MIN_SPLIT)) + 1):
+        k_split = _k_split(k, splits)
+        if -(-k // k_split) != splits:  # BK rounding leaves this count unreachable
+            continue
+        cost = _split_cost(blocks, splits, k_split, planes, per_sm)
+        if cost < best_cost:
+            best, best_cost = splits, cost
+    return best, _k_split(k, best)
+
+
+def _k_split(k: int, splits: int) -> int:
+    per = -(-k // splits)  # k per split, rounded up to whole stages
+    return max(MIN_SPLIT, -(-per // BK) * BK)
+
+
+TAIL = 0.75  # a lone CTA on an SM takes about this share of the time of two sharing it (H200, session 17)
+PARTIALS = 1 / 8  # k of products a split's partials cost, per CTA row block × tile block and plane (H200, session 17)
+
+
+def _split_cost(blocks: int, splits: int, k_split: int, planes: int, per_sm: int) -> float:
+    """Estimated time of the products, in k of one wave: every CTA does equal work, so the grid
+    takes as many waves (WAVE_SMS SMs at ``per_sm`` CTAs) as it fills, a last part-wave of at most
+    one CTA an SM at TAIL of a wave (its CTAs run alone), each k_split long; and each split
+    writes and reads back a plane of partials per output (tens of MB a check at 4-16 splits: 7 %
+    of the products' time, benchmarks/RESULTS.md session 17)."""
+    ctas, wave = blocks * splits, WAVE_SMS * per_sm
+    full, tail = divmod(ctas, wave)
+    waves = full + (0 if tail == 0 else TAIL if tail <= WAVE_SMS and per_sm > 1 else 1)
+    return waves * k_split + PARTIALS * splits * blocks * planes
 
 
 def _mode(left: torch.Tensor) -> int:
@@ -130,8 +153,8 @@ def lean_side(left: torch.Tensor, right: torch.Tensor, t: int,
     nt = -(-n // t)
     f64 = {"dtype": torch.float64, "device": left.device}
     stats = tile_stats(right, t)
-    splits, k_split = splits_for(r, k, nt)
     planes = 3 if rho else 2  # sums, s, and ρ² if asked for
+    splits, k_split = splits_for(r, k, nt, planes)
     part = torch.empty((planes, splits, r, nt), **f64)
     sr, sk_l = left.stride()
     rows, threads, smem, _ = geometry()
