@@ -9,8 +9,8 @@ tensor cores (DMMA), exact fp64 operands and fp64 accumulation, so the errors ar
 K·2⁻⁵³·s as the torch reference's (the kernel's header says why). Three launches on
 torch's current stream, through the one loader/launcher, no synchronisation: the tile statistics
 of the right operand, the products (K split over CTAs), and the reduction of the splits in split
-order (none for one split). The split count follows the shape alone, so the bits repeat for a shape on any device of
-one architecture.
+order (none for one split). The split count follows the shape alone (an estimate of the
+products' time, ``splits_for``), so the bits repeat for a shape on any device of one architecture.
 Importing this module does not import CuPy or touch CUDA.
 """
 
@@ -25,7 +25,7 @@ from aegis_cli.backends import loader
 KERNEL = "sensor_reference.cu"
 TILES, BK = 16, 32  # SR_BN, SR_BK of the kernel (SR_BM: ``geometry``)
 STAT_THREADS, RED_THREADS = 256, 256
-WAVE_SMS = 132  # the splits fill one wave of the products on an H100/H200; fixed, so splits follow the shape only
+WAVE_SMS = 132  # SMs of the GPU the split count is estimated for (H100/H200); fixed, so splits follow the shape only
 MIN_SPLIT = 8 * BK  # k per CTA at least: the partials' traffic stays small beside the products
 MAX_GRID = 1 << 16
 SCALAR, VEC_K, VEC_R, VEC_R16 = 0, 1, 2, 3  # the kernel's load modes
