@@ -17,6 +17,7 @@ Importing this module does not import CuPy or touch CUDA.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
@@ -51,13 +52,17 @@ def splits_for(r: int, k: int, nt: int, planes: int = 3) -> tuple[int, int]:
     """(splits, k per split) of K for an (R, K) left operand, nt tiles and ``planes`` outputs
     (3 with ρ², else 2), from the shape alone: the count of least estimated time (``_split_cost``)."""
     rows, _, _, per_sm = geometry()
-    blocks = -(-r // rows) * -(-nt // TILES)
+    return _splits(-(-r // rows) * -(-nt // TILES), k, planes, per_sm, WAVE_SMS)
+
+
+@functools.cache  # once per shape: a check asks for every launch
+def _splits(blocks: int, k: int, planes: int, per_sm: int, sms: int) -> tuple[int, int]:
     best, best_cost = 1, float("inf")
     for splits in range(1, max(1, -(-k // MIN_SPLIT)) + 1):
         k_split = _k_split(k, splits)
         if -(-k // k_split) != splits:  # BK rounding leaves this count unreachable
             continue
-        cost = _split_cost(blocks, splits, k_split, planes, per_sm)
+        cost = _split_cost(blocks, splits, k_split, planes, per_sm, sms)
         if cost < best_cost:
             best, best_cost = splits, cost
     return best, _k_split(k, best)
@@ -72,15 +77,15 @@ TAIL = 0.75  # a lone CTA on an SM takes about this share of the time of two sha
 PARTIALS = 1 / 8  # k of products a split's partials cost, per CTA row block × tile block and plane (H200, session 17)
 
 
-def _split_cost(blocks: int, splits: int, k_split: int, planes: int, per_sm: int) -> float:
+def _split_cost(blocks: int, splits: int, k_split: int, planes: int, per_sm: int, sms: int) -> float:
     """Estimated time of the products, in k of one wave: every CTA does equal work, so the grid
-    takes as many waves (WAVE_SMS SMs at ``per_sm`` CTAs) as it fills, a last part-wave of at most
+    takes as many waves (``sms`` SMs at ``per_sm`` CTAs) as it fills, a last part-wave of at most
     one CTA an SM at TAIL of a wave (its CTAs run alone), each k_split long; and each split
     writes and reads back a plane of partials per output (tens of MB a check at 4-16 splits: 7 %
     of the products' time, benchmarks/RESULTS.md session 17)."""
-    ctas, wave = blocks * splits, WAVE_SMS * per_sm
+    ctas, wave = blocks * splits, sms * per_sm
     full, tail = divmod(ctas, wave)
-    waves = full + (0 if tail == 0 else TAIL if tail <= WAVE_SMS and per_sm > 1 else 1)
+    waves = full + (0 if tail == 0 else TAIL if tail <= sms and per_sm > 1 else 1)
     return waves * k_split + PARTIALS * splits * blocks * planes
 
 
