@@ -15,9 +15,9 @@ repeatability, and lists the top kernels by CUDA time (torch.profiler) of one ch
 Also times the kernel's sides alone (``cuda_reference.lean_side`` of each side the check computes:
 statistics, products, reduction), their rate in fp64 multiply-adds per second, and the same in
 other builds of the kernel (``--builds``, e.g. SR_KM_PACK=0: the k-major stage of 8-byte copies
-and 2-byte reads; SR_MMA_K=4: the products on m16n8k4; WAVE_SMS=512: the splits of four waves); and the statistics alone (the right
-operand of each side, ``tile_stats``, and Σ|c|, ``tile_abs_sums``, where the check reads it) with
-the bytes they move a second.
+and 2-byte reads; SR_MMA_K=4: the products on m16n8k4; WAVE_SMS=512: the splits of four waves);
+and the statistics alone (the right operand of each side, ``tile_stats``, and Σ|c|,
+``tile_abs_sums``, where the check reads it) with the bytes they move a second.
 Writes DIR/sensor_reference.json (DIR: --out, else $OUT, else .) and prints a table last.
 """
 

@@ -24,8 +24,8 @@
 //                  sm_90, pairs of m8n8k4 before). One CTA: SR_BM rows × SR_BN tiles × one split
 //                  of K (a multiple of SR_BK), SR_WARPS warps of 32 rows × 16 tiles (4, 2 CTAs an
 //                  SM on sm_90, 240 registers; 8: one CTA an SM). L's bf16 tile of each SR_BK-deep
-//                  stage is staged through shared memory (cp.async where rows or k are contiguous and aligned, else plain
-//                  loads; SR_STAGES in flight; the k-major stage by 16-byte copies of 8 rows where
+//                  stage is staged through shared memory (cp.async where rows or k are contiguous
+//                  and aligned, else plain loads; SR_STAGES in flight; the k-major stage by 16-byte copies of 8 rows where
 //                  rows are 16-byte aligned, and read 4 adjacent rows at a time: SR_KM_PACK), then
 //                  converted exactly to fp64 with its |·| and ·²
 //                  (exact in fp64: 8-bit significands, exponents well inside fp64's range), so
