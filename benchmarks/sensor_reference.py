@@ -86,7 +86,8 @@ def timed(fn, reps: int, busy: bool = True) -> float:
 
 
 def agreement(ops, res, noise, dev) -> dict:
-    """The kernel's reference against torch's: sums in σ, s and ρ relative; two runs' bits."""
+    """The kernel's reference against torch's: sums in σ, s and ρ relative; two runs' bits; and how
+    far s's stage bound moved σ (forward, dgrad) from the σ of the exact s."""
     both = ops.layout is Layout.WGRAD
     want = numerics.reference_checksums(ops, res.tile, noise, lean=True, cols=both)
     got = numerics.reference_checksums(ops, res.tile, noise, lean=True, cols=both, side=dev.lean_side)
@@ -99,6 +100,12 @@ def agreement(ops, res, noise, dev) -> dict:
         out["sum_sigma"] = max(out["sum_sigma"], float(((g - w).abs() / sig).max()))
         out["s_rel"] = max(out["s_rel"], float(((gs - ws).abs() / ws).max()))
         out["sigma_rel"] = max(out["sigma_rel"], float(((gn - sig).abs() / sig).max()))
+    out["cap_moved"] = 0.0  # forward, dgrad: the most σ from the stage bound exceeds σ from the exact s (torch), relative
+    if not both:
+        _, bound, rho = numerics.lean_side(ops.a_mk, ops.b_kn, res.tile[1])
+        exact = numerics.lean_side(ops.a_mk, ops.b_kn, res.tile[1], rho=False)[1]
+        k = ops.mnk[2]
+        out["cap_moved"] = float((noise.scale(rho, bound, k) / noise.scale(rho, exact, k)).max() - 1.0)
     out["repeats"] = all(torch.equal(a, b) for a, b in ((got.row, again.row), (got.row_scale, again.row_scale),
                                                         (got.row_noise, again.row_noise), (got.col, again.col)))
     return out
@@ -238,13 +245,14 @@ def run(args) -> dict:
 def table(out: dict) -> str:
     lines = [f"{out['gpu']}, torch {out['torch']}: one check (sense.enqueue), ms by CUDA events",
              f"{'op':<18} {'M×N×K':>19} {'gemm':>7} {'torch':>7} {'kernel':>7} {'idle':>7} {'ref t':>7} {'ref k':>7} {'σ,diff':>7}"
-             f" {'Δ/σ':>8} {'s rel':>8} {'σ rel':>8} rep {'sides':>7} {'TFMA/s':>6}"
+             f" {'Δ/σ':>8} {'s rel':>8} {'σ rel':>8} {'σ cap':>8} rep {'sides':>7} {'TFMA/s':>6}"
              + "".join(f" {'b' + str(i + 1):>7}" for i in range(len(out["builds"]))) + f" {'stats':>7} {'TB/s':>5}"]
     for r in out["shapes"]:
         lines.append(f"{r['op']:<18} {'×'.join(map(str, r['mnk'])):>19} {r['gemm_ms']:7.3f} {r['enqueue_torch_ms']:7.3f} "
                      f"{r['enqueue_kernel_ms']:7.3f} {r['enqueue_kernel_idle_ms']:7.3f} {r['ref_torch_ms']:7.3f} "
                      f"{r['ref_kernel_ms']:7.3f} {r['noise_diff_ms']:7.3f} "
-                     f"{r['sum_sigma']:8.1e} {r['s_rel']:8.1e} {r['sigma_rel']:8.1e} {'yes' if r['repeats'] else 'NO ':<3} "
+                     f"{r['sum_sigma']:8.1e} {r['s_rel']:8.1e} {r['sigma_rel']:8.1e} {r['cap_moved']:8.1e} "
+                     f"{'yes' if r['repeats'] else 'NO ':<3} "
                      f"{r['sides_ms']:7.3f} {r['sides_tfma']:6.1f}"
                      + "".join(f" {r[f'sides_{build_name(b)}_ms']:7.3f}" for b in out["builds"])
                      + f" {r['stats_ms']:7.3f} {r['stats_tbs']:5.2f}")

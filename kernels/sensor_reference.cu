@@ -320,6 +320,23 @@ aegis_sr_abs_k(const u16* __restrict__ x, i64 K, i64 N, i64 sk, i64 sn, int t, i
     stats_vec_k<false>(x, K, N, sn, t, nt, nullptr, rta, nullptr);
 }
 
+// The stage maxima of rta for aegis_sr_main, in place: rta[SR_BK·b, j] becomes the largest
+// rta[k, j] of stage b (k ∈ [SR_BK·b, SR_BK·b + SR_BK) ∩ [0, K)), the one row of a stage that
+// the products with ρ read. NaN and Inf propagate, as they would through s.
+extern "C" __global__ void __launch_bounds__(SR_STAT_THREADS)
+aegis_sr_stage_max(double* __restrict__ rta, i64 K, int nt) {
+    const i64 n = (K + SR_BK - 1) / SR_BK * nt;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (i64)gridDim.x * blockDim.x) {
+        const i64 k0 = i / nt * SR_BK, j = i % nt, k1 = min(k0 + SR_BK, K);
+        double m = rta[k0 * nt + j];
+        for (i64 k = k0 + 1; k < k1; ++k) {
+            const double x = rta[k * nt + j];
+            m = (x > m || x != x) ? x : m;  // NaN sticks
+        }
+        rta[k0 * nt + j] = m;
+    }
+}
+
 // ---- the products --------------------------------------------------------------------------
 // A stage of L in shared memory has one of two layouts (a template parameter):
 //   row-major  [SR_BM][SR_BK] (k contiguous; k-contiguous operands): MMA k-step s of the thread
@@ -409,16 +426,22 @@ __device__ __forceinline__ void load_stage(u16* __restrict__ sa, double* __restr
             sa[KMAJ ? kk * SR_KM_LD + r : r * SR_BK + kk] = v;
         }
     }
-    // statistics: thread per (stat, k, tile), consecutive tiles on consecutive threads (coalesced)
-    const int stats = RHO ? 3 : 2;
-    for (int e = tid; e < stats * SR_BK * SR_BN; e += SR_THREADS) {
+    // statistics: thread per (stat, k, tile), consecutive tiles on consecutive threads (coalesced):
+    // rt and rta (slots 0, 1), or with ρ rt and rtq (slots 0, 2) and the stage's row of rmax (slot 1)
+    for (int e = tid; e < 2 * SR_BK * SR_BN; e += SR_THREADS) {
         const int st = e / (SR_BK * SR_BN), kk = (e / SR_BN) % SR_BK, n = e % SR_BN;
         const int s = KMAJ ? kk >> 2 : kk & 7, q = KMAJ ? kk & 3 : kk >> 3;
-        const double* src = st == 0 ? rt : st == 1 ? rta : rtq;
+        const int slot = RHO ? 2 * st : st;
+        const double* src = st == 0 ? rt : RHO ? rtq : rta;
         const i64 k = k0 + kk;
         const bool ok = k < ke && j0 + n < nt;
-        cp_async(sb + st * SR_B_ELEMS + (s * 2 + (n >> 3)) * 32 + (n & 7) * 4 + q, ok ? src + k * nt + j0 + n : src, 8,
-                 ok ? 8 : 0);
+        cp_async(sb + slot * SR_B_ELEMS + (s * 2 + (n >> 3)) * 32 + (n & 7) * 4 + q, ok ? src + k * nt + j0 + n : src,
+                 8, ok ? 8 : 0);
+    }
+    if (RHO && tid < SR_BN) {
+        const bool ok = j0 + tid < nt;
+        const double* src = rta + k0 * nt + j0 + tid;  // k0: a stage's first k
+        cp_async(sb + SR_B_ELEMS + tid, ok ? src : rta, 8, ok ? 8 : 0);
     }
 }
 
@@ -448,11 +471,13 @@ __device__ __forceinline__ void load_whole(u16* __restrict__ sa, double* __restr
                                    : ((kq & 7) * 2 + (n >> 3)) * 32 + (n & 7) * 4 + (kq >> 3);
     const int b_step = KMAJ ? (SR_O_K / 4) * 2 * 32 : SR_O_K / 8;
 #pragma unroll
-    for (int st = 0; st < (RHO ? 3 : 2); ++st) {
-        const double* src = (st == 0 ? rt : st == 1 ? rta : rtq) + o;
+    for (int st = 0; st < 2; ++st) {  // rt and rta, or with ρ rt and rtq (load_stage's slots)
+        const double* src = (st == 0 ? rt : RHO ? rtq : rta) + o;
 #pragma unroll
-        for (int c = 0; c < SR_BK / SR_O_K; ++c) cp_async(sb + st * SR_B_ELEMS + b_off + c * b_step, src + c * o_step, 8, 8);
+        for (int c = 0; c < SR_BK / SR_O_K; ++c)
+            cp_async(sb + (RHO ? 2 * st : st) * SR_B_ELEMS + b_off + c * b_step, src + c * o_step, 8, 8);
     }
+    if (RHO && tid < SR_BN) cp_async(sb + SR_B_ELEMS + tid, rta + o, 8, 8);  // the stage's maxima: k = kq = 0 (tid < 16)
 }
 
 template <bool KMAJ, bool RHO>
@@ -483,6 +508,9 @@ __device__ __forceinline__ void sr_main(u16* __restrict__ s_a, double* __restric
                 for (int i = 0; i < 4; ++i) acc[st][mb][nb][i] = 0.0;
 
     const int stages = (int)((ke - kb + SR_BK - 1) / SR_BK);
+    // with ρ, s is the stage bound Σ_stages (Σ_{k∈stage} |L[i,k]|) · max_{k∈stage} rta[k,j], itself a
+    // product of K/SR_BK: its m16n8k4 fragments, stage ≡ q (mod 4) in this thread's k slot
+    double bnd_a[2][2] = {{0.0, 0.0}, {0.0, 0.0}}, bnd_b[2] = {0.0, 0.0};
     // stage i in buffer i % SR_STAGES; one commit group per stage (empty past the end), so that
     // waiting for all but the newest SR_STAGES - 2 groups waits for the stage about to be multiplied
     // load_whole where the CTA's rows and tiles are inside (block-uniform; a last partial stage by load_stage)
@@ -514,6 +542,7 @@ __device__ __forceinline__ void sr_main(u16* __restrict__ s_a, double* __restric
         cp_async_commit();
         const u16* sa = s_a + buf * (SR_A_BYTES / 2);
         const double* sb = s_b + buf * 3 * SR_B_ELEMS;
+        float l1[4] = {0.f, 0.f, 0.f, 0.f};  // with ρ: 2⁻⁸·Σ|L| of this thread's 8 k of the stage, its rows h = 2·mb + half
         uint4 rowv[4];  // row-major: this thread's 8 k of each of its 4 rows
         if (!KMAJ) {
 #pragma unroll
@@ -542,10 +571,11 @@ __device__ __forceinline__ void sr_main(u16* __restrict__ s_a, double* __restric
                         bits = (w[(s + u) >> 1] >> (16 * ((s + u) & 1))) & 0xffffu;
                     }
                     v[h >> 1][u][h & 1] = (double)bf16_to_f32(bits);
+                    if (RHO) l1[h] = fmaf(bf16_to_f32(bits & 0x7fffu), 0x1p-8f, l1[h]);  // exact terms, no overflow
                 }
 #pragma unroll
             for (int st = 0; st < 3; ++st) {
-                if (st == 2 && !RHO) continue;
+                if (st == (RHO ? 1 : 2)) continue;  // with ρ, s is the stage's bound below
 #pragma unroll
                 for (int nb = 0; nb < 2; ++nb) {
                     const double b0 = sb[st * SR_B_ELEMS + (s * 2 + nb) * 32 + lane];
@@ -563,6 +593,27 @@ __device__ __forceinline__ void sr_main(u16* __restrict__ s_a, double* __restric
                         mma_k8(acc[st][mb][nb], x, b0, b1);
                     }
                 }
+            }
+        }
+        if (RHO) {  // the stage's Σ|L| of each row (over the 4 lanes of its k) and maxima into the k4 fragments
+            const int slot = stage & 3;
+#pragma unroll
+            for (int h = 0; h < 4; ++h) {
+                float x = l1[h];
+                x += __shfl_xor_sync(0xffffffffu, x, 1);
+                x += __shfl_xor_sync(0xffffffffu, x, 2);
+                if (slot == q) bnd_a[h >> 1][h & 1] = 256.0 * (double)x;
+            }
+            if (slot == q) {
+                bnd_b[0] = sb[SR_B_ELEMS + g];
+                bnd_b[1] = sb[SR_B_ELEMS + 8 + g];
+            }
+            if (slot == 3 || stage == stages - 1) {  // s += (Σ|L| of 4 stages) · (their maxima): one m16n8k4 a block
+#pragma unroll
+                for (int mb = 0; mb < 2; ++mb)
+#pragma unroll
+                    for (int nb = 0; nb < 2; ++nb) mma_k4(acc[1][mb][nb], bnd_a[mb][0], bnd_a[mb][1], bnd_b[nb]);
+                bnd_a[0][0] = bnd_a[0][1] = bnd_a[1][0] = bnd_a[1][1] = bnd_b[0] = bnd_b[1] = 0.0;  // a last group's absent stages
             }
         }
     }

@@ -158,6 +158,10 @@ def lean_side(left: torch.Tensor, right: torch.Tensor, t: int,
     nt = -(-n // t)
     f64 = {"dtype": torch.float64, "device": left.device}
     stats = tile_stats(right, t)
+    if rho:  # s as numerics.stage_bound: each stage's maximum of rta in its first row, in place
+        blocks = -(-k // BK) * nt
+        loader.run(KERNEL, "aegis_sr_stage_max", (max(1, min(-(-blocks // STAT_THREADS), MAX_GRID)),), STAT_THREADS,
+                   [ctypes.c_uint64(stats[1].data_ptr()), ctypes.c_int64(k), ctypes.c_int(nt)], on=left, defines=DEFINES)
     planes = 3 if rho else 2  # sums, s, and ρ² if asked for
     splits, k_split = splits_for(r, k, nt, planes)
     part = torch.empty((planes, splits, r, nt), **f64)

@@ -1,7 +1,8 @@
 """The sensors' lean reference (``numerics.reference_checksums(lean=True)``: one read of each
 operand, fp64 slices of the large one) against the scan's full fp64 reference: the checksums
-within 0.05 σ of the CUDA kernels' noise model, s and σ within 3%, on random shapes up to K = 8192
-and the scan's three input distributions."""
+within 0.05 σ of the CUDA kernels' noise model, σ and s (without ρ) within 3%, on random shapes up
+to K = 8192 and the scan's three input distributions; with ρ, s is ``numerics.stage_bound``, and σ
+is what the exact s would give unless the cap binds."""
 
 from __future__ import annotations
 
@@ -34,13 +35,15 @@ def test_lean_reference_is_within_a_twentieth_of_sigma(dist):
             ops = _ops(layout, m, n, k, dist, 10 * i)
             noise = _noise(k)
             full = numerics.reference_checksums(ops, (64, 128), noise)
-            rows = [numerics.lean_side(ops.a_mk, ops.b_kn, 128)]
-            rows.append(tuple(x.t() for x in numerics.lean_side(ops.b_kn.t(), ops.a_mk.t(), 64)))
-            for (sums, s, rho), want, want_s, sigma in ((rows[0], full.row, full.row_scale, full.row_noise),
-                                                        (rows[1], full.col, full.col_scale, full.col_noise)):
+            sides = [(ops.a_mk, ops.b_kn, 128, lambda x: x), (ops.b_kn.t(), ops.a_mk.t(), 64, lambda x: x.t())]
+            wants = [(full.row, full.row_scale, full.row_noise), (full.col, full.col_scale, full.col_noise)]
+            for (left, right, t, out), (want, want_s, sigma) in zip(sides, wants, strict=True):
+                sums, s, rho = (out(x) for x in numerics.lean_side(left, right, t))
+                exact = out(numerics.lean_side(left, right, t, rho=False)[1])
                 assert sums.dtype == s.dtype == rho.dtype == torch.float64 and sums.shape == want.shape
+                assert torch.equal(s, out(numerics.stage_bound(left, right, t))) and (s >= exact * (1 - 1e-12)).all()
                 worst_sum = max(worst_sum, float(((sums - want).abs() / sigma).max()))
-                worst_scale = max(worst_scale, float(((s - want_s).abs() / want_s).max()),
+                worst_scale = max(worst_scale, float(((exact - want_s).abs() / want_s).max()),
                                   float(((noise.scale(rho, s, k) - sigma).abs() / sigma).max()))
     assert worst_sum <= 0.05, worst_sum
     assert worst_scale <= 0.03, worst_scale
@@ -69,13 +72,47 @@ def test_lean_reference_keeps_tiny_and_huge_rows_and_flags_nonfinite(monkeypatch
     ops = GemmOperands(a.to(torch.bfloat16), ops.b, ops.layout)
     full = numerics.reference_checksums(ops, (64, 128), _noise(300))
     lean = numerics.reference_checksums(ops, (64, 128), _noise(300), lean=True, cols=False)
-    assert float(((lean.row_scale - full.row_scale).abs() / full.row_scale).max()) < 1e-3
+    bound = numerics.stage_bound(ops.a_mk, ops.b_kn, 128)
+    assert float(((lean.row_scale - bound).abs() / bound).max()) < 1e-12 and (bound >= full.row_scale).all()
     assert float(((lean.row_noise - full.row_noise).abs() / full.row_noise).max()) < 1e-3
     bad = ops.a.clone()
     bad[2, 5] = float("nan")
     bad[3, 7] = float("inf")
     lean = numerics.reference_checksums(GemmOperands(bad, ops.b, ops.layout), (64, 128), _noise(300), lean=True, cols=False)
     assert torch.isfinite(lean.row_scale[:2]).all() and not torch.isfinite(lean.row_scale[2:]).any()
+
+
+def test_stage_bound_changes_sigma_only_where_the_cap_binds():
+    """s's stage bound (``numerics.stage_bound``) is never below s and gives the exact s's σ
+    wherever ρ·u + Σ|c|·b stays under s·p. A row of one product over a tile of one column (ρ = s:
+    at K = 2048, where u > p, the cap binds) gets σ looser by its stage's largest rta over its own
+    (here the stage's other k have rta ≥ 2, its own 0.5), and never by more than (u + b)/p."""
+    from aegis_cli.sensors import sense
+
+    k, t = 2048, 128
+    c = sense.Sigma.of(_noise(k), k)
+    assert c.u > c.p
+    left = numerics.generate_bf16((6, k), "normal", 3, "cpu").float()
+    right = numerics.generate_bf16((k, t), "normal", 4, "cpu").float() * 0.02
+    left[0] = 0.0
+    left[0, 40] = 1000.0  # row 0: one product; its k = 40 is in stage 1 (k 32-63)
+    right[40] = 0.0
+    right[40, 0] = 0.5  # k 40: one column
+    right[33:64:2, 1] = 2.0  # odd k of the stage: rta 2 or more
+    left, right = left.to(torch.bfloat16), right.to(torch.bfloat16)
+    _, bound, rho = numerics.lean_side(left, right, t)
+    exact = numerics.lean_side(left, right, t, rho=False)[1]
+    c_abs = numerics.abs_col_tiles((left.float() @ right.float()).to(torch.bfloat16), t)
+    assert (bound >= exact * (1 - 1e-12)).all()
+    got, want = sense.sigma_of(bound, rho, c_abs, c), sense.sigma_of(exact, rho, c_abs, c)
+    binds = rho * c.u + c_abs * c.b > exact * c.p
+    assert binds[0, 0] and not binds[1:].any()
+    assert torch.equal(got[~binds], want[~binds])
+    rta = right[32:64].double().abs().sum(-1)
+    ratio = float(got[0, 0] / want[0, 0])
+    spread = float(rta.max() / rta[8])
+    assert spread >= 4 and ratio == pytest.approx(min(spread, (c.u + c.b) / c.p), rel=1e-12)
+    assert 1.0 < ratio <= (c.u + c.b) / c.p
 
 
 def _composed_sigma(ops, res, ref, noise, truncating):
@@ -108,8 +145,9 @@ def test_sensor_sigma_adds_the_bias_term_and_bounds_wgrad():
         ops = _ops(layout, 70, 200, k, "uniform", 5)
         res = CpuDevice().checked_gemm(ops)
         res = type(res)(**{**res.__dict__, "tile": (64, 128)})
-        ref = numerics.reference_checksums(ops, (64, 128), noise, lean=True, cols=layout is Layout.WGRAD)
-        for trunc in (False, True):
+        for trunc in (False, True):  # wgrad on a truncating device: no ρ, so the exact s
+            both = layout is Layout.WGRAD
+            ref = numerics.reference_checksums(ops, (64, 128), None if both and trunc else noise, lean=True, cols=both)
             got = [sense.sigma_of(s, r, c_abs, sense.Sigma.of(noise, k)) for _, _, _, s, r, c_abs, _ in sense._sides(ops, res, trunc, None)]
             want = _composed_sigma(ops, res, ref, noise, trunc)
             assert all(torch.allclose(g, w, rtol=1e-12, atol=0) for g, w in zip(got, want, strict=False))
