@@ -4,9 +4,11 @@
 // For a bf16 left operand L (R, K), any strides, and the tile statistics of the right operand
 // R (K, N) over tiles of t columns (nt = ceil(N/t) of them):
 //     sums[i, j] = Σ_k L[i,k] · rt[k,j]        rt  = Σ_{c∈tile j} R[k,c]     (fp64)
-//     s[i, j]    = Σ_k |L[i,k]| · rta[k,j]     rta = Σ_{c∈tile j} |R[k,c]|
+//     s[i, j]    = Σ_k |L[i,k]| · rta[k,j]     rta = Σ_{c∈tile j} |R[k,c]|   (without ρ)
 //     rho[i, j]  = sqrt(Σ_k L[i,k]² · rtq[k,j]) rtq = Σ_{c∈tile j} R[k,c]²
-// one pass over L (2 bytes an element, never an fp64 copy), three launches:
+// and with ρ, in place of s, its stage bound (s only caps σ there; docs/sensors.md §2.1):
+//     s[i, j]    = Σ_b (Σ_{k∈b} |L[i,k]|) · max_{k∈b} rta[k,j]   over stages b of SR_BK k
+// one pass over L (2 bytes an element, never an fp64 copy), three or four launches:
 //
 // aegis_sr_stats   rt, rta, rtq (K, nt) fp64 from the bf16 right operand (any strides), at memory
 //                  bandwidth where a dimension is contiguous and 16-byte aligned: columns
@@ -19,21 +21,25 @@
 //                  fp64's 53 bits in any tile of real data), else one fp64 rounding each; the
 //                  order follows the mode and t (the host's, from strides, alignment and t).
 //                  aegis_sr_abs(_k): rta alone, the same bits (the sensors' Σ|c|: C is the
-//                  largest tensor of a check).
-// aegis_sr_main    the three products on the fp64 tensor cores (DMMA: mma.sync f64, m16n8k8 on
+//                  largest tensor of a check). aegis_sr_stage_max (with ρ): each stage's max of
+//                  rta into the stage's first row of rta, in place (the one row the products read).
+// aegis_sr_main    the products on the fp64 tensor cores (DMMA: mma.sync f64, m16n8k8 on
 //                  sm_90, pairs of m8n8k4 before). One CTA: SR_BM rows × SR_BN tiles × one split
 //                  of K (a multiple of SR_BK), SR_WARPS warps of 32 rows × 16 tiles (4, 2 CTAs an
-//                  SM on sm_90, 240 registers; 8: one CTA an SM). L's bf16 tile of each SR_BK-deep
+//                  SM on sm_90, 248 registers with ρ, 226 without; 8: one CTA an SM). L's bf16 tile of each SR_BK-deep
 //                  stage is staged through shared memory (cp.async where rows or k are contiguous
 //                  and aligned, else plain loads; SR_STAGES in flight; the k-major stage by 16-byte copies of 8 rows where
 //                  rows are 16-byte aligned, and read 4 adjacent rows at a time: SR_KM_PACK), then
-//                  converted exactly to fp64 with its |·| and ·²
+//                  converted exactly to fp64 with its |·| or ·²
 //                  (exact in fp64: 8-bit significands, exponents well inside fp64's range), so
-//                  2^±100 rows need nothing special and NaN/Inf stay in their rows. All three in
-//                  fp64 with fp64 accumulation: sums within (K+1)·2⁻⁵³·s, s and ρ² within
-//                  (K+1)·2⁻⁵³ relative (non-negative terms), as the torch reference's (which k goes
-//                  to which MMA slot is a fixed permutation per layout: the order of the sum
-//                  changes, not its precision). A CTA whose rows and tiles are all inside loads
+//                  2^±100 rows need nothing special and NaN/Inf stay in their rows. The products in
+//                  fp64 with fp64 accumulation: sums within (K+1)·2⁻⁵³·s, s (without ρ) and ρ²
+//                  within (K+1)·2⁻⁵³ relative (non-negative terms), as the torch reference's (which
+//                  k goes to which MMA slot is a fixed permutation per layout: the order of the sum
+//                  changes, not its precision). With ρ, each row's Σ|L| of a stage is added in
+//                  fp32 (8 terms a lane, scaled by 2⁻⁸: exact terms, no overflow; then over the 4
+//                  lanes of its k: within 9·2⁻²⁴ relative), and every 4 stages one m16n8k4 DMMA
+//                  a block adds those sums times the stages' maxima to s. A CTA whose rows and tiles are all inside loads
 //                  each whole stage of 16-byte L vectors from two running positions (load_whole),
 //                  the rest through load_stage's general indexing: the same copies either way
 //                  (SR_WHOLE=0 builds the former; a test compares their bits).

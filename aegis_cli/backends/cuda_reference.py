@@ -4,12 +4,12 @@
                                                   reference, which the CPU path runs), (R, nt) fp64
     tile_abs_sums(x, t) -> (M, nt) fp64           Σ|x| over column tiles (Device.tile_abs_sums)
 
-One pass over the bf16 left operand (never an fp64 copy of it): the three products on the fp64
+One pass over the bf16 left operand (never an fp64 copy of it): the products on the fp64
 tensor cores (DMMA), exact fp64 operands and fp64 accumulation, so the errors are of order
-K·2⁻⁵³·s as the torch reference's (the kernel's header says why). Three launches on
-torch's current stream, through the one loader/launcher, no synchronisation: the tile statistics
-of the right operand, the products (K split over CTAs), and the reduction of the splits in split
-order (none for one split). The split count follows the shape alone (an estimate of the
+K·2⁻⁵³·s as the torch reference's (the kernel's header says why); with ρ, s is the stage bound
+(numerics.stage_bound). Launches on torch's current stream, through the one loader/launcher, no
+synchronisation: the tile statistics of the right operand (with ρ also their stage maxima), the
+products (K split over CTAs), and the reduction of the splits in split order (none for one split). The split count follows the shape alone (an estimate of the
 products' time, ``splits_for``), so the bits repeat for a shape on any device of one architecture.
 Importing this module does not import CuPy or touch CUDA.
 """
