@@ -5,11 +5,13 @@
 The Linears of the 1.18B GPT of benchmarks/sensors_overhead.py (dim 2048, MLP 8192, vocabulary
 32768, 8,192 tokens a step), each as forward, dgrad and wgrad, with operands stored as training
 stores them (seeded: activations ~N(0,1), weights ~N(0,0.02²), gradients ~N(0,10⁻⁶)). Times, by
-CUDA events queued behind a GPU sleep (the GPU's work alone; median of --reps after a warm-up), the whole comparison of a sampled launch with the
-torch reference (``numerics.lean_side``) and with the device's (``Device.lean_side``, the kernel
-on CUDA; also from an idle GPU, the host's launch gaps counted), and its parts: the reference alone, and the σ and normalised differences
-by the torch path (``sense.sigma_of``, ``normalised_diff``) given the references and Σ|c| (on CUDA
-the sensors run them as one kernel: benchmarks/sensors_profile.py times both); the checked GEMM for scale.
+CUDA events queued behind a GPU sleep (the GPU's work alone; median of --reps after a warm-up),
+the whole comparison of a sampled launch with the torch reference (``numerics.lean_side``) and
+with the device's (``Device.lean_side``, the kernel on CUDA; also from an idle GPU, the host's
+launch gaps counted; and the host's own time in it while the GPU is busy), and its parts: the
+reference alone, and the σ and normalised differences by the torch path (``sense.sigma_of``,
+``normalised_diff``) given the references and Σ|c| (on CUDA the sensors run them as one kernel:
+benchmarks/sensors_profile.py times both); the checked GEMM for scale.
 Checks the kernel against the torch reference (|Δ sums| in units of σ, s and ρ relative) and its
 repeatability, and lists the top kernels by CUDA time (torch.profiler) of one check each way.
 Also times the kernel's sides alone (``cuda_reference.lean_side`` of each side the check computes:
@@ -29,6 +31,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -82,6 +85,20 @@ def timed(fn, reps: int, busy: bool = True) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def host_timed(fn, reps: int) -> float:
+    """Median ms the host spends in ``fn`` while the GPU is busy (behind a GPU sleep): the launches'
+    Python and driver time alone, which a step pays where its host, not its GPU, is behind."""
+    fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda._sleep(BUSY_CYCLES)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
     return statistics.median(times)
 
 
@@ -221,6 +238,8 @@ def run(args) -> dict:
                                           numerics.reference_checksums(ops, res.tile, noise, lean=True, cols=both,
                                                                        side=dev.lean_side), args.reps),
                    "noise_diff_ms": timed(rest, args.reps),
+                   "enqueue_host_ms": host_timed(lambda ops=ops, res=res, noise=noise, trunc=trunc:
+                                                 sense.enqueue(ops, res, noise, trunc, dev), args.reps),
                    "enqueue_kernel_idle_ms": timed(lambda ops=ops, res=res, noise=noise, trunc=trunc:
                                                    sense.enqueue(ops, res, noise, trunc, dev), args.reps, busy=False),
                    **agreement(ops, res, noise, dev),
@@ -236,7 +255,8 @@ def run(args) -> dict:
             torch.cuda.empty_cache()
     # the coverage floor checks every operator equally often: weighted as the model has them
     weights = [per_step(r["op"].split("/")[0]) for r in out["shapes"]]
-    for key in ("enqueue_torch_ms", "enqueue_kernel_ms", "enqueue_kernel_idle_ms", "ref_kernel_ms", "sides_ms", "stats_ms",
+    for key in ("enqueue_torch_ms", "enqueue_kernel_ms", "enqueue_kernel_idle_ms", "enqueue_host_ms", "ref_kernel_ms", "sides_ms",
+                "stats_ms",
                 *(f"sides_{build_name(b)}_ms" for b in args.builds)):
         out[f"per_check_{key}"] = sum(w * r[key] for w, r in zip(weights, out["shapes"], strict=True)) / sum(weights)
     return out
@@ -259,7 +279,8 @@ def table(out: dict) -> str:
     lines += [f"b{i + 1}: built with {b}" for i, b in enumerate(out["builds"])]
     lines.append(f"per check at the coverage floor (operators weighted as the model has them), GPU time: torch "
                  f"{out['per_check_enqueue_torch_ms']:.3f} ms, kernel {out['per_check_enqueue_kernel_ms']:.3f} ms "
-                 f"(kernel from an idle GPU, host gaps included: {out['per_check_enqueue_kernel_idle_ms']:.3f} ms); "
+                 f"(kernel from an idle GPU, host gaps included: {out['per_check_enqueue_kernel_idle_ms']:.3f} ms; "
+                 f"the host's time in it with the GPU busy: {out['per_check_enqueue_host_ms']:.3f} ms); "
                  f"its reference {out['per_check_ref_kernel_ms']:.3f} ms, its sides alone {out['per_check_sides_ms']:.3f} ms"
                  + "".join(f", built with {b} {out[f'per_check_sides_{build_name(b)}_ms']:.3f} ms" for b in out["builds"])
                  + f"; its statistics alone {out['per_check_stats_ms']:.3f} ms")
