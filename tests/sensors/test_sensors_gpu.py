@@ -71,7 +71,8 @@ def _ops(device: str, layout: Layout, m: int, n: int, k: int, seed: int) -> Gemm
 @gpu
 def test_lean_reference_on_cuda_is_within_a_twentieth_of_sigma():
     """The sensors' reference on CUDA (one read of each operand, fp64 slices of the large one) against
-    the full fp64 reference: checksums within 0.05 σ, s and σ within 3%."""
+    the full fp64 reference: checksums within 0.05 σ, σ within 3%; s (with ρ: the stage bound) within
+    3% of ``numerics.stage_bound`` of the same operands, and never below the full reference's s."""
     from aegis_cli.backends.cuda import CudaDevice
 
     dev = CudaDevice(0)
@@ -83,9 +84,12 @@ def test_lean_reference_on_cuda_is_within_a_twentieth_of_sigma():
             lean = numerics.reference_checksums(ops, dev.tile, noise, lean=True)
             for got, want, sigma in ((lean.row, full.row, full.row_noise), (lean.col, full.col, full.col_noise)):
                 assert float(((got - want).abs() / sigma).max()) <= 0.05, (layout, m, n, k)
-            for got, want in ((lean.row_scale, full.row_scale), (lean.col_scale, full.col_scale),
+            bounds = (numerics.stage_bound(ops.a_mk, ops.b_kn, dev.tile[1]),
+                      numerics.stage_bound(ops.b_kn.t(), ops.a_mk.t(), dev.tile[0]).t())
+            for got, want in ((lean.row_scale, bounds[0]), (lean.col_scale, bounds[1]),
                               (lean.row_noise, full.row_noise), (lean.col_noise, full.col_noise)):
                 assert float(((got - want).abs() / want).max()) <= 0.03, (layout, m, n, k)
+            assert (lean.row_scale >= full.row_scale * (1 - 1e-6)).all() and (lean.col_scale >= full.col_scale * (1 - 1e-6)).all()
 
 
 @gpu
