@@ -180,13 +180,17 @@ def stage_bound(left: torch.Tensor, right: torch.Tensor, t: int) -> torch.Tensor
 def _stage_sums(a: torch.Tensor) -> torch.Tensor:
     """Σ over each stage of S_STAGE columns of fp64 ``a`` (R, W): (R, ceil(W/S_STAGE))."""
     r, w = a.shape
-    return torch.nn.functional.pad(a, (0, -w % S_STAGE)).view(r, -1, S_STAGE).sum(-1)
+    if w % S_STAGE:  # a ragged last stage (a copy; whole stages are a view)
+        a = torch.nn.functional.pad(a, (0, -w % S_STAGE))
+    return a.reshape(r, -1, S_STAGE).sum(-1)
 
 
 def _stage_max(x: torch.Tensor) -> torch.Tensor:
     """The largest of each stage of S_STAGE rows of non-negative fp64 ``x`` (K, nt), NaN if any is NaN."""
     k, nt = x.shape
-    return torch.nn.functional.pad(x, (0, 0, 0, -k % S_STAGE)).view(-1, S_STAGE, nt).amax(1)
+    if k % S_STAGE:
+        x = torch.nn.functional.pad(x, (0, 0, 0, -k % S_STAGE))
+    return x.reshape(-1, S_STAGE, nt).amax(1)
 
 
 def abs_col_tiles(x: torch.Tensor, t: int) -> torch.Tensor:
