@@ -42,7 +42,7 @@ import gemm
 from sensor_reference import LAYERS, LINEARS, operands, per_step, timed
 
 from aegis_cli.backends.cuda import CudaDevice
-from aegis_cli.ops import numerics
+from aegis_cli.ops import lean
 from aegis_cli.ops.gemm import GemmOperands, Layout
 
 VARIANTS = {"plain": ("nosums", {}), "checked": ("", {}), "rows": ("", {"AEGIS_PROBE_ROWS": 1}),
@@ -95,7 +95,7 @@ def accuracy(dev, layout: Layout, m: int, n: int, k: int) -> dict:
         launch.run()
         outs[v] = [t.clone() for t in launch.outputs]
     ops = GemmOperands(*sets[0], layout)
-    ref, scale, _ = numerics.lean_side(ops.a_mk, ops.b_kn, 128, rho=False)
+    ref, scale, _ = lean.lean_side(ops.a_mk, ops.b_kn, 128, rho=False)
     obs, exp, pre = (outs[v][1].double() for v in ("checked", "abft", "pre"))
     err = lambda x: ((x - ref).abs() / scale).max().item()
     return {"c_same": torch.equal(outs["checked"][0], outs["abft"][0]) and torch.equal(outs["checked"][0], outs["pre"][0]),

@@ -6,7 +6,7 @@ The Linears of the 1.18B GPT of benchmarks/sensors_overhead.py (dim 2048, MLP 81
 32768, 8,192 tokens a step), each as forward, dgrad and wgrad, with operands stored as training
 stores them (seeded: activations ~N(0,1), weights ~N(0,0.02²), gradients ~N(0,10⁻⁶)). Times, by
 CUDA events queued behind a GPU sleep (the GPU's work alone; median of --reps after a warm-up),
-the whole comparison of a sampled launch with the torch reference (``numerics.lean_side``) and
+the whole comparison of a sampled launch with the torch reference (``lean.lean_side``) and
 with the device's (``Device.lean_side``, the kernel on CUDA; also from an idle GPU, the host's
 launch gaps counted; and the host's own time in it while the GPU is busy), and its parts: the
 reference alone, and the σ and normalised differences by the torch path (``sense.sigma_of``,
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from aegis_cli.backends import cuda_reference
 from aegis_cli.backends.cuda import CudaDevice
-from aegis_cli.ops import numerics
+from aegis_cli.ops import lean
 from aegis_cli.ops.gemm import GemmOperands, Layout
 from aegis_cli.sensors import sense
 
@@ -106,9 +106,9 @@ def agreement(ops, res, noise, dev) -> dict:
     """The kernel's reference against torch's: sums in σ, s and ρ relative; two runs' bits; and how
     far s's stage bound moved σ (forward, dgrad) from the σ of the exact s."""
     both = ops.layout is Layout.WGRAD
-    want = numerics.reference_checksums(ops, res.tile, noise, lean=True, cols=both)
-    got = numerics.reference_checksums(ops, res.tile, noise, lean=True, cols=both, side=dev.lean_side)
-    again = numerics.reference_checksums(ops, res.tile, noise, lean=True, cols=both, side=dev.lean_side)
+    want = lean.lean_reference(ops, res.tile, noise, cols=both)
+    got = lean.lean_reference(ops, res.tile, noise, cols=both, side=dev.lean_side)
+    again = lean.lean_reference(ops, res.tile, noise, cols=both, side=dev.lean_side)
     pairs = [(got.row, want.row, want.row_noise, got.row_scale, want.row_scale, got.row_noise)]
     if both:
         pairs.append((got.col, want.col, want.col_noise, got.col_scale, want.col_scale, got.col_noise))
@@ -119,8 +119,8 @@ def agreement(ops, res, noise, dev) -> dict:
         out["sigma_rel"] = max(out["sigma_rel"], float(((gn - sig).abs() / sig).max()))
     out["cap_moved"] = 0.0  # forward, dgrad: the most σ from the stage bound exceeds σ from the exact s (torch), relative
     if not both:
-        _, bound, rho = numerics.lean_side(ops.a_mk, ops.b_kn, res.tile[1])
-        exact = numerics.lean_side(ops.a_mk, ops.b_kn, res.tile[1], rho=False)[1]
+        _, bound, rho = lean.lean_side(ops.a_mk, ops.b_kn, res.tile[1])
+        exact = lean.lean_side(ops.a_mk, ops.b_kn, res.tile[1], rho=False)[1]
         k = ops.mnk[2]
         out["cap_moved"] = float((noise.scale(rho, bound, k) / noise.scale(rho, exact, k)).max() - 1.0)
     out["repeats"] = all(torch.equal(a, b) for a, b in ((got.row, again.row), (got.row_scale, again.row_scale),
@@ -219,7 +219,7 @@ def run(args) -> dict:
             noise, trunc = dev.noise_model(k), dev.accumulation_bound(k) > 0
             both = layout is Layout.WGRAD
             ref_noise = None if both and trunc else noise  # as sense.enqueue: wgrad's σ follows s, no ρ
-            ref = numerics.reference_checksums(ops, res.tile, ref_noise, lean=True, cols=both, side=dev.lean_side)
+            ref = lean.lean_reference(ops, res.tile, ref_noise, cols=both, side=dev.lean_side)
 
             sides, sig = sense._sides(ops, res, trunc, dev), sense.Sigma.of(noise, k)
 
@@ -233,9 +233,9 @@ def run(args) -> dict:
                    "enqueue_kernel_ms": timed(lambda ops=ops, res=res, noise=noise, trunc=trunc:
                                               sense.enqueue(ops, res, noise, trunc, dev), args.reps),
                    "ref_torch_ms": timed(lambda ops=ops, res=res, noise=ref_noise, both=both:
-                                         numerics.reference_checksums(ops, res.tile, noise, lean=True, cols=both), args.reps),
+                                         lean.lean_reference(ops, res.tile, noise, cols=both), args.reps),
                    "ref_kernel_ms": timed(lambda ops=ops, res=res, noise=ref_noise, both=both:
-                                          numerics.reference_checksums(ops, res.tile, noise, lean=True, cols=both,
+                                          lean.lean_reference(ops, res.tile, noise, cols=both,
                                                                        side=dev.lean_side), args.reps),
                    "noise_diff_ms": timed(rest, args.reps),
                    "enqueue_host_ms": host_timed(lambda ops=ops, res=res, noise=noise, trunc=trunc:

@@ -9,7 +9,7 @@ import statistics
 
 import torch
 
-from aegis_cli.ops import numerics
+from aegis_cli.ops import lean, numerics
 from aegis_cli.sensors import SensorConfig, sense
 
 BETAS = (0.0, 1 / 128, 1 / 64, 1 / 32, 1 / 16, 1 / 8)  # candidate bias terms: σ + β·K·2⁻²⁴·Σ|C| over the tile
@@ -23,9 +23,9 @@ def _study_one(ops, res, noise) -> list[dict]:
     sig = sense.Sigma.of(noise, k)
     tm, tn = res.tile
     c = res.c.float().abs_()
-    sides = [(res.row_sums, numerics.lean_side(ops.a_mk, ops.b_kn, tn), numerics.sum_col_tiles(c, tn), "row")]
+    sides = [(res.row_sums, lean.lean_side(ops.a_mk, ops.b_kn, tn), numerics.sum_col_tiles(c, tn), "row")]
     if ops.layout.value == "wgrad":
-        col = tuple(x.t() for x in numerics.lean_side(ops.b_kn.t(), ops.a_mk.t(), tm))
+        col = tuple(x.t() for x in lean.lean_side(ops.b_kn.t(), ops.a_mk.t(), tm))
         sides.append((res.col_sums, col, numerics.sum_row_tiles(c, tm), "col"))
     out = []
     for obs, (ref, s, rho), csum, side in sides:

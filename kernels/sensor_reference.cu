@@ -1,5 +1,5 @@
 // sensor_reference.cu — the in-training sensors' checksum reference (docs/sensors.md §2.1), twin
-// of aegis_cli/ops/numerics.py `lean_side` (the torch reference, which the CPU path runs).
+// of aegis_cli/ops/lean.py `lean_side` (the torch reference, which the CPU path runs).
 //
 // For a bf16 left operand L (R, K), any strides, and the tile statistics of the right operand
 // R (K, N) over tiles of t columns (nt = ceil(N/t) of them):
@@ -23,26 +23,26 @@
 //                  aegis_sr_abs(_k): rta alone, the same bits (the sensors' Σ|c|: C is the
 //                  largest tensor of a check). aegis_sr_stage_max (with ρ): each stage's max of
 //                  rta into the stage's first row of rta, in place (the one row the products read).
-// aegis_sr_main    the products on the fp64 tensor cores (DMMA: mma.sync f64, m16n8k8 on
-//                  sm_90, pairs of m8n8k4 before). One CTA: SR_BM rows × SR_BN tiles × one split
-//                  of K (a multiple of SR_BK), SR_WARPS warps of 32 rows × 16 tiles (4, 2 CTAs an
-//                  SM on sm_90, 248 registers with ρ, 226 without; 8: one CTA an SM). L's bf16 tile of each SR_BK-deep
-//                  stage is staged through shared memory (cp.async where rows or k are contiguous
-//                  and aligned, else plain loads; SR_STAGES in flight; the k-major stage by 16-byte copies of 8 rows where
-//                  rows are 16-byte aligned, and read 4 adjacent rows at a time: SR_KM_PACK), then
-//                  converted exactly to fp64 with its |·| or ·²
-//                  (exact in fp64: 8-bit significands, exponents well inside fp64's range), so
-//                  2^±100 rows need nothing special and NaN/Inf stay in their rows. The products in
-//                  fp64 with fp64 accumulation: sums within (K+1)·2⁻⁵³·s, s (without ρ) and ρ²
-//                  within (K+1)·2⁻⁵³ relative (non-negative terms), as the torch reference's (which
-//                  k goes to which MMA slot is a fixed permutation per layout: the order of the sum
-//                  changes, not its precision). With ρ, each row's Σ|L| of a stage is added in
-//                  fp32 (8 terms a lane, scaled by 2⁻⁸: exact terms, no overflow; then over the 4
-//                  lanes of its k: within 9·2⁻²⁴ relative), and every 4 stages one m16n8k4 DMMA
-//                  a block adds those sums times the stages' maxima to s. A CTA whose rows and tiles are all inside loads
-//                  each whole stage of 16-byte L vectors from two running positions (load_whole),
-//                  the rest through load_stage's general indexing: the same copies either way
-//                  (SR_WHOLE=0 builds the former; a test compares their bits).
+// aegis_sr_main    the products on the fp64 tensor cores (DMMA: mma.sync f64, m16n8k8 on sm_90,
+//                  pairs of m8n8k4 before). One CTA: SR_BM rows × SR_BN tiles × one split of K (a
+//                  multiple of SR_BK), SR_WARPS warps of 32 rows × 16 tiles (4, 2 CTAs an SM on
+//                  sm_90, 248 registers with ρ, 226 without; 8: one CTA an SM). L's bf16 tile of
+//                  each SR_BK-deep stage is staged through shared memory (cp.async where rows or k
+//                  are contiguous and aligned, else plain loads; SR_STAGES in flight; the k-major
+//                  stage by 16-byte copies of 8 rows where rows are 16-byte aligned, and read 4
+//                  adjacent rows at a time: SR_KM_PACK), then converted exactly to fp64 with its
+//                  |·| or ·² (exact in fp64: 8-bit significands, exponents well inside fp64's
+//                  range), so 2^±100 rows need nothing special and NaN/Inf stay in their rows. The
+//                  products in fp64 with fp64 accumulation: sums within (K+1)·2⁻⁵³·s, s (without ρ)
+//                  and ρ² within (K+1)·2⁻⁵³ relative (non-negative terms), as the torch reference's
+//                  (which k goes to which MMA slot is a fixed permutation per layout: the order of
+//                  the sum changes, not its precision). With ρ, each row's Σ|L| of a stage is added
+//                  in fp32 (8 terms a lane, scaled by 2⁻⁸: exact terms, no overflow; then over the
+//                  4 lanes of its k: within 9·2⁻²⁴ relative), and every 4 stages one m16n8k4 DMMA a
+//                  block adds those sums times the stages' maxima to s. A CTA whose rows and tiles
+//                  are all inside loads each whole stage of 16-byte L vectors from two running
+//                  positions (load_whole), the rest through load_stage's general indexing: the same
+//                  copies either way (SR_WHOLE=0 builds the former; a test compares their bits).
 //                  Partial results go to part[3][splits][R][nt]. aegis_sr_main_norho: the same
 //                  without ρ² (its MMAs skipped, part[2][splits][R][nt]), for callers that use no ρ.
 //                  With one split the planes are the results (ρ, not ρ²) and nothing is reduced.
@@ -548,7 +548,7 @@ __device__ __forceinline__ void sr_main(u16* __restrict__ s_a, double* __restric
         cp_async_commit();
         const u16* sa = s_a + buf * (SR_A_BYTES / 2);
         const double* sb = s_b + buf * 3 * SR_B_ELEMS;
-        float l1[4] = {0.f, 0.f, 0.f, 0.f};  // with ρ: 2⁻⁸·Σ|L| of this thread's 8 k of the stage, its rows h = 2·mb + half
+        float l1[4] = {0.f, 0.f, 0.f, 0.f};  // with ρ: 2⁻⁸·Σ|L| of this thread's 8 k of the stage, rows h = 2·mb + half
         uint4 rowv[4];  // row-major: this thread's 8 k of each of its 4 rows
         if (!KMAJ) {
 #pragma unroll
@@ -619,7 +619,8 @@ __device__ __forceinline__ void sr_main(u16* __restrict__ s_a, double* __restric
                 for (int mb = 0; mb < 2; ++mb)
 #pragma unroll
                     for (int nb = 0; nb < 2; ++nb) mma_k4(acc[1][mb][nb], bnd_a[mb][0], bnd_a[mb][1], bnd_b[nb]);
-                bnd_a[0][0] = bnd_a[0][1] = bnd_a[1][0] = bnd_a[1][1] = bnd_b[0] = bnd_b[1] = 0.0;  // a last group's absent stages
+                // zeros for the absent stages of a last group
+                bnd_a[0][0] = bnd_a[0][1] = bnd_a[1][0] = bnd_a[1][1] = bnd_b[0] = bnd_b[1] = 0.0;
             }
         }
     }

@@ -118,13 +118,13 @@ class Device(abc.ABC):
 
     def lean_side(self, left: torch.Tensor, right: torch.Tensor, t: int,
                   rho: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The sensors' reference of one side (numerics.lean_side): row checksums of left (R, K) ·
+        """The sensors' reference of one side (lean.lean_side): row checksums of left (R, K) ·
         right (K, N) over tiles of ``t`` columns, (sums, s, ρ) fp64, ρ None unless ``rho``. torch's
         here, the reference every backend's own implementation is tested against (CUDA:
         kernels/sensor_reference.cu)."""
-        from aegis_cli.ops import numerics  # torch: only when a device computes
+        from aegis_cli.ops import lean  # torch: only when a device computes
 
-        return numerics.lean_side(left, right, t, rho)
+        return lean.lean_side(left, right, t, rho)
 
     def tile_abs_sums(self, x: torch.Tensor, t: int) -> torch.Tensor:
         """Σ|x| over each tile of ``t`` columns of x (M, N): (M, ceil(N/t)) fp64 (the sensors' Σ|c|).

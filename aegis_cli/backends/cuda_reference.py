@@ -1,13 +1,13 @@
 """The sensors' checksum reference on CUDA: kernels/sensor_reference.cu launched on torch tensors.
 
-    lean_side(left, right, t, rho) -> (sums, s, rho)  the values of numerics.lean_side (the torch
+    lean_side(left, right, t, rho) -> (sums, s, rho)  the values of ops.lean.lean_side (the torch
                                                   reference, which the CPU path runs), (R, nt) fp64
     tile_abs_sums(x, t) -> (M, nt) fp64           Σ|x| over column tiles (Device.tile_abs_sums)
 
 One pass over the bf16 left operand (never an fp64 copy of it): the products on the fp64
 tensor cores (DMMA), exact fp64 operands and fp64 accumulation, so the errors are of order
 K·2⁻⁵³·s as the torch reference's (the kernel's header says why); with ρ, s is the stage bound
-(numerics.stage_bound). Launches on torch's current stream, through the one loader/launcher, no
+(lean.stage_bound). Launches on torch's current stream, through the one loader/launcher, no
 synchronisation: the tile statistics of the right operand (with ρ also their stage maxima), the
 products (K split over CTAs), and the reduction of the splits in split order (none for one split). The split count follows the shape alone (an estimate of the
 products' time, ``splits_for``), so the bits repeat for a shape on any device of one architecture.
@@ -152,13 +152,13 @@ def tile_abs_sums(x: torch.Tensor, t: int) -> torch.Tensor:
 def lean_side(left: torch.Tensor, right: torch.Tensor, t: int,
               rho: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Row checksums of left (R, K) · right (K, N) over tiles of ``t`` columns, as
-    numerics.lean_side: (sums, s, ρ), each (R, ceil(N/t)) fp64, enqueued without a sync; ρ None
+    lean.lean_side: (sums, s, ρ), each (R, ceil(N/t)) fp64, enqueued without a sync; ρ None
     unless ``rho``. ``applies(left, right)`` must hold."""
     (r, k), n = left.shape, right.shape[1]
     nt = -(-n // t)
     f64 = {"dtype": torch.float64, "device": left.device}
     stats = tile_stats(right, t)
-    if rho:  # s as numerics.stage_bound: each stage's maximum of rta in its first row, in place
+    if rho:  # s as lean.stage_bound: each stage's maximum of rta in its first row, in place
         blocks = -(-k // BK) * nt
         loader.run(KERNEL, "aegis_sr_stage_max", (max(1, min(-(-blocks // STAT_THREADS), MAX_GRID)),), STAT_THREADS,
                    [ctypes.c_uint64(stats[1].data_ptr()), ctypes.c_int64(k), ctypes.c_int(nt)], on=left, defines=DEFINES)

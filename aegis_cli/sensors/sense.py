@@ -38,7 +38,7 @@ from aegis_cli.backends.base import Device
 from aegis_cli.backends.cuda import CudaDevice
 from aegis_cli.checks import gemm as checks
 from aegis_cli.faults.spec import FaultPlan
-from aegis_cli.ops import numerics
+from aegis_cli.ops import lean, numerics
 from aegis_cli.ops.gemm import GemmOperands, GemmResult, Layout
 from aegis_cli.sensors.queue import nbytes
 
@@ -202,7 +202,7 @@ def _sides(ops: GemmOperands, res: GemmResult, truncating: bool, device: Device 
     tn = res.tile[1]
     k = ops.mnk[2]
     both = ops.layout is Layout.WGRAD
-    refs = numerics.lean_sides(ops, res.tile, not (both and truncating), both, numerics.lean_side if device is None else device.lean_side)
+    refs = lean.lean_sides(ops, res.tile, not (both and truncating), both, lean.lean_side if device is None else device.lean_side)
     if not both:
         c_abs = None
         if truncating:

@@ -1,7 +1,7 @@
-"""The sensors' lean reference (``numerics.reference_checksums(lean=True)``: one read of each
+"""The sensors' lean reference (``lean.lean_reference``: one read of each
 operand, fp64 slices of the large one) against the scan's full fp64 reference: the checksums
 within 0.05 σ of the CUDA kernels' noise model, σ and s (without ρ) within 3%, on random shapes up
-to K = 8192 and the scan's three input distributions; with ρ, s is ``numerics.stage_bound``, and σ
+to K = 8192 and the scan's three input distributions; with ρ, s is ``lean.stage_bound``, and σ
 is what the exact s would give unless the cap binds."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from aegis_cli.backends.cuda import CUDA_NOISE
-from aegis_cli.ops import numerics
+from aegis_cli.ops import lean, numerics
 from aegis_cli.ops.gemm import GemmOperands, Layout
 
 NOISE = CUDA_NOISE["wgmma"]  # the CUDA kernels' noise model (importable without a GPU)
@@ -38,10 +38,10 @@ def test_lean_reference_is_within_a_twentieth_of_sigma(dist):
             sides = [(ops.a_mk, ops.b_kn, 128, lambda x: x), (ops.b_kn.t(), ops.a_mk.t(), 64, lambda x: x.t())]
             wants = [(full.row, full.row_scale, full.row_noise), (full.col, full.col_scale, full.col_noise)]
             for (left, right, t, out), (want, want_s, sigma) in zip(sides, wants, strict=True):
-                sums, s, rho = (out(x) for x in numerics.lean_side(left, right, t))
-                exact = out(numerics.lean_side(left, right, t, rho=False)[1])
+                sums, s, rho = (out(x) for x in lean.lean_side(left, right, t))
+                exact = out(lean.lean_side(left, right, t, rho=False)[1])
                 assert sums.dtype == s.dtype == rho.dtype == torch.float64 and sums.shape == want.shape
-                assert torch.equal(s, out(numerics.stage_bound(left, right, t))) and (s >= exact * (1 - 1e-12)).all()
+                assert torch.equal(s, out(lean.stage_bound(left, right, t))) and (s >= exact * (1 - 1e-12)).all()
                 worst_sum = max(worst_sum, float(((sums - want).abs() / sigma).max()))
                 worst_scale = max(worst_scale, float(((exact - want_s).abs() / want_s).max()),
                                   float(((noise.scale(rho, s, k) - sigma).abs() / sigma).max()))
@@ -52,8 +52,8 @@ def test_lean_reference_is_within_a_twentieth_of_sigma(dist):
 def test_lean_reference_fields_and_rows_only():
     ops = _ops(Layout.WGRAD, 70, 300, 200, "normal", 3)
     full = numerics.reference_checksums(ops, (64, 128), _noise(200))
-    both = numerics.reference_checksums(ops, (64, 128), _noise(200), lean=True)
-    rows = numerics.reference_checksums(ops, (64, 128), _noise(200), lean=True, cols=False)
+    both = lean.lean_reference(ops, (64, 128), _noise(200))
+    rows = lean.lean_reference(ops, (64, 128), _noise(200), cols=False)
     assert both.floor == full.floor and both.col.shape == full.col.shape and both.col_noise.shape == full.col_noise.shape
     assert torch.equal(rows.row, both.row) and rows.col.shape == (0, 300) and rows.col_noise.shape == (0, 300)
     assert rows.floor == numerics.subnormal_slack(200, 128)
@@ -64,26 +64,26 @@ def test_lean_reference_fields_and_rows_only():
 def test_lean_reference_keeps_tiny_and_huge_rows_and_flags_nonfinite(monkeypatch):
     """Rows near the bottom or the top of the range keep their s and ρ (fp64); NaN/Inf make s
     non-finite (the sensors skip them); slices of the large operand give the same values."""
-    monkeypatch.setattr(numerics, "LEAN_SLICE", 400)  # 4 rows: 100 of K = 300 per slice
+    monkeypatch.setattr(lean, "LEAN_SLICE", 400)  # 4 rows: 100 of K = 300 per slice
     ops = _ops(Layout.FWD, 4, 256, 300, "normal", 7)
     a = ops.a.float()
     a[0] *= 2.0**-100
     a[1] *= 2.0**100
     ops = GemmOperands(a.to(torch.bfloat16), ops.b, ops.layout)
     full = numerics.reference_checksums(ops, (64, 128), _noise(300))
-    lean = numerics.reference_checksums(ops, (64, 128), _noise(300), lean=True, cols=False)
-    bound = numerics.stage_bound(ops.a_mk, ops.b_kn, 128)
-    assert float(((lean.row_scale - bound).abs() / bound).max()) < 1e-12 and (bound >= full.row_scale).all()
-    assert float(((lean.row_noise - full.row_noise).abs() / full.row_noise).max()) < 1e-3
+    got = lean.lean_reference(ops, (64, 128), _noise(300), cols=False)
+    bound = lean.stage_bound(ops.a_mk, ops.b_kn, 128)
+    assert float(((got.row_scale - bound).abs() / bound).max()) < 1e-12 and (bound >= full.row_scale).all()
+    assert float(((got.row_noise - full.row_noise).abs() / full.row_noise).max()) < 1e-3
     bad = ops.a.clone()
     bad[2, 5] = float("nan")
     bad[3, 7] = float("inf")
-    lean = numerics.reference_checksums(GemmOperands(bad, ops.b, ops.layout), (64, 128), _noise(300), lean=True, cols=False)
-    assert torch.isfinite(lean.row_scale[:2]).all() and not torch.isfinite(lean.row_scale[2:]).any()
+    got = lean.lean_reference(GemmOperands(bad, ops.b, ops.layout), (64, 128), _noise(300), cols=False)
+    assert torch.isfinite(got.row_scale[:2]).all() and not torch.isfinite(got.row_scale[2:]).any()
 
 
 def test_stage_bound_changes_sigma_only_where_the_cap_binds():
-    """s's stage bound (``numerics.stage_bound``) is never below s and gives the exact s's σ
+    """s's stage bound (``lean.stage_bound``) is never below s and gives the exact s's σ
     wherever ρ·u + Σ|c|·b stays under s·p. A row of one product over a tile of one column (ρ = s:
     at K = 2048, where u > p, the cap binds) gets σ looser by its stage's largest rta over its own
     (here the stage's other k have rta ≥ 2, its own 0.5), and never by more than (u + b)/p."""
@@ -100,8 +100,8 @@ def test_stage_bound_changes_sigma_only_where_the_cap_binds():
     right[40, 0] = 0.5  # k 40: one column
     right[33:64:2, 1] = 2.0  # odd k of the stage: rta 2 or more
     left, right = left.to(torch.bfloat16), right.to(torch.bfloat16)
-    _, bound, rho = numerics.lean_side(left, right, t)
-    exact = numerics.lean_side(left, right, t, rho=False)[1]
+    _, bound, rho = lean.lean_side(left, right, t)
+    exact = lean.lean_side(left, right, t, rho=False)[1]
     c_abs = numerics.abs_col_tiles((left.float() @ right.float()).to(torch.bfloat16), t)
     assert (bound >= exact * (1 - 1e-12)).all()
     got, want = sense.sigma_of(bound, rho, c_abs, c), sense.sigma_of(exact, rho, c_abs, c)
@@ -147,7 +147,7 @@ def test_sensor_sigma_adds_the_bias_term_and_bounds_wgrad():
         res = type(res)(**{**res.__dict__, "tile": (64, 128)})
         for trunc in (False, True):  # wgrad on a truncating device: no ρ, so the exact s
             both = layout is Layout.WGRAD
-            ref = numerics.reference_checksums(ops, (64, 128), None if both and trunc else noise, lean=True, cols=both)
+            ref = lean.lean_reference(ops, (64, 128), None if both and trunc else noise, cols=both)
             got = [sense.sigma_of(s, r, c_abs, sense.Sigma.of(noise, k)) for _, _, _, s, r, c_abs, _ in sense._sides(ops, res, trunc, None)]
             want = _composed_sigma(ops, res, ref, noise, trunc)
             assert all(torch.allclose(g, w, rtol=1e-12, atol=0) for g, w in zip(got, want, strict=False))
@@ -171,7 +171,7 @@ def test_enqueued_comparison_is_the_composed_one():
         res = type(res)(**{**res.__dict__, "tile": (64, 128)})
         both = layout is Layout.WGRAD
         for trunc in (False, True):
-            ref = numerics.reference_checksums(ops, (64, 128), None if both and trunc else noise, lean=True, cols=both)
+            ref = lean.lean_reference(ops, (64, 128), None if both and trunc else noise, cols=both)
             row, col = _composed_sigma(ops, res, ref, noise, trunc)
             want = [numerics.normalised_diff(res.row_sums, ref.row, row, ref.floor)]
             if both:

@@ -1,5 +1,5 @@
 """The sensors' reference kernel (kernels/sensor_reference.cu, ``CudaDevice.lean_side``) against its
-torch reference (``numerics.lean_side``, fp64) on the same CUDA tensors (tier 2, ``gpu``): random
+torch reference (``lean.lean_side``, fp64) on the same CUDA tensors (tier 2, ``gpu``): random
 and ragged shapes (not multiples of the MMA tiles, the CTA tiles or the 32-deep stages), every load
 mode of the left operand (16-byte k vectors, 16- and 8-byte row vectors, scalar loads into either layout,
 ragged views whose vectors end mid-way), every stored layout of the right one, rows near the ends
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aegis_cli.ops import numerics
+from aegis_cli.ops import lean, numerics
 from aegis_cli.ops.gemm import GemmOperands, Layout
 
 pytestmark = pytest.mark.gpu
@@ -85,12 +85,12 @@ def test_kernel_matches_the_torch_reference(dev, left_t, right_t):
         right = _bf16((k, n), 10 * i + 1, right_t, 0.02)
         modes.add(_mode(left))
         got = dev.lean_side(left, right, t)
-        _check(got, numerics.lean_side(left, right, t), k)
+        _check(got, lean.lean_side(left, right, t), k)
         again = dev.lean_side(left, right, t)
         assert all(torch.equal(a, b) for a, b in zip(got, again, strict=True)), (r, k, n, t)
         exact = dev.lean_side(left, right, t, rho=False)  # the build without ρ: the same sums, the exact s
         assert exact[2] is None and torch.equal(exact[0], got[0]), (r, k, n, t)
-        _check(exact, numerics.lean_side(left, right, t, rho=False), k)
+        _check(exact, lean.lean_side(left, right, t, rho=False), k)
         assert (exact[1] <= got[1] * (1 + S_BOUND)).all(), (r, k, n, t)
     assert modes >= ({"vec-r16", "vec-r", "scalar-kmajor"} if left_t else {"vec-k", "scalar-rows"}), modes
 
@@ -106,7 +106,7 @@ def test_views_whose_vectors_end_mid_way(dev):
     for left in (left_k, left_r, left_r16):
         k = left.shape[1]
         right = _bf16((k, 900), k, False, 0.02)
-        _check(dev.lean_side(left, right, 128), numerics.lean_side(left, right, 128), k)
+        _check(dev.lean_side(left, right, 128), lean.lean_side(left, right, 128), k)
 
 
 def test_misaligned_operands_take_the_scalar_loads(dev):
@@ -114,9 +114,9 @@ def test_misaligned_operands_take_the_scalar_loads(dev):
     left = base[:, 1:1025]  # rows 1031 apart, one element off: no 16-byte vectors
     assert _mode(left) == "scalar-rows" and _mode(left.t()) == "scalar-kmajor"
     right = _bf16((1024, 260), 4, True)[:, 1:]
-    _check(dev.lean_side(left, right, 128), numerics.lean_side(left, right, 128), 1024)
+    _check(dev.lean_side(left, right, 128), lean.lean_side(left, right, 128), 1024)
     right_t = _bf16((300, 200), 5, False, 0.02)
-    _check(dev.lean_side(left.t(), right_t, 64), numerics.lean_side(left.t(), right_t, 64), 300)
+    _check(dev.lean_side(left.t(), right_t, 64), lean.lean_side(left.t(), right_t, 64), 300)
 
 
 def test_extreme_rows_keep_fp64_values_and_nonfinite_rows_stay_nonfinite(dev):
@@ -129,7 +129,7 @@ def test_extreme_rows_keep_fp64_values_and_nonfinite_rows_stay_nonfinite(dev):
     left[2, :5] *= 2.0**120
     right = _bf16((700, 256), 6, False)
     left = left.to(torch.bfloat16)
-    got, want = dev.lean_side(left, right, 128), numerics.lean_side(left, right, 128)
+    got, want = dev.lean_side(left, right, 128), lean.lean_side(left, right, 128)
     assert torch.isfinite(got[1]).all() and torch.isfinite(got[2]).all()
     _check(got, want, 700)
     left[3, 9] = float("nan")
@@ -246,7 +246,7 @@ def test_whole_stages_keep_the_bits(dev, left_t):
             cr.DEFINES.pop("SR_WHOLE", None)
         assert all(torch.equal(a, b) for a, b in zip(got[:2], old[:2], strict=True)), rho
         assert (got[2] is None) == (old[2] is None) == (not rho) and (not rho or torch.equal(got[2], old[2]))
-    _check(cr.lean_side(left, right, 64), numerics.lean_side(left, right, 64), 700)
+    _check(cr.lean_side(left, right, 64), lean.lean_side(left, right, 64), 700)
 
 
 @pytest.mark.parametrize("left_t", [False, True], ids=["left-rows", "left-cols"])
@@ -271,4 +271,4 @@ def test_eight_warp_ctas_keep_the_bits(dev, left_t):
         assert all(torch.equal(a, b) for a, b in zip(got[:2], eight[:2], strict=True)), rho
         assert not rho or torch.equal(got[2], eight[2])
         if rho:
-            _check(ragged, numerics.lean_side(left[:1000], right[:, :2500], 64), 1000)
+            _check(ragged, lean.lean_side(left[:1000], right[:, :2500], 64), 1000)

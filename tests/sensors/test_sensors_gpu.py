@@ -13,7 +13,7 @@ import contextlib
 import pytest
 import torch
 
-from aegis_cli.ops import numerics
+from aegis_cli.ops import lean, numerics
 from aegis_cli.ops.gemm import GemmOperands, Layout
 from aegis_cli.ops.verdict import Verdict
 from aegis_cli.sensors import Action, SensorConfig, instrument, uninstrument
@@ -72,7 +72,7 @@ def _ops(device: str, layout: Layout, m: int, n: int, k: int, seed: int) -> Gemm
 def test_lean_reference_on_cuda_is_within_a_twentieth_of_sigma():
     """The sensors' reference on CUDA (one read of each operand, fp64 slices of the large one) against
     the full fp64 reference: checksums within 0.05 σ, σ within 3%; s (with ρ: the stage bound) within
-    3% of ``numerics.stage_bound`` of the same operands, and never below the full reference's s."""
+    3% of ``lean.stage_bound`` of the same operands, and never below the full reference's s."""
     from aegis_cli.backends.cuda import CudaDevice
 
     dev = CudaDevice(0)
@@ -81,15 +81,15 @@ def test_lean_reference_on_cuda_is_within_a_twentieth_of_sigma():
             ops = _ops(CUDA, layout, m, n, k, i)
             noise = dev.noise_model(k)
             full = numerics.reference_checksums(ops, dev.tile, noise)
-            lean = numerics.reference_checksums(ops, dev.tile, noise, lean=True)
-            for got, want, sigma in ((lean.row, full.row, full.row_noise), (lean.col, full.col, full.col_noise)):
+            got_ref = lean.lean_reference(ops, dev.tile, noise)
+            for got, want, sigma in ((got_ref.row, full.row, full.row_noise), (got_ref.col, full.col, full.col_noise)):
                 assert float(((got - want).abs() / sigma).max()) <= 0.05, (layout, m, n, k)
-            bounds = (numerics.stage_bound(ops.a_mk, ops.b_kn, dev.tile[1]),
-                      numerics.stage_bound(ops.b_kn.t(), ops.a_mk.t(), dev.tile[0]).t())
-            for got, want in ((lean.row_scale, bounds[0]), (lean.col_scale, bounds[1]),
-                              (lean.row_noise, full.row_noise), (lean.col_noise, full.col_noise)):
+            bounds = (lean.stage_bound(ops.a_mk, ops.b_kn, dev.tile[1]),
+                      lean.stage_bound(ops.b_kn.t(), ops.a_mk.t(), dev.tile[0]).t())
+            for got, want in ((got_ref.row_scale, bounds[0]), (got_ref.col_scale, bounds[1]),
+                              (got_ref.row_noise, full.row_noise), (got_ref.col_noise, full.col_noise)):
                 assert float(((got - want).abs() / want).max()) <= 0.03, (layout, m, n, k)
-            assert (lean.row_scale >= full.row_scale * (1 - 1e-6)).all() and (lean.col_scale >= full.col_scale * (1 - 1e-6)).all()
+            assert (got_ref.row_scale >= full.row_scale * (1 - 1e-6)).all() and (got_ref.col_scale >= full.col_scale * (1 - 1e-6)).all()
 
 
 @gpu
