@@ -9,9 +9,10 @@ tensor cores (DMMA), exact fp64 operands and fp64 accumulation, so the errors ar
 K·2⁻⁵³·s as the torch reference's (the kernel's header says why); with ρ, s is the stage bound
 (lean.stage_bound). Launches on torch's current stream, through the one loader/launcher, no
 synchronisation: the tile statistics of the right operand (with ρ also their stage maxima), the
-products (K split over CTAs), and the reduction of the splits in split order (none for one split). The split count follows the shape alone (an estimate of the
-products' time, ``splits_for``), so the bits repeat for a shape on any device of one architecture.
-Importing this module does not import CuPy or touch CUDA.
+products (K split over CTAs), and the reduction of the splits in split order (none for one
+split). The split count follows the shape alone (an estimate of the products' time,
+``splits_for``), so the bits repeat for a shape on any device of one architecture. Importing this
+module does not import CuPy or touch CUDA.
 """
 
 from __future__ import annotations

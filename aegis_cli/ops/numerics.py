@@ -110,7 +110,7 @@ def reference_checksums(ops: GemmOperands, tile: tuple[int, int], noise: NoiseMo
 
 
 def rows_only(row: torch.Tensor, row_scale: torch.Tensor, row_noise: torch.Tensor | None, mnk: tuple[int, int, int],
-               tile: tuple[int, int]) -> ReferenceChecksums:
+              tile: tuple[int, int]) -> ReferenceChecksums:
     """Row references alone: empty column fields, the floor of the row sums."""
     empty = row.new_zeros((0, mnk[1]))
     return ReferenceChecksums(row=row, col=empty, row_scale=row_scale, col_scale=empty, floor=checksum_floor(mnk[2], tile, cols=False),
