@@ -90,6 +90,12 @@ def _split_cost(blocks: int, splits: int, k_split: int, planes: int, per_sm: int
     return waves * k_split + PARTIALS * splits * blocks * planes
 
 
+def _grid(items: int, threads: int) -> tuple[int]:
+    """The grid of a grid-stride kernel over ``items`` with ``threads`` a CTA: a CTA per ``threads``
+    items, at most MAX_GRID (the kernels loop over the rest)."""
+    return (max(1, min(-(-items // threads), MAX_GRID)),)
+
+
 def _mode(left: torch.Tensor) -> int:
     sr, sk = left.stride()
     if sk == 1 and sr % 8 == 0 and left.data_ptr() % 16 == 0:
@@ -126,7 +132,7 @@ def _stats(x: torch.Tensor, t: int, outs: list[torch.Tensor]) -> None:
     mode, lanes = stats_mode(x, t)
     threads = {ST_VEC_COLS: k * nt * lanes, ST_VEC_K: -(-k // 64) * nt * 32, ST_K: k * nt}.get(mode, k * nt * 32)
     entry = ("aegis_sr_stats" if len(outs) == 3 else "aegis_sr_abs") + ("_k" if mode == ST_VEC_K else "")
-    loader.run(KERNEL, entry, (max(1, min(-(-threads // STAT_THREADS), MAX_GRID)),), STAT_THREADS,
+    loader.run(KERNEL, entry, _grid(threads, STAT_THREADS), STAT_THREADS,
                [ctypes.c_uint64(x.data_ptr()), ctypes.c_int64(k), ctypes.c_int64(n), ctypes.c_int64(sk), ctypes.c_int64(sn),
                 ctypes.c_int(t), ctypes.c_int(nt), ctypes.c_int(mode), ctypes.c_int(lanes),
                 *(ctypes.c_uint64(s.data_ptr()) for s in outs)], on=x, defines=DEFINES)
@@ -161,7 +167,7 @@ def lean_side(left: torch.Tensor, right: torch.Tensor, t: int,
     stats = tile_stats(right, t)
     if rho:  # s as lean.stage_bound: each stage's maximum of rta in its first row, in place
         blocks = -(-k // BK) * nt
-        loader.run(KERNEL, "aegis_sr_stage_max", (max(1, min(-(-blocks // STAT_THREADS), MAX_GRID)),), STAT_THREADS,
+        loader.run(KERNEL, "aegis_sr_stage_max", _grid(blocks, STAT_THREADS), STAT_THREADS,
                    [ctypes.c_uint64(stats[1].data_ptr()), ctypes.c_int64(k), ctypes.c_int(nt)], on=left, defines=DEFINES)
     planes = 3 if rho else 2  # sums, s, and ρ² if asked for
     splits, k_split = splits_for(r, k, nt, planes)
@@ -175,7 +181,7 @@ def lean_side(left: torch.Tensor, right: torch.Tensor, t: int,
     if splits == 1:  # the kernel wrote the results (ρ, not ρ²)
         return part[0, 0], part[1, 0], part[2, 0] if rho else None
     out = torch.empty((planes, r, nt), **f64)
-    loader.run(KERNEL, "aegis_sr_reduce", (min(-(-(r * nt) // RED_THREADS), MAX_GRID),), RED_THREADS,
+    loader.run(KERNEL, "aegis_sr_reduce", _grid(r * nt, RED_THREADS), RED_THREADS,
                [ctypes.c_uint64(part.data_ptr()), ctypes.c_int(splits), ctypes.c_int64(r * nt),
                 ctypes.c_uint64(out[0].data_ptr()), ctypes.c_uint64(out[1].data_ptr()),
                 ctypes.c_uint64(out[2].data_ptr() if rho else 0)], on=left, defines=DEFINES)
