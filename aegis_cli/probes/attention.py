@@ -106,10 +106,11 @@ def count_cases(devices: list[Device], config: ProbeConfig) -> int:
     return sum(len(SCALES) * len(workload_for(config, d).scan.distributions) for d in devices)
 
 
-def run_pass(device: Device, ops: AttentionOperands, fault: FaultPlan | None, cid: str):
-    """Forward and backward of case ``cid`` on ``device``: the launch ops ``cid:fwd`` and
-    ``cid:bwd`` are where ``fault``'s positions are drawn (at every scale of the case alike)."""
-    sc = ops.shape.scale
+def run_pass(device: Device, ops: AttentionOperands, fault: FaultPlan | None, cid: str, scale: float | None = None):
+    """Forward and backward of case ``cid`` on ``device`` at softmax ``scale`` (default 1/√D):
+    the launch ops ``cid:fwd`` and ``cid:bwd`` are where ``fault``'s positions are drawn (at
+    every scale of the case alike)."""
+    sc = ops.shape.scale if scale is None else scale
     fwd = device.attention_forward(ops.q, ops.k, ops.v, causal=ops.causal, scale=sc, fault=fault, op=f"{cid}:fwd")
     bwd = device.attention_backward(ops.q, ops.k, ops.v, fwd.o, fwd.lse, ops.do, causal=ops.causal, scale=sc,
                                     fault=fault, op=f"{cid}:bwd")

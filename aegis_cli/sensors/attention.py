@@ -33,6 +33,7 @@ from aegis_cli.ops import attention_sums as sums
 from aegis_cli.ops.attention import BLOCK, AttentionBackward, AttentionForward, AttentionOperands, AttentionShape, reference
 from aegis_cli.ops.errors import ConfigError
 from aegis_cli.ops.verdict import Evidence, Verdict, worst
+from aegis_cli.probes.attention import run_pass
 from aegis_cli.sensors.queue import nbytes
 
 BF16 = torch.bfloat16
@@ -77,13 +78,6 @@ def unsupported(q, k, v, attn_mask, dropout_p, enable_gqa) -> str | None:
     if q.device.type == "cuda" and q.shape[3] > 128:
         return "head dim"
     return None
-
-
-def _run(device: Device, ops: AttentionOperands, scale: float, fault: FaultPlan | None, site: str):
-    fwd = device.attention_forward(ops.q, ops.k, ops.v, causal=ops.causal, scale=scale, fault=fault, op=f"{site}:fwd")
-    bwd = device.attention_backward(ops.q, ops.k, ops.v, fwd.o, fwd.lse, ops.do, causal=ops.causal, scale=scale,
-                                    fault=fault, op=f"{site}:bwd")
-    return fwd, bwd
 
 
 class _Call:
@@ -202,7 +196,7 @@ def verify_attention(ctx: AttentionContext, reruns: int, confirm_margin: float) 
     prints = {fp(ctx.fwd, ctx.bwd)}
     seen = {s.check: 0 for s in first.signals}
     for _ in range(reruns):
-        f2, b2 = _run(dev, ops, ctx.scale, ctx.fault, ctx.site)
+        f2, b2 = run_pass(dev, ops, ctx.fault, ctx.site, ctx.scale)
         prints.add(fp(f2, b2))
         for s in checks.check_attention(ops, f2, b2, ref, ctx.scale, th).signals:
             if s.check in seen:

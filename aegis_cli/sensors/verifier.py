@@ -1,6 +1,7 @@
 """One queued suspicion, verified at a step boundary: judged (sensors/verify.py for GEMMs,
-sensors/checkpoint.py for recomputed regions), saved when confirmed and replayable, and turned
-into an event; a cleared spike raises its operator's threshold (sensors/control.py)."""
+sensors/attention.py for attention calls, sensors/checkpoint.py for recomputed regions), saved
+when confirmed and replayable (GEMMs and attention, sensors/save.py), and turned into an event;
+a cleared spike raises its operator's threshold (sensors/control.py)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,23 @@ from aegis_cli.sensors.attention import verify_attention
 from aegis_cli.sensors.checkpoint import verify_region
 from aegis_cli.sensors.events import SensorEvent
 from aegis_cli.sensors.queue import Suspicion
-from aegis_cli.sensors.save import safe_name, save_gemm
+from aegis_cli.sensors.save import safe_name, save_attention, save_gemm
 from aegis_cli.sensors.sense import op_key
 from aegis_cli.sensors.verify import verify_gemm
 
 NOT_REPLAYABLE = "not saved: a recomputed region has no vTask kind (bundles hold GEMMs and attention)"
-ATTENTION_UNSAVED = "not saved: the sensors do not write attention vTasks yet"
+NO_DIR = "not saved: no bundle_dir configured"
+
+
+def _save(h, s: Suspicion, evidence: list, out) -> tuple[str | None, str]:
+    """Save a confirmed GEMM or attention suspicion as a bundle: (path, "") or (None, why not)."""
+    cfg = h.config
+    kw = dict(directory=cfg.bundle_dir, step=s.step, rank=h.rank, job=cfg.job,
+              confirm_margin=cfg.thresholds.confirm_margin, max_bytes=cfg.max_vtask_bytes)
+    if s.kind == "gemm":
+        name = h.next_bundle_name(s.step, safe_name(s.op), s.context.operands.layout.value)
+        return save_gemm(s.context, s.site, evidence, out.reference, name=name, **kw)
+    return save_attention(s.context, evidence, name=h.next_bundle_name(s.step, safe_name(s.op), "attention"), **kw)
 
 
 def verify_one(h, s: Suspicion) -> SensorEvent:
@@ -38,23 +50,16 @@ def verify_one(h, s: Suspicion) -> SensorEvent:
     severity = out.severity
     confirmed = severity is Verdict.FAULTY
     evidence, summary = ([out.evidence], out.evidence.summary) if s.kind == "checkpoint" else (out.evidence, out.summary)
+    if confirmed and s.kind in ("gemm", "attention"):
+        bundle, unsaved = _save(h, s, evidence, out) if cfg.bundle_dir is not None else (None, NO_DIR)
     if s.kind == "gemm":
-        if confirmed and cfg.bundle_dir is not None:
-            layout = s.context.operands.layout.value
-            bundle, unsaved = save_gemm(s.context, s.site, evidence, out.reference, directory=cfg.bundle_dir,
-                                        name=h.next_bundle_name(s.step, safe_name(s.op), layout), step=s.step, rank=h.rank,
-                                        job=cfg.job, confirm_margin=cfg.thresholds.confirm_margin, max_bytes=cfg.max_vtask_bytes)
-        elif confirmed:
-            unsaved = "not saved: no bundle_dir configured"
         if out.doubted:  # a spike rounding can reach: raise this operator's τ above it for a while
             key = op_key(s.op, s.context.operands.layout)
             tau = h.controller.spike(key, s.max_value, s.context.floor)
             if tau is not None:
                 h.emit(SensorEvent("threshold", s.step, s.op, s.site, s.checks[0], severity.value,
                                    f"τ of {key} raised to {tau:.3g} after a cleared spike of {s.max_value:.3g}", rank=h.rank))
-    elif s.kind == "attention":
-        unsaved = ATTENTION_UNSAVED if confirmed else ""
-    else:
+    elif s.kind == "checkpoint":
         unsaved = NOT_REPLAYABLE if confirmed else ""
         if out.nondeterministic:
             h.nondeterministic.add(s.site)
@@ -73,6 +78,6 @@ def verify_one(h, s: Suspicion) -> SensorEvent:
                         summary + (f" ({unsaved})" if unsaved else ""), rank=h.rank, latency_s=latency,
                         latency_steps=h.step_index - s.step, bundle=bundle, evidence=evidence)
     h.emit(event)
-    if confirmed and unsaved and s.kind == "gemm" and cfg.bundle_dir is not None:
+    if confirmed and unsaved and s.kind != "checkpoint" and cfg.bundle_dir is not None:
         h.emit(SensorEvent("unsaved", s.step, s.op, s.site, s.checks[0], severity.value, unsaved, rank=h.rank))
     return event

@@ -12,19 +12,22 @@ back (V·2^-a, dO·2^-b restore it exactly); an injected fault lands where it la
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from aegis_cli.backends.base import Device
 from aegis_cli.checks import attention as checks
 from aegis_cli.faults.spec import FaultPlan, recent_injections
 from aegis_cli.ops import attention_sums as sums
-from aegis_cli.ops.attention import AttentionOperands, AttentionShape, reference
+from aegis_cli.ops.attention import AttentionBackward, AttentionForward, AttentionOperands, AttentionShape, reference
 from aegis_cli.ops.fingerprint import int_view
 from aegis_cli.ops.verdict import Evidence, Verdict, worst
 from aegis_cli.probes.attention import AttentionCase, case_bytes, run_pass
 from aegis_cli.vtask.model import ATTENTION_INPUTS, AttentionSpec, VTask
 
 RERUN = "re-run at save time on the capturing device"
+_NOT_ID = re.compile(r"[^A-Za-z0-9._:/+=@-]")  # what a vTask id may not hold (docs/bundle-format.md §3)
 _OUTCOMES = {"reproduced": "reproduced here", "not_reproduced": "not reproduced here",
              "inconsistent": "inconsistent between runs"}
 
@@ -41,22 +44,38 @@ def capture_scan_case(device: Device, evidence: list[Evidence], fault: FaultPlan
     shape = AttentionShape(s["batch"], s["q_heads"], s["kv_heads"], s["seq"], s["head_dim"], s["causal"])
     ops = sums.scaled_operands(AttentionCase(shape, ev.dist, ev.seed).operands(device), *ev.scale)
     fwd, bwd = run_pass(device, ops, fault, ev.case_id)
-    spec = AttentionSpec(shape.batch, shape.q_heads, shape.kv_heads, shape.seq, shape.head_dim, shape.causal, shape.scale)
+    return capture_observed(ops, fwd, bwd, evidence, scale=shape.scale, source=RERUN, provenance=provenance,
+                            draw=(tuple(ev.scale), ev.seed, ev.dist))
+
+
+def capture_observed(ops: AttentionOperands, fwd: AttentionForward, bwd: AttentionBackward, evidence: list[Evidence], *,
+                     scale: float, source: str, provenance: dict, confirm_margin: float = 1.0,
+                     draw: tuple[tuple[int, int], int, str] | None = None) -> list[VTask]:
+    """One vTask per piece of ``evidence`` (the findings of one forward+backward run: ``ops`` at
+    softmax ``scale``, its outputs ``fwd`` and ``bwd``; ``source`` says how those were obtained;
+    ``confirm_margin`` as the findings were judged). ``draw``: (input scale, seed, distribution)
+    of a scan's seeded draw; None for inputs that are no draw (a training step's, at their own
+    scale). Each finding's case id names the run's launches (``CASE:fwd``, ``CASE:bwd``), where a
+    replay's injected faults land; its vTask id is that case id with what an id may not hold
+    replaced."""
+    (ea, eb), seed, dist = draw or ((0, 0), None, None)
+    sh = ops.shape
+    spec = AttentionSpec(sh.batch, sh.q_heads, sh.kv_heads, sh.seq, sh.head_dim, sh.causal, scale)
     tensors = {"q": _flat(ops.q), "k": _flat(ops.k), "v": _flat(ops.v), "do": _flat(ops.do),
                **{k: _flat(t) for k, t in checks.outputs_of(fwd, bwd).items()}}
     out = []
     for e in evidence:
         observed = {"severity": e.severity.value, "summary": e.summary[:4096], "elements": e.elements,
                     "reruns": e.reruns, "reproduced": e.reproduced, "distinct_outputs": e.distinct_outputs,
-                    "source": RERUN, "samples": [{k: v for k, v in x.items() if isinstance(v, (int, float, str))}
-                                                 for x in e.samples[:8]]}
+                    "source": source, "samples": [{k: v for k, v in x.items() if isinstance(v, (int, float, str))}
+                                                  for x in e.samples[:8]]}
         if e.max_value is not None:
             observed["max_normalised_diff"] = e.max_value
-        out.append(VTask(id=f"{provenance.get('device_id', 'device')}/{e.case_id}/{e.check}", check=e.check, op="attention",
-                         gemm=None, attention=spec, kind="attention", tensors=tensors,
-                         tau=e.threshold if e.threshold is not None else 1.0, normalisation="rounding-spread",
-                         confirm_margin=1.0, scale=(e.scale[0], e.scale[1]), case_id=e.case_id, seed=e.seed, dist=e.dist,
-                         observed=observed, provenance=provenance))
+        vid = _NOT_ID.sub("_", f"{provenance.get('device_id', 'device')}/{e.case_id}/{e.check}")
+        out.append(VTask(id=vid, check=e.check, op="attention", gemm=None, attention=spec, kind="attention",
+                         tensors=tensors, tau=e.threshold if e.threshold is not None else 1.0,
+                         normalisation="rounding-spread", confirm_margin=confirm_margin, scale=(ea, eb), case_id=e.case_id,
+                         seed=seed, dist=dist, observed=observed, provenance=provenance))
     return out
 
 
@@ -70,16 +89,17 @@ def replay(device: Device, vt: VTask, repeat: int, fault: FaultPlan | None, bund
     """Replay one attention vTask ``repeat`` times; (outcome for the report, evidence or None)."""
     a = vt.attention
     ops = AttentionOperands(*(vt.full(r).to(device.torch_device) for r in ATTENTION_INPUTS), a.causal)
+    cid = vt.case_id or vt.id  # the capture's launch ops: injected faults land where they landed then
     ref = reference(ops, a.scale)
     th = sums.AttentionThresholds()
     expected = None
     ev_, edo = vt.scale
     if (ev_, edo) != (0, 0):  # the base scale, restored exactly: every run must be its outputs, scaled
         base = sums.scaled_operands(ops, -ev_, -edo)
-        expected = checks.expected_at(checks.outputs_of(*run_pass(device, base, fault, vt.case_id or vt.id)), ev_, edo)
+        expected = checks.expected_at(checks.outputs_of(*run_pass(device, base, fault, cid, a.scale)), ev_, edo)
     prints, fired, first = set(), {}, None
     for _ in range(repeat):
-        fwd, bwd = run_pass(device, ops, fault, vt.case_id or vt.id)
+        fwd, bwd = run_pass(device, ops, fault, cid, a.scale)
         c = checks.check_attention(ops, fwd, bwd, ref, a.scale, th, expected=expected)
         prints.add(tuple(device.fingerprint(t) for t in checks.outputs_of(fwd, bwd).values()))
         for s in c.signals:

@@ -1,6 +1,8 @@
 """SDPA through the checked attention (SensorConfig.attention): a model trains like its plain self
-within bf16 tolerance and repeats bit for bit; an injected attention fault is caught and
-confirmed; unsupported calls fall through to torch and are counted; uninstrument restores SDPA."""
+within bf16 tolerance and repeats bit for bit; an injected attention fault is caught, confirmed,
+saved as a vTask of the call's real tensors at its softmax scale, and `aegis replay` reproduces it
+with the same injection and not without; unsupported calls fall through to torch and are counted;
+uninstrument restores SDPA."""
 
 from __future__ import annotations
 
@@ -11,6 +13,9 @@ import torch.nn.functional as F
 from aegis_cli.ops.errors import ConfigError
 from aegis_cli.sensors import Action, SensorConfig, instrument, uninstrument
 from aegis_cli.sensors.attention import AttentionRouter
+from aegis_cli.sensors.handoff import Cause, HandoffExit, classify_bundles
+from aegis_cli.vtask.bundle import read_bundle
+from tests.helpers import run_cli
 from tests.sensors.test_instrument import loss_and_grads, rel
 from tests.sensors.tiny import batches, gpt, mlp
 
@@ -52,20 +57,93 @@ def test_attention_checks_on_the_cpu_are_charged_their_wall_time_at_once():
 
 @pytest.mark.parametrize("spec, check", [("perturb:target=attn.dv,r=1000,op=sdpa#1", "attention.dv_colsum"),
                                          ("perturb:target=attn.pv,r=100,op=sdpa#0", "attention.o_rowsum")])
-def test_injected_attention_fault_is_caught_and_confirmed(spec, check):
+def test_injected_attention_fault_is_caught_confirmed_saved_and_replayed(spec, check, tmp_path, capsys):
     model = gpt()
     x, y = next(batches())
-    h = instrument(model, SensorConfig(overhead_budget=None, attention=True, inject=spec))
+    h = instrument(model, SensorConfig(overhead_budget=None, attention=True, inject=spec, bundle_dir=str(tmp_path),
+                                       job="t", rank=2))
     loss_and_grads(model, x, y)
     assert h.step() is Action.STOP
     uninstrument(model)
     confirmed = [e for e in h.events if e.kind == "confirmed"]
-    assert len(confirmed) == 1 and h.stats.raised == 1 and h.stats.confirmed == 1
+    assert len(confirmed) == 1 and h.stats.raised == 1 and h.stats.confirmed == 1 and h.stats.saved == 1
     ev = confirmed[0]
     want_op = spec.split("op=")[1]
     assert ev.check == check and ev.severity == "FAULTY" and ev.op == want_op and ev.site.startswith(f"train/{want_op}/")
     assert ev.evidence[0].reproduced == 2 and ev.evidence[0].distinct_outputs == 1 and ev.evidence[0].injected
     assert h.stats_dict()["never_fired"] == []
+    _replayed(ev, spec, check, capsys, step=0, rank=2)
+
+
+def _replayed(ev, spec: str, check: str, capsys, **provenance) -> None:
+    """``ev``'s bundle holds the call's real bf16 tensors, and `aegis replay` reproduces its check with
+    the same injection and not without."""
+    vt = read_bundle(ev.bundle).vtasks[0]
+    assert vt.kind == "attention" and vt.check == check and vt.case_id == ev.site and vt.scale == (0, 0)
+    assert vt.observed["source"] == "training" and vt.observed["severity"] == "FAULTY" and vt.provenance["injected"]
+    assert all(vt.provenance[k] == v for k, v in provenance.items())
+    assert vt.seed is None and vt.dist is None and {"q", "k", "v", "do", "o", "dv"} <= set(vt.tensors)
+    code, out, _ = run_cli(capsys, "replay", ev.bundle, "--device", "cpu:0", "--inject", spec, "--format", "json")
+    assert code == 2 and '"outcome": "reproduced"' in out and '"captured_check_fired": true' in out
+    assert '"matches_capture": true' in out  # the same bits as the training step's, fault and all
+    code, out, _ = run_cli(capsys, "replay", ev.bundle, "--device", "cpu:0", "--format", "json")
+    assert code == 0 and '"outcome": "not_reproduced"' in out
+
+
+class _Attend(torch.nn.Module):
+    """One projection into SDPA at a softmax scale of its own (not 1/√D)."""
+
+    def __init__(self, d=16, heads=2, scale=0.37):
+        super().__init__()
+        self.proj, self.heads, self.scale = torch.nn.Linear(d, 3 * d), heads, scale
+
+    def forward(self, x):
+        b, s, d = x.shape
+        q, k, v = self.proj(x).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+
+
+def test_a_call_at_its_own_softmax_scale_is_saved_and_replayed_at_that_scale(tmp_path, capsys):
+    """The bundle carries the call's scale, and a replay runs at it: a clean replay at 1/√D would
+    differ from the reference at the captured scale and read as a reproduced fault."""
+    torch.manual_seed(5)
+    model, spec = _Attend(), "perturb:target=attn.dv,r=1000,op=sdpa#0"
+    x = torch.randn(2, 32, 16)
+    h = instrument(model, SensorConfig(overhead_budget=None, attention=True, inject=spec, bundle_dir=str(tmp_path)))
+    model(x).square().sum().backward()
+    h.step()
+    uninstrument(model)
+    ev = next(e for e in h.events if e.kind == "confirmed")
+    assert read_bundle(ev.bundle).vtasks[0].attention.scale == pytest.approx(0.37)
+    _replayed(ev, spec, "attention.dv_colsum", capsys, step=0, rank=0)
+
+
+def test_a_saved_attention_event_is_classified_by_replay_on_another_device(tmp_path, monkeypatch):
+    """The hand-off replays an attention vTask as it does a GEMM's: a fault of this device only is hardware."""
+    monkeypatch.setenv("AEGIS_CPU_DEVICES", "2")
+    spec = "perturb:target=attn.pv,r=100,op=sdpa#0,device=cpu:0"
+    model = gpt()
+    x, y = next(batches())
+    h = instrument(model, SensorConfig(overhead_budget=None, attention=True, inject=spec, bundle_dir=str(tmp_path)))
+    loss_and_grads(model, x, y)
+    h.step()
+    uninstrument(model)
+    ev = next(e for e in h.events if e.kind == "confirmed")
+    c = classify_bundles([ev.bundle], "cpu:0", "cpu:1", inject=spec)
+    assert (c.cause, c.here, c.there, c.exit_code) == (Cause.HARDWARE, "reproduced", "not_reproduced", HandoffExit.HARDWARE)
+
+
+def test_a_confirmed_attention_call_over_max_vtask_bytes_is_reported_unsaved(tmp_path):
+    model = gpt()
+    x, y = next(batches())
+    h = instrument(model, SensorConfig(overhead_budget=None, attention=True, inject="perturb:target=attn.dv,r=1000,op=sdpa#1",
+                                       bundle_dir=str(tmp_path), max_vtask_bytes=1024))
+    loss_and_grads(model, x, y)
+    h.step()
+    uninstrument(model)
+    assert h.stats.confirmed == 1 and h.stats.saved == 0 and h.stats.unsaved == 1 and list(tmp_path.iterdir()) == []
+    unsaved = [e for e in h.events if e.kind == "unsaved"]
+    assert len(unsaved) == 1 and "over max_vtask_bytes" in unsaved[0].summary
 
 
 def _qkv(heads=4, kv=4, seq=16, d=16, seed=3):

@@ -1,7 +1,8 @@
 """The attention sensor on CUDA (tier 2, ``gpu``): SensorConfig(attention=True) routes the small
 GPT's SDPA calls through aegis' checked attention kernels; the model trains like its plain self
 within bf16 tolerance, repeats bit for bit, raises nothing when clean, and an injected attention
-fault is caught and confirmed."""
+fault is caught, confirmed, saved and replayed by ``aegis replay`` (reproduced with the injection,
+not without)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import pytest
 import torch
 
 from aegis_cli.sensors import Action, SensorConfig, instrument, uninstrument
-from tests.sensors.test_sensors_gpu import CFG, cuda_gpt, flat, loss_and_grads, on_cuda, rel
+from aegis_cli.vtask.bundle import read_bundle
+from tests.helpers import run_cli
+from tests.sensors.test_sensors_gpu import CFG, CUDA, cuda_gpt, flat, loss_and_grads, on_cuda, rel
 from tests.sensors.tiny import batches
 
 gpu = pytest.mark.gpu
@@ -60,15 +63,21 @@ def test_attention_checks_wait_for_no_device_sync_and_are_charged_at_the_boundar
 @gpu
 @pytest.mark.parametrize("spec, check", [("perturb:target=attn.dv,r=1000,op=sdpa#1", "attention.dv_colsum"),
                                          ("perturb:target=attn.pv,r=100,op=sdpa#0", "attention.o_rowsum")])
-def test_injected_attention_fault_is_caught_and_confirmed_on_cuda(spec, check):
+def test_injected_attention_fault_is_caught_confirmed_saved_and_replayed_on_cuda(spec, check, tmp_path, capsys):
     x, y = on_cuda(next(batches(CFG, 8)))
     model = cuda_gpt()
-    h = instrument(model, SensorConfig(**ATTN, inject=spec))
+    h = instrument(model, SensorConfig(**ATTN, inject=spec, bundle_dir=str(tmp_path)))
     loss_and_grads(model, x, y)
     assert h.step() is Action.STOP
     uninstrument(model)
     confirmed = [e for e in h.events if e.kind == "confirmed"]
-    assert len(confirmed) == 1 and h.stats.confirmed == 1, [e.summary for e in h.events]
+    assert len(confirmed) == 1 and h.stats.confirmed == 1 and h.stats.saved == 1, [e.summary for e in h.events]
     ev = confirmed[0]
     assert ev.check == check and ev.severity == "FAULTY" and ev.op == spec.split("op=")[1]
     assert ev.evidence[0].reproduced == 2 and ev.evidence[0].injected and h.stats_dict()["never_fired"] == []
+    vt = read_bundle(ev.bundle).vtasks[0]
+    assert vt.kind == "attention" and vt.case_id == ev.site and vt.provenance["gpu_uuid"] == h.device_for(x).identity.uuid
+    code, out, _ = run_cli(capsys, "replay", ev.bundle, "--device", CUDA, "--inject", spec, "--format", "json", "-q")
+    assert code == 2 and '"outcome": "reproduced"' in out and '"matches_capture": true' in out
+    code, out, _ = run_cli(capsys, "replay", ev.bundle, "--device", CUDA, "--format", "json", "-q")
+    assert code == 0 and '"outcome": "not_reproduced"' in out
