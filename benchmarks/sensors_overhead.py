@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -103,7 +104,8 @@ def coverage_config(args) -> SensorConfig:
 
 
 def clean_config(args) -> SensorConfig:
-    return coverage_config(args) if args.clean_config == "coverage" else SensorConfig(seed=args.seed)
+    cfg = coverage_config(args) if args.clean_config == "coverage" else SensorConfig(seed=args.seed)
+    return dataclasses.replace(cfg, attention=True) if args.clean_attention else cfg
 
 
 class Bench:
@@ -353,6 +355,8 @@ def run(args) -> dict:
                 "skipped_nonfinite": s["skipped_nonfinite"], "clean_max_ratio": s["clean_max_ratio"], "sense_s": s["sense_s"],
                 "verify_s": s["verify_s"], "latency": s["latency"], "operators": len(ops),
                 "operators_never_checked": sum(c == 0 for c in checked), "min_checks_per_operator": min(checked, default=0),
+                "attention_launches": s["attention_launches"], "attention_unchecked": s["attention_unchecked"],
+                "attention_checked": sum(o["checked"] for k, o in ops.items() if k.startswith("sdpa/")),
                 "confirmed_events": [e.to_dict() for e in handle.events if e.kind == "confirmed"][:5]}
 
     def plain_after() -> dict:
@@ -420,6 +424,9 @@ def table(result: dict) -> str:
         lines.append(f"clean run: {c['checked']} of {c['launches']} launches checked, operators never checked "
                      f"{c['operators_never_checked']} of {c['operators']}; suspicions raised {c['raised']}, cleared {c['cleared']}, "
                      f"confirmed {c['confirmed']}, dropped {c['dropped']}; largest clean difference {c['clean_max_ratio']:.3g}×τ")
+        if c.get("attention_launches"):
+            lines.append(f"clean run: attention {c['attention_checked']} of {c['attention_launches']} calls checked, "
+                         f"unchecked {c['attention_unchecked'] or 'none'}")
     elif "error" in c:
         lines.append(f"clean run failed: {c['error'][:100]}")
     pa = result.get("plain_after") or {}
@@ -453,6 +460,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--modes", type=lambda v: v.split(","), default=[m for m in MODES if m != "drained"],
                    help=f"interleaved modes (plain always): {','.join(MODES)} (default: all but drained)")
     p.add_argument("--clean-steps", type=int, default=1000, help="steps of the clean run (0: none)")
+    p.add_argument("--clean-attention", action="store_true",
+                   help="the clean run also routes SDPA through the checked attention and senses it (SensorConfig.attention)")
     p.add_argument("--clean-config", choices=("default", "coverage"), default="default",
                    help="the clean run's config: SensorConfig() or each operator exactly once per 100 steps")
     p.add_argument("--profile", type=int, default=0, help="steps of plain and each --profile-modes mode under torch.profiler (0: none)")
