@@ -28,6 +28,8 @@ its standard error over the rounds:
              over the steps): the least sampling the issue allows
   drained    sampled, the device drained (synchronised) before the step boundary: what the
              boundary cost when the sensors read their comparisons that way (before session 13)
+  attention  instrumented, nothing sampled, SDPA routed through aegis' checked attention kernels
+             (SensorConfig.attention): what those kernels cost against torch's SDPA in this step
 
 Each window also samples the SM clock, the power and power capping through NVML every 10 ms
 (``sensors_profile.Clocks``): whether a mode's extra work moves the card's clocks; and records,
@@ -78,7 +80,7 @@ from sensors_noise import noise_study  # noqa: E402
 
 from aegis_cli.sensors import Action, SensorConfig, instrument, uninstrument  # noqa: E402
 
-MODES = ("plain", "unsampled", "kernels", "every", "sampled", "coverage", "drained")
+MODES = ("plain", "unsampled", "kernels", "every", "sampled", "coverage", "drained", "attention")
 
 
 def configs(args) -> dict[str, SensorConfig | None]:
@@ -91,6 +93,7 @@ def configs(args) -> dict[str, SensorConfig | None]:
         "sampled": sampled_config(args),
         "coverage": coverage_config(args),
         "drained": sampled_config(args),  # drained at the boundary (Bench.mode_step)
+        "attention": SensorConfig(**never, attention=True),
     }
 
 
@@ -357,7 +360,9 @@ def run(args) -> dict:
                 "operators_never_checked": sum(c == 0 for c in checked), "min_checks_per_operator": min(checked, default=0),
                 "attention_launches": s["attention_launches"], "attention_unchecked": s["attention_unchecked"],
                 "attention_checked": sum(o["checked"] for k, o in ops.items() if k.startswith("sdpa/")),
-                "confirmed_events": [e.to_dict() for e in handle.events if e.kind == "confirmed"][:5]}
+                "confirmed_events": [e.to_dict() for e in handle.events if e.kind == "confirmed"][:5],
+                "closest_operators": sorted(((k, o["clean_max_ratio"], o["checked"]) for k, o in ops.items()),
+                                            key=lambda x: -x[1])[:8]}
 
     def plain_after() -> dict:
         return summarise(bench.window("plain", None, args.steps, counter)["times"])
@@ -398,7 +403,7 @@ def table(result: dict) -> str:
                         ("kernels", "checked kernels, pinned"), ("every", "every Linear checked"),
                         ("sampled", f"sampled p={result['args']['sample_prob']} (window)"),
                         ("coverage", "each once per 100 steps"),
-                        ("drained", "sampled, drained boundary")):
+                        ("drained", "sampled, drained boundary"), ("attention", "SDPA on checked attention")):
         r = inter.get(name) or {}
         if r.get("mean_s") is None:
             lines.append(f"{label:<25} {'-':>9}   {r.get('error', inter.get('error', 'not run'))[:60]}")
@@ -424,6 +429,7 @@ def table(result: dict) -> str:
         lines.append(f"clean run: {c['checked']} of {c['launches']} launches checked, operators never checked "
                      f"{c['operators_never_checked']} of {c['operators']}; suspicions raised {c['raised']}, cleared {c['cleared']}, "
                      f"confirmed {c['confirmed']}, dropped {c['dropped']}; largest clean difference {c['clean_max_ratio']:.3g}×τ")
+        lines.append("clean run, closest to τ: " + ", ".join(f"{k} {r:.3g}×τ ({n} checks)" for k, r, n in c["closest_operators"][:4]))
         if c.get("attention_launches"):
             lines.append(f"clean run: attention {c['attention_checked']} of {c['attention_launches']} calls checked, "
                          f"unchecked {c['attention_unchecked'] or 'none'}")
@@ -457,8 +463,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="rounds of the interleaved modes (the order reversed every other round)")
     p.add_argument("--skip", type=int, default=1, help="first steps of each window left out of the figures (just instrumented)")
     p.add_argument("--sample-prob", type=float, default=0.01, help="the sampled mode's per-launch probability")
-    p.add_argument("--modes", type=lambda v: v.split(","), default=[m for m in MODES if m != "drained"],
-                   help=f"interleaved modes (plain always): {','.join(MODES)} (default: all but drained)")
+    p.add_argument("--modes", type=lambda v: v.split(","), default=[m for m in MODES if m not in ("drained", "attention")],
+                   help=f"interleaved modes (plain always): {','.join(MODES)} (default: all but drained and attention)")
     p.add_argument("--clean-steps", type=int, default=1000, help="steps of the clean run (0: none)")
     p.add_argument("--clean-attention", action="store_true",
                    help="the clean run also routes SDPA through the checked attention and senses it (SensorConfig.attention)")

@@ -44,7 +44,7 @@ from aegis_cli.backends import cuda_compare
 PHASES = ("fwd", "bwd", "sensors", "opt")
 KINDS = (("aegis_sc", "aegis compare"), ("aegis_sr", "aegis reference"), ("gemm_wgmma", "aegis checked GEMM"),
          ("gemm_mma", "aegis checked GEMM"), ("nvjet", "cuBLAS GEMM"), ("gemm", "cuBLAS GEMM"), ("xmma", "cuBLAS GEMM"),
-         ("cutlass", "cuBLAS GEMM"), ("multi_tensor", "optimizer"), ("adam", "optimizer"), ("flash", "attention"),
+         ("cutlass", "cuBLAS GEMM"), ("attn_", "aegis attention"), ("multi_tensor", "optimizer"), ("adam", "optimizer"), ("flash", "attention"),
          ("fmha", "attention"), ("attention", "attention"), ("memcpy", "copies"), ("memset", "fills"),
          ("fill", "fills"), ("copy", "copies"), ("functor_add", "adds"), ("elementwise", "elementwise"),
          ("reduce", "reductions"))

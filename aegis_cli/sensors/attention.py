@@ -94,7 +94,7 @@ class _Call:
             th = sums.AttentionThresholds()
             checked = checks.check_attention(ops, fwd, bwd, reference(ops, self.scale), self.scale, th)
             ratio = max((v / checked.tau[n] for n, v in checked.clean_max.items()), default=0.0)
-            h.count_check(ratio, not checked.signals)
+            h.count_check(key, ratio, not checked.signals)
             if checked.signals:
                 top = max(checked.signals, key=lambda s: s.max_value)
                 h.suspect("attention", self.site.split("/")[1], self.site, [s.check for s in checked.signals], top.max_value,

@@ -44,10 +44,11 @@ class OpState:
     phase: int = 0  # until its first check: steps the coverage floor counts as already idle (spreads the floor)
     launches_total: int = 0
     checks_total: int = 0
+    clean_max: float = 0.0  # the largest normalised difference ÷ τ of its unflagged checks
 
     def to_dict(self) -> dict:
         return {"prob": round(self.prob, 6), "tau_raise": self.raise_, "cost_s": self.cost_s, "launches": self.launches_total,
-                "checked": self.checks_total, "idle_steps": self.idle_steps}
+                "checked": self.checks_total, "idle_steps": self.idle_steps, "clean_max_ratio": self.clean_max}
 
 
 class Controller:
@@ -89,6 +90,11 @@ class Controller:
             st.raise_ = max(1.0, st.raise_ * self.decay)  # raise decaying per step would be gone before its next check
             if st.raise_ == 1.0:
                 log.info("aegis sensors: τ of %s back at its floor", op)
+
+    def clean(self, op: str, ratio: float) -> None:
+        """An unflagged check of ``op`` whose largest normalised difference was ``ratio`` × τ."""
+        st = self._op(op)
+        st.clean_max = max(st.clean_max, ratio)
 
     def tau(self, op: str, floor: float) -> float:
         return floor * self._op(op).raise_

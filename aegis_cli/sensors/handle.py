@@ -166,13 +166,15 @@ class SensorHandle:
         else:
             self.charge(key, timer.seconds())
 
-    def count_check(self, ratio: float, clean: bool) -> None:
-        """One check read, its largest normalised difference ``ratio`` in units of its τ: this step's
-        largest so far, and with ``clean`` (finite inputs, nothing flagged) the run's largest clean one."""
+    def count_check(self, key: str, ratio: float, clean: bool) -> None:
+        """One check of operator ``key`` read, its largest normalised difference ``ratio`` in units of
+        its τ: this step's largest so far, and with ``clean`` (finite inputs, nothing flagged) the
+        run's and the operator's largest clean one."""
         self.stats.checked += 1
         self.step_max_ratio = max(self.step_max_ratio, ratio)
         if clean:
             self.stats.clean_max_ratio = max(self.stats.clean_max_ratio, ratio)
+            self.controller.clean(key, ratio)
 
     def raise_suspicion(self, s: Suspicion) -> None:
         self.stats.raised += 1

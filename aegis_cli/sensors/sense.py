@@ -300,7 +300,7 @@ def resolve(h) -> None:
         worst, finite = values[:n], values[n]
         h.charge(p.key, p.timer.seconds())
         signals, worst_f, ok = judge_parts(p.parts, worst, finite, p.tau)
-        h.count_check(worst_f / p.tau, ok and not signals)
+        h.count_check(p.key, worst_f / p.tau, ok and not signals)
         if not ok:
             h.stats.skipped_nonfinite += 1
         elif signals and p.changed():

@@ -33,6 +33,9 @@ def test_clean_training_confirms_nothing():
     assert s["cleared"] == s["raised"]  # anything raised was verified and cleared (reported, not hidden)
     assert s["checked"] == s["launches"] == 100 * (27 + 8) and s["fingerprinted"] == 200
     assert s["clean_max_ratio"] < 1 and h.last_clean_step == 99
+    per_op = [o["clean_max_ratio"] for o in s["operators"].values()]  # which operator runs closest to its τ
+    assert max(per_op) == s["clean_max_ratio"]
+    assert all(o["clean_max_ratio"] > 0 for k, o in s["operators"].items() if not k.startswith("ckpt/"))  # regions compare bits
     assert s["last_step"]["step"] == 99 and s["last_step"]["checked"] == 35 and 0 < s["last_step"]["max_ratio"] < 1
     assert float(loss.detach()) < first - 0.5  # and it learned
 
