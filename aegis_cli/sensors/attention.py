@@ -7,7 +7,10 @@ sequence and head dim; no mask other than ``is_causal``; no dropout; KV heads eq
 heads, or dividing them with ``enable_gqa``) through a custom autograd function: the forward on
 ``Device.attention_forward``, the backward on ``Device.attention_backward`` (bf16 operands, fp32
 accumulators, deterministic). Any other call goes to torch's own function and is counted in
-``stats.attention_unchecked`` by reason.
+``stats.attention_unchecked`` by reason. On CUDA, where the call computes in bf16 (outside
+pinned regions and self-tests), it is drawn at its forward instead: unsampled, it runs torch's
+own SDPA, as uninstrumented, since the checked kernels cost far more than torch's (a third of
+cuDNN's speed in the example GPT's step, benchmarks/RESULTS.md).
 
 A sampled call is sensed after its backward, when forward and backward sums exist: the attention
 checks (checks/attention.py ``check_attention``, the probe's, against the fp64 reference) at the
@@ -34,6 +37,7 @@ from aegis_cli.ops.attention import BLOCK, AttentionBackward, AttentionForward, 
 from aegis_cli.ops.errors import ConfigError
 from aegis_cli.ops.verdict import Evidence, Verdict, worst
 from aegis_cli.probes.attention import run_pass
+from aegis_cli.sensors.linear import autocast_dtype
 from aegis_cli.sensors.queue import nbytes
 
 BF16 = torch.bfloat16
@@ -81,14 +85,15 @@ def unsupported(q, k, v, attn_mask, dropout_p, enable_gqa) -> str | None:
 
 
 class _Call:
-    """One routed call: its device, name and scale."""
+    """One routed call: its device, name, operator key and scale; ``drawn``: sampled at its forward
+    (the fast path), else None: the controller is asked after its backward."""
 
-    def __init__(self, h, device: Device, site: str, causal: bool, scale: float):
-        self.h, self.device, self.site, self.causal, self.scale = h, device, site, causal, scale
+    def __init__(self, h, device: Device, site: str, key: str, causal: bool, scale: float, drawn: bool | None):
+        self.h, self.device, self.site, self.key, self.causal, self.scale, self.drawn = h, device, site, key, causal, scale, drawn
 
     def sense(self, ops: AttentionOperands, fwd: AttentionForward, bwd: AttentionBackward) -> None:
-        h, key = self.h, "sdpa/" + ops.shape.token()
-        if not (h.sensing and h.controller.want(key)):
+        h, key = self.h, self.key
+        if not h.sensing or (self.drawn is None and not h.controller.want(key)):
             return
         with h.sensing_time(self.device, key):
             th = sums.AttentionThresholds()
@@ -153,6 +158,15 @@ class AttentionRouter:
         if F.scaled_dot_product_attention is self:
             F.scaled_dot_product_attention = self.original
 
+    def _fast(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+        """Whether torch's SDPA computes what an unsensed call would (bf16, on a CUDA device the
+        sensors run on, outside pinned regions and self-tests), so the call can be drawn at its
+        forward and, unsampled, run torch's own kernels; as a Linear's fast path (sensors/linear.py)."""
+        h = self.h
+        if not (q.is_cuda and h.sensing and not h.pinned and h.fault_plan is None and h.config.device == "auto"):
+            return False
+        return autocast_dtype(q) == BF16 or q.dtype == k.dtype == v.dtype == BF16
+
     def _unchecked(self, reason: str) -> None:
         counts = self.h.stats.attention_unchecked
         counts[reason] = counts.get(reason, 0) + 1
@@ -170,11 +184,18 @@ class AttentionRouter:
                                  scale=scale, **kw)
         if self.step != self.h.step_index:  # calls are numbered from 0 in each step
             self.step, self.calls = self.h.step_index, 0
-        site = f"train/sdpa#{self.calls}/{shape.token()}"
+        site, op = f"train/sdpa#{self.calls}/{shape.token()}", f"sdpa/{shape.token()}"
         self.calls += 1
         self.h.stats.attention_launches += 1
+        drawn = None
+        if self._fast(query, key, value):
+            grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+            if not (grad and self.h.controller.want(op)):  # not sensed: torch's SDPA, as uninstrumented
+                kw = {"enable_gqa": enable_gqa} if enable_gqa else {}
+                return self.original(query, key, value, is_causal=is_causal, scale=scale, **kw)
+            drawn = True
         sc = shape.scale if scale is None else float(scale)
-        call = _Call(self.h, self.h.device_for(query), site, bool(is_causal), sc)
+        call = _Call(self.h, self.h.device_for(query), site, op, bool(is_causal), sc, drawn)
         with torch.autocast(query.device.type, enabled=False):
             return CheckedAttentionFunction.apply(query, key, value, call)
 

@@ -36,7 +36,7 @@ from aegis_cli.sensors.sense import op_key, run_gemm
 BF16 = torch.bfloat16
 
 
-def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     """Autocast's dtype where it is on for ``x``'s device, else None."""
     kind = x.device.type
     try:
@@ -47,7 +47,7 @@ def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
 
 def _out_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype ``F.linear`` would return: autocast's where it is on for ``x``'s device."""
-    return _autocast_dtype(x) or x.dtype
+    return autocast_dtype(x) or x.dtype
 
 
 class _Site:
@@ -74,7 +74,7 @@ class _Site:
         h = self.h
         if not (x.is_cuda and h.sensing and not h.pinned and h.fault_plan is None and h.config.device == "auto"):
             return False
-        if _autocast_dtype(x) == BF16:
+        if autocast_dtype(x) == BF16:
             return True
         return x.dtype == weight.dtype == BF16 and (bias is None or bias.dtype == BF16)
 

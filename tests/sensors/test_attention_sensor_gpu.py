@@ -12,7 +12,7 @@ import torch
 from aegis_cli.sensors import Action, SensorConfig, instrument, uninstrument
 from aegis_cli.vtask.bundle import read_bundle
 from tests.helpers import run_cli
-from tests.sensors.test_sensors_gpu import CFG, CUDA, cuda_gpt, flat, loss_and_grads, on_cuda, rel
+from tests.sensors.test_sensors_gpu import CFG, CUDA, cuda_gpt, deterministic, flat, loss_and_grads, on_cuda, rel
 from tests.sensors.tiny import batches
 
 gpu = pytest.mark.gpu
@@ -81,3 +81,32 @@ def test_injected_attention_fault_is_caught_confirmed_saved_and_replayed_on_cuda
     assert code == 2 and '"outcome": "reproduced"' in out and '"matches_capture": true' in out
     code, out, _ = run_cli(capsys, "replay", ev.bundle, "--device", CUDA, "--format", "json", "-q")
     assert code == 0 and '"outcome": "not_reproduced"' in out
+
+
+@gpu
+def test_calls_are_drawn_at_their_forward_and_unsampled_ones_run_torchs_sdpa(monkeypatch):
+    """The fast path: nothing sampled runs the plain model's SDPA and Linears, bit for bit, and no
+    checked-attention kernel; under the coverage floor alone (every operator once in 2 steps) one
+    call of the two steps' runs the checked kernels and is compared, the others torch's."""
+    from aegis_cli.backends.cuda import CudaDevice
+
+    forwards = []
+    original = CudaDevice.attention_forward
+    monkeypatch.setattr(CudaDevice, "attention_forward", lambda self, *a, **kw: forwards.append(1) or original(self, *a, **kw))
+    x, y = on_cuda(next(batches(CFG, 8)))
+    model = cuda_gpt()
+    with deterministic():  # SDPA's math backend: its backward repeats bit for bit
+        loss0, g0 = loss_and_grads(model, x, y)
+        h = instrument(model, SensorConfig(sample_prob=0.0, overhead_budget=None, coverage_steps=None, attention=True))
+        loss1, g1 = loss_and_grads(model, x, y)
+        h.step()
+        uninstrument(model)
+        assert forwards == [] and loss1 == loss0 and all(torch.equal(g1[n], g0[n]) for n in g0)
+        assert h.stats.attention_launches == CFG.layers and h.stats.checked == 0
+        h = instrument(model, SensorConfig(sample_prob=0.0, overhead_budget=None, coverage_steps=2, attention=True))
+        for _ in range(2):
+            loss_and_grads(model, x, y)
+            h.step()
+        uninstrument(model)
+    op = next(o for k, o in h.stats_dict()["operators"].items() if k.startswith("sdpa/"))
+    assert len(forwards) == op["checked"] == 1 and op["launches"] == 2 * CFG.layers and h.stats.raised == 0
