@@ -359,6 +359,9 @@ def run(args) -> dict:
                 "verify_s": s["verify_s"], "latency": s["latency"], "operators": len(ops),
                 "operators_never_checked": sum(c == 0 for c in checked), "min_checks_per_operator": min(checked, default=0),
                 "attention_launches": s["attention_launches"], "attention_unchecked": s["attention_unchecked"],
+                "attention_clean_max": s["attention_clean_max"],
+                "thresholds_raised": [e.summary for e in handle.events if e.kind == "threshold"][:20],
+                "cleared_events": [e.summary for e in handle.events if e.kind == "cleared"][:20],
                 "attention_checked": sum(o["checked"] for k, o in ops.items() if k.startswith("sdpa/")),
                 "confirmed_events": [e.to_dict() for e in handle.events if e.kind == "confirmed"][:5],
                 "closest_operators": sorted(((k, o["clean_max_ratio"], o["checked"]) for k, o in ops.items()),
@@ -432,7 +435,12 @@ def table(result: dict) -> str:
         lines.append("clean run, closest to τ: " + ", ".join(f"{k} {r:.3g}×τ ({n} checks)" for k, r, n in c["closest_operators"][:4]))
         if c.get("attention_launches"):
             lines.append(f"clean run: attention {c['attention_checked']} of {c['attention_launches']} calls checked, "
-                         f"unchecked {c['attention_unchecked'] or 'none'}")
+                         f"unchecked {c['attention_unchecked'] or 'none'}; largest clean ÷ τ per invariant "
+                         + ", ".join(f"{n} {r:.3g}" for n, r in c["attention_clean_max"].items()))
+        for e in c.get("cleared_events", [])[:6]:
+            lines.append(f"clean run, cleared: {e[:160]}")
+        for e in c.get("thresholds_raised", [])[:6]:
+            lines.append(f"clean run, {e[:160]}")
     elif "error" in c:
         lines.append(f"clean run failed: {c['error'][:100]}")
     pa = result.get("plain_after") or {}

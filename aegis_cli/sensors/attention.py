@@ -55,6 +55,8 @@ class AttentionContext:
     bwd: AttentionBackward
     scale: float
     site: str
+    key: str  # the operator (sdpa/SHAPE): whose τ a cleared spike raises
+    th: sums.AttentionThresholds  # the τ it was flagged at: the verifier judges at the same
 
     def tensors(self) -> list[torch.Tensor]:
         return _held(self.ops, self.fwd, self.bwd)
@@ -96,19 +98,24 @@ class _Call:
         if not h.sensing or (self.drawn is None and not h.controller.want(key)):
             return
         with h.sensing_time(self.device, key):
-            th = sums.AttentionThresholds()
+            floor = sums.AttentionThresholds().tau
+            raised = h.controller.tau(key, 1.0)  # the operator's adaptive raise (sensors/control.py), 1 at its floor
+            th = sums.AttentionThresholds({n: t * raised for n, t in floor.items()})
             checked = checks.check_attention(ops, fwd, bwd, reference(ops, self.scale), self.scale, th)
-            ratio = max((v / checked.tau[n] for n, v in checked.clean_max.items()), default=0.0)
-            h.count_check(key, ratio, not checked.signals)
+            ratios = {n: v / checked.tau[n] for n, v in checked.clean_max.items()}
+            h.count_check(key, max(ratios.values(), default=0.0), not checked.signals)
+            worst = h.stats.attention_clean_max
+            for n, r in ratios.items():
+                worst[n] = max(worst.get(n, 0.0), r)
             if checked.signals:
-                top = max(checked.signals, key=lambda s: s.max_value)
-                h.suspect("attention", self.site.split("/")[1], self.site, [s.check for s in checked.signals], top.max_value,
+                top = max(s.max_value / floor.get(s.tensor, 1.0) for s in checked.signals)  # × the floor's τ
+                h.suspect("attention", self.site.split("/")[1], self.site, [s.check for s in checked.signals], top,
                           nbytes(_held(ops, fwd, bwd)),
                           lambda: AttentionContext(
                               self.device, h.fault_for(self.device), _copy(ops),
                               AttentionForward(*(t.clone() for t in (fwd.o, fwd.lse, fwd.o_rowsum)), kernel=fwd.kernel),
                               AttentionBackward(*(t.clone() for t in bwd.tensors().values()), kernel=bwd.kernel),
-                              self.scale, self.site))
+                              self.scale, self.site, key, th))
 
 
 def _copy(ops: AttentionOperands) -> AttentionOperands:
@@ -205,12 +212,13 @@ class AttentionOutcome:
     severity: Verdict
     evidence: list[Evidence]
     summary: str
+    doubted: bool = False  # cleared because rounding of these inputs can reach the flag
 
 
 def verify_attention(ctx: AttentionContext, reruns: int, confirm_margin: float) -> AttentionOutcome:
     """Re-run a flagged call ``reruns`` times on its copied operands; judge each signal of the
     observed run by how often it came back and whether the runs' bits agreed."""
-    dev, ops, th = ctx.device, ctx.ops, sums.AttentionThresholds()
+    dev, ops, th = ctx.device, ctx.ops, ctx.th
     ref = reference(ops, ctx.scale)
     first = checks.check_attention(ops, ctx.fwd, ctx.bwd, ref, ctx.scale, th)
     fp = lambda f, b: tuple(dev.fingerprint(t) for t in checks.outputs_of(f, b).values())
@@ -224,11 +232,12 @@ def verify_attention(ctx: AttentionContext, reruns: int, confirm_margin: float) 
                 seen[s.check] += 1
     if not first.signals:
         return AttentionOutcome(Verdict.HEALTHY, [], "no attention check fires on the observed run")
-    evidence = []
+    evidence, doubted = [], False
     for sig in first.signals:
         tau = first.tau.get(sig.tensor) if sig.check in checks.INVARIANT_CHECKS else None
         j = checks.judge_signal(sig, distinct_outputs=len(prints), reproducible=seen[sig.check] == reruns, tau=tau,
                                 confirm_margin=confirm_margin)
+        doubted |= j.doubted
         s = ops.shape
         ev = Evidence(check=sig.check, severity=j.severity, case_id=ctx.site, summary="", op="attention",
                       shape={"batch": s.batch, "q_heads": s.q_heads, "kv_heads": s.kv_heads, "seq": s.seq,
@@ -242,4 +251,4 @@ def verify_attention(ctx: AttentionContext, reruns: int, confirm_margin: float) 
         evidence.append(ev)
     severity = worst(e.severity for e in evidence)
     lead = max(evidence, key=lambda e: e.severity.rank)
-    return AttentionOutcome(severity, evidence, lead.summary)
+    return AttentionOutcome(severity, evidence, lead.summary, doubted=doubted and severity is not Verdict.FAULTY)

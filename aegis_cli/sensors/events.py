@@ -91,8 +91,9 @@ class SensorStats:
     launches: int = 0  # instrumented GEMM launches (forward, dgrad, wgrad), sampled or not
     checked: int = 0  # of those, sampled and compared with the fp64 reference
     skipped_nonfinite: int = 0  # sampled launches whose inputs held NaN/Inf (no reference to compare with)
-    attention_launches: int = 0  # SDPA calls run on the checked attention (SensorConfig.attention)
+    attention_launches: int = 0  # SDPA calls the checked attention can compute, sampled or not (SensorConfig.attention)
     attention_unchecked: dict[str, int] = field(default_factory=dict)  # SDPA calls left to torch, by reason
+    attention_clean_max: dict[str, float] = field(default_factory=dict)  # per invariant: the largest clean value ÷ τ
     regions: int = 0  # checkpointed regions run
     fingerprinted: int = 0  # of those, fingerprinted at forward and at recompute
     raised: int = 0  # suspicions raised by the sensors
@@ -117,5 +118,6 @@ class SensorStats:
         d = {k: v for k, v in self.__dict__.items() if k != "latency"}
         d["latency"] = self.latency.to_dict()
         d["attention_unchecked"] = dict(self.attention_unchecked)
+        d["attention_clean_max"] = dict(self.attention_clean_max)
         d["overhead"] = self.overhead()
         return d

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from aegis_cli.ops import attention_sums as sums
 from aegis_cli.ops.errors import ConfigError
 from aegis_cli.sensors import Action, SensorConfig, instrument, uninstrument
 from aegis_cli.sensors.attention import AttentionRouter
@@ -131,6 +132,30 @@ def test_a_saved_attention_event_is_classified_by_replay_on_another_device(tmp_p
     ev = next(e for e in h.events if e.kind == "confirmed")
     c = classify_bundles([ev.bundle], "cpu:0", "cpu:1", inject=spec)
     assert (c.cause, c.here, c.there, c.exit_code) == (Cause.HARDWARE, "reproduced", "not_reproduced", HandoffExit.HARDWARE)
+
+
+def test_a_cleared_attention_spike_raises_its_operators_tau(monkeypatch):
+    """Adaptive thresholds (docs/sensors.md §4) for attention as for GEMMs: a flag within the
+    invariant's rounding bound is cleared, raises the operator's τ above it, and is not raised again."""
+    monkeypatch.setitem(sums.DEFAULT_TAU, "o_rowsum", 1e-3)  # far under the clean rounding noise
+    model = gpt()
+    data = batches()
+    h = instrument(model, ATTN)
+    x, y = next(data)
+    loss_and_grads(model, x, y)
+    assert h.step() is Action.CONTINUE
+    op = next(k for k in h.controller.ops if k.startswith("sdpa/"))
+    cleared, raised = [e for e in h.events if e.kind == "cleared"], h.stats.raised
+    assert raised >= len(cleared) >= 1 and h.stats.confirmed == 0  # (min_verify: one a boundary)
+    assert "could be rounding" in cleared[0].summary and cleared[0].check == "attention.o_rowsum"
+    assert any(e.kind == "threshold" and op in e.summary for e in h.events)
+    assert h.stats_dict()["operators"][op]["tau_raise"] > 1
+    x, y = next(data)
+    loss_and_grads(model, x, y)
+    h.step()
+    uninstrument(model)  # verifies what is still queued
+    assert h.stats.raised == raised == h.stats.cleared and h.stats.confirmed == 0  # nothing new at the raised τ
+    assert set(h.stats.attention_clean_max) == set(sums.INVARIANTS)
 
 
 def test_a_confirmed_attention_call_over_max_vtask_bytes_is_reported_unsaved(tmp_path):
