@@ -21,13 +21,15 @@ from pathlib import Path
 from aegis_cli.fleet.config import SweepConfig
 from aegis_cli.ops.errors import AegisError, BundleError
 
-SUFFIX = ".safetensors"  # what --save-vtasks and the sensors write; temp files and others are left alone
+# a bundle's conventional suffix (the sensors write it) and safetensors' own (scans saved so); temp files
+# (hidden) and others are left alone
+SUFFIXES = (".aegis", ".safetensors")
 MAX_BUNDLES = 256  # per sweep: a directory that filled up must not eat the device's whole timeout
 
 
 def bundle_paths(directory: str) -> tuple[list[Path], int]:
     """The bundles of ``directory`` (name order) and how many more were left for later sweeps."""
-    names = sorted(e.name for e in os.scandir(directory) if e.name.endswith(SUFFIX) and not e.name.startswith("."))
+    names = sorted(e.name for e in os.scandir(directory) if e.name.endswith(SUFFIXES) and not e.name.startswith("."))
     return [Path(directory) / n for n in names[:MAX_BUNDLES]], max(0, len(names) - MAX_BUNDLES)
 
 
