@@ -1,6 +1,8 @@
-"""The clean-noise study of ``benchmarks/sensors_overhead.py --noise-steps N``: steps with every
-launch checked, each check's clean normalised differences per layout and layer, under the sensors'
-σ and under candidate bias terms (how BIAS and WGRAD_BOUND of aegis_cli/sensors/sense.py were chosen)."""
+"""The clean-noise studies of ``benchmarks/sensors_overhead.py``. ``--noise-steps N``: steps with
+every launch checked, each check's clean normalised differences per layout and layer, under the
+sensors' σ and under candidate bias terms (how BIAS and WGRAD_BOUND of aegis_cli/sensors/sense.py
+were chosen). ``--attention-noise-steps N``: steps with every SDPA call sensed, each invariant's
+normalised difference against its τ (what the attention sensor's τ would be set from)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import statistics
 
 import torch
 
-from aegis_cli.ops import lean, numerics
+from aegis_cli.checks import attention as attention_checks
+from aegis_cli.ops import attention_sums, lean, numerics
 from aegis_cli.sensors import SensorConfig, sense
 
 BETAS = (0.0, 1 / 128, 1 / 64, 1 / 32, 1 / 16, 1 / 8)  # candidate bias terms: σ + β·K·2⁻²⁴·Σ|C| over the tile
@@ -76,3 +79,34 @@ def noise_study(bench, steps: int, counter: itertools.count) -> dict:
         g["d_max"], g["d_p50"], g["d_p99"] = d[-1], d[len(d) // 2], d[min(len(d) - 1, int(0.99 * len(d)))]
         g["s_over_rho_median"] = statistics.median(g.pop("s_over_rho"))
     return {"steps": steps, "checks": len(seen), "stats": w.get("stats"), "groups": groups}
+
+
+def attention_noise_study(bench, steps: int, counter: itertools.count) -> dict:
+    """``steps`` steps with every SDPA call on the checked attention and sensed: per invariant, each
+    call's largest normalised difference (units of its σ, flagged or not) against its τ floor
+    (ops/attention_sums.DEFAULT_TAU). No suspicion is queued (``queue_bytes`` 1: each is dropped
+    before anything is copied), so nothing is verified and each call is counted once."""
+    real, seen = attention_checks.check_attention, []
+
+    def spy(*args, **kw):
+        c = real(*args, **kw)
+        worst = dict(c.clean_max)
+        for sig in c.signals:
+            if sig.tensor in worst:
+                worst[sig.tensor] = max(worst[sig.tensor], sig.max_value)
+        seen.append(worst)
+        return c
+
+    attention_checks.check_attention = spy
+    try:
+        w = bench.window("attention-noise", SensorConfig(sample_prob=1.0, overhead_budget=None, attention=True, queue_bytes=1,
+                                                         min_verify=0, verify_budget=0.0), steps, counter)
+    finally:
+        attention_checks.check_attention = real
+    out = {}
+    for name, tau in attention_sums.DEFAULT_TAU.items():
+        d = sorted(v[name] for v in seen if name in v)
+        if d:
+            out[name] = {"calls": len(d), "tau": tau, "max": d[-1], "p99": d[min(len(d) - 1, int(0.99 * len(d)))],
+                         "p50": d[len(d) // 2], "over_tau": sum(x > tau for x in d), "max_over_tau": d[-1] / tau}
+    return {"steps": steps, "calls": len(seen), "stats": w.get("stats"), "invariants": out}

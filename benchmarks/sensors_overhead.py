@@ -42,6 +42,9 @@ idle time and extra kernel time attributed (benchmarks/sensors_profile.py).
 
 ``--noise-steps`` steps with every launch checked record, per layout and layer, the clean
 normalised differences |Δ|/σ and what a bias term in σ would make of them (``noise_study``).
+``--attention-noise-steps`` steps with every SDPA call on the checked attention and sensed record
+each invariant's normalised difference per call against its τ (``attention_noise_study``): what
+the attention sensor's τ would be calibrated from on a trained model.
 Then ``--clean-steps`` steps with one instrument() at ``--clean-config``: ``default`` (SensorConfig()
 as a job gets it: a 1% sensing budget, every operator at least once per 100 steps) or ``coverage``
 (p = 0: each operator exactly once per 100 steps, the least the issue allows), counting suspicions
@@ -76,7 +79,7 @@ sys.path.insert(0, str(ROOT / "examples" / "train_gpt"))
 
 import sensors_profile  # noqa: E402
 from gpt import GPT, PRESETS, markov_batches  # noqa: E402
-from sensors_noise import noise_study  # noqa: E402
+from sensors_noise import attention_noise_study, noise_study  # noqa: E402
 
 from aegis_cli.sensors import Action, SensorConfig, instrument, uninstrument  # noqa: E402
 
@@ -381,6 +384,8 @@ def run(args) -> dict:
             part(result, "profile", lambda: sensors_profile.run(bench, profiled, args.profile, counter))
         if args.noise_steps > 0:
             part(result, "noise", lambda: noise_study(bench, args.noise_steps, counter))
+        if args.attention_noise_steps > 0:
+            part(result, "attention_noise", lambda: attention_noise_study(bench, args.attention_noise_steps, counter))
         if args.clean_steps > 0:
             part(result, "clean", clean)
             part(result, "plain_after", plain_after)
@@ -449,7 +454,10 @@ def table(result: dict) -> str:
     for name, g in sorted((result.get("noise") or {}).get("groups", {}).items()):
         lines.append(f"noise {name:<18} checks {g['checks']:>4}  |Δ|/σ max {g['d_max']:7.3g} p99 {g['d_p99']:7.3g}  "
                      f"|Δ|/(K·2⁻²⁴Σ|c|) {g['d_over_xc']:6.3g}  ÷cap {g['d_over_cap']:6.3g}  sensors' σ: max {g['d_sensor']:6.3g}")
-    for name in ("setup", "warmup", "settle", "interleaved", "profile", "noise", "clean", "plain_after"):
+    for name, g in ((result.get("attention_noise") or {}).get("invariants") or {}).items():
+        lines.append(f"attention noise {name:<10} calls {g['calls']:>5}  max {g['max']:8.3g} σ ({g['max_over_tau']:.3g} τ)  "
+                     f"p99 {g['p99']:8.3g}  p50 {g['p50']:8.3g}  over τ {g['over_tau']}")
+    for name in ("setup", "warmup", "settle", "interleaved", "profile", "noise", "attention_noise", "clean", "plain_after"):
         if isinstance(result.get(name), dict) and "error" in result[name]:
             lines.append(f"{name} FAILED: {result[name]['error'][:150]}")
     if "profile" in result:
@@ -481,6 +489,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile", type=int, default=0, help="steps of plain and each --profile-modes mode under torch.profiler (0: none)")
     p.add_argument("--profile-modes", type=lambda v: v.split(","), default=["sampled", "drained"], help="modes profiled beside plain")
     p.add_argument("--noise-steps", type=int, default=0, help="steps of the clean-noise study, every launch checked (0: none)")
+    p.add_argument("--attention-noise-steps", type=int, default=0,
+                   help="steps of the attention noise study, every SDPA call sensed (0: none)")
     p.add_argument("--time-budget", type=float, default=240.0, help="seconds for the whole run: the clean run stops there")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--seed", type=int, default=0)

@@ -1,6 +1,6 @@
 """How the sensors' overhead benchmarks turn timings into figures, on the CPU: sensors_overhead's
 paired rounds and its coverage mode, abft_floor's per-step totals, overhead_regression's fit (the GPU
-parts need CUDA)."""
+parts need CUDA), and its attention parts (mode, noise study, clean run)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from aegis_cli.ops import attention_sums
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import abft_floor
@@ -49,6 +51,23 @@ def test_the_coverage_mode_checks_each_operator_from_its_phase(tmp_path):
     assert len(cov["checked_ops"]) == len(cov["times"]) and sum(map(len, cov["checked_ops"])) <= sum(s["checked"] for s in stats)
     assert "checked_ops" not in res["interleaved"]["plain"]
     assert (tmp_path / "sensors_overhead.json").exists()
+
+
+def test_the_attention_parts_sense_every_sdpa_call_and_say_which_invariant_runs_close(tmp_path):
+    res = sensors_overhead.main(["--device", "cpu", "--preset", "tiny", "--dtype", "float32", "--modes", "plain,attention",
+                                 "--warmup", "1", "--steps", "2", "--rounds", "1", "--clean-steps", "3", "--clean-attention",
+                                 "--attention-noise-steps", "2", "--out", str(tmp_path)])
+    layers = sensors_overhead.PRESETS["tiny"].layers
+    assert res["interleaved"]["attention"]["stats"][0]["checked"] == 0  # routed, nothing sampled
+    noise = res["attention_noise"]
+    st = noise["stats"]  # every call once, nothing verified (a flag is dropped, never queued)
+    assert noise["calls"] == 2 * layers and st["cleared"] == st["confirmed"] == 0 and st["raised"] == st["dropped"]
+    inv = noise["invariants"]
+    assert set(inv) == set(attention_sums.INVARIANTS)
+    assert all(g["calls"] == 2 * layers and 0 <= g["p50"] <= g["max"] and g["over_tau"] == 0 for g in inv.values())
+    clean = res["clean"]
+    assert clean["attention_launches"] == 3 * layers and clean["confirmed"] == 0
+    assert set(clean["attention_clean_max"]) == set(inv) and clean["closest_operators"]
 
 
 def test_abft_floor_sums_a_step_with_the_launch_counts():
