@@ -37,7 +37,7 @@ from aegis_cli.ops.attention import BLOCK, AttentionBackward, AttentionForward, 
 from aegis_cli.ops.errors import ConfigError
 from aegis_cli.ops.verdict import Evidence, Verdict, worst
 from aegis_cli.probes.attention import run_pass
-from aegis_cli.sensors.linear import autocast_dtype
+from aegis_cli.sensors.linear import draws_at_forward
 from aegis_cli.sensors.queue import nbytes
 
 BF16 = torch.bfloat16
@@ -165,15 +165,6 @@ class AttentionRouter:
         if F.scaled_dot_product_attention is self:
             F.scaled_dot_product_attention = self.original
 
-    def _fast(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-        """Whether torch's SDPA computes what an unsensed call would (bf16, on a CUDA device the
-        sensors run on, outside pinned regions and self-tests), so the call can be drawn at its
-        forward and, unsampled, run torch's own kernels; as a Linear's fast path (sensors/linear.py)."""
-        h = self.h
-        if not (q.is_cuda and h.sensing and not h.pinned and h.fault_plan is None and h.config.device == "auto"):
-            return False
-        return autocast_dtype(q) == BF16 or q.dtype == k.dtype == v.dtype == BF16
-
     def _unchecked(self, reason: str) -> None:
         counts = self.h.stats.attention_unchecked
         counts[reason] = counts.get(reason, 0) + 1
@@ -195,7 +186,7 @@ class AttentionRouter:
         self.calls += 1
         self.h.stats.attention_launches += 1
         drawn = None
-        if self._fast(query, key, value):
+        if draws_at_forward(self.h, query, key, value):  # as a Linear's fast path
             grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
             if not (grad and self.h.controller.want(op)):  # not sensed: torch's SDPA, as uninstrumented
                 kw = {"enable_gqa": enable_gqa} if enable_gqa else {}

@@ -36,7 +36,7 @@ from aegis_cli.sensors.sense import op_key, run_gemm
 BF16 = torch.bfloat16
 
 
-def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+def _autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
     """Autocast's dtype where it is on for ``x``'s device, else None."""
     kind = x.device.type
     try:
@@ -45,9 +45,19 @@ def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
         return None
 
 
+def draws_at_forward(h, x: torch.Tensor, *tensors: torch.Tensor | None) -> bool:
+    """Whether a launch on ``x`` may be drawn at its forward and, unsampled, run torch's own kernels:
+    a CUDA device the sensors run on, outside pinned regions and self-tests (where bits must not
+    depend on the coin), computing in bf16 (autocast's, or ``x`` and ``tensors`` bf16; None skipped).
+    Shared by the Linear's and the attention's fast paths."""
+    if not (x.is_cuda and h.sensing and not h.pinned and h.fault_plan is None and h.config.device == "auto"):
+        return False
+    return _autocast_dtype(x) == BF16 or all(t.dtype == BF16 for t in (x, *tensors) if t is not None)
+
+
 def _out_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype ``F.linear`` would return: autocast's where it is on for ``x``'s device."""
-    return autocast_dtype(x) or x.dtype
+    return _autocast_dtype(x) or x.dtype
 
 
 class _Site:
@@ -67,16 +77,6 @@ class _Site:
         with the bias fused into the GEMM, as F.linear (autocast's or not) computes it."""
         with torch.autocast(x2.device.type, enabled=False):
             return torch.addmm(bias.to(BF16), x2.to(BF16), weight.to(BF16).t())
-
-    def fast(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-        """Whether torch's own Linear computes what the unsampled path would (bf16 operands and result,
-        on a CUDA device the sensors run on), so a layer none of whose GEMMs is sampled can run it."""
-        h = self.h
-        if not (x.is_cuda and h.sensing and not h.pinned and h.fault_plan is None and h.config.device == "auto"):
-            return False
-        if autocast_dtype(x) == BF16:
-            return True
-        return x.dtype == weight.dtype == BF16 and (bias is None or bias.dtype == BF16)
 
     def draw(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[bool, bool, bool] | None:
         """Decide the layer's forward, dgrad and wgrad launches now, each by the controller (the ones
@@ -129,7 +129,7 @@ def _checked_forward(site: _Site, original):
     def forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if x.numel() == 0 or self.weight.numel() == 0:  # an empty GEMM: nothing to check, and kernels refuse it
             return original(x)
-        if site.fast(x, self.weight, self.bias):
+        if draws_at_forward(site.h, x, self.weight, self.bias):  # torch's Linear computes what unsampled would
             decided = site.draw(x, self.weight)
             if decided is None:  # nothing sampled: torch's Linear, as uninstrumented (cuBLAS, fused bias)
                 return original(x)

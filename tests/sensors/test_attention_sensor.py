@@ -171,6 +171,24 @@ def test_a_confirmed_attention_call_over_max_vtask_bytes_is_reported_unsaved(tmp
     assert len(unsaved) == 1 and "over max_vtask_bytes" in unsaved[0].summary
 
 
+def test_an_unsampled_call_drawn_at_its_forward_runs_torchs_sdpa(monkeypatch):
+    """The fast path (``draws_at_forward``: bf16 on a GPU the sensors run on, forced here on the CPU):
+    with nothing sampled every call is torch's SDPA, bit for bit the plain model's, and counted."""
+    from aegis_cli.sensors import attention, linear
+
+    for module in (attention, linear):  # the Linears' fast path too: the whole model is then torch's
+        monkeypatch.setattr(module, "draws_at_forward", lambda h, x, *tensors: True)
+    model = gpt().to(torch.bfloat16)
+    x, y = next(batches())
+    loss0, g0 = loss_and_grads(model, x, y)
+    h = instrument(model, SensorConfig(sample_prob=0.0, overhead_budget=None, coverage_steps=None, attention=True))
+    loss1, g1 = loss_and_grads(model, x, y)
+    h.step()
+    uninstrument(model)
+    assert torch.equal(loss1, loss0) and all(torch.equal(g1[n], g0[n]) for n in g0)  # finite: equal is bitwise
+    assert h.stats.attention_launches == 2 and h.stats.checked == 0
+
+
 def _qkv(heads=4, kv=4, seq=16, d=16, seed=3):
     g = torch.Generator().manual_seed(seed)
     mk = lambda h: torch.randn(2, h, seq, d, generator=g, requires_grad=True)

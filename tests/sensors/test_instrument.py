@@ -224,12 +224,12 @@ def test_fingerprinted_regions_pin_every_gemm_to_the_checked_kernel(monkeypatch)
 
 
 def test_a_layer_with_nothing_sampled_runs_torchs_own_linear(monkeypatch):
-    """Where the layer computes in bf16 on a GPU the sensors run on (``_Site.fast``, forced here on
-    the CPU), its three launches are drawn at the forward: with none sampled it is torch's Linear,
+    """Where the layer computes in bf16 on a GPU the sensors run on (``draws_at_forward``, forced here
+    on the CPU), its three launches are drawn at the forward: with none sampled it is torch's Linear,
     bit for bit the uninstrumented model, each launch still counted; sampled, the checked path."""
     from aegis_cli.sensors import linear
 
-    monkeypatch.setattr(linear._Site, "fast", lambda self, x, w, b: True)
+    monkeypatch.setattr(linear, "draws_at_forward", lambda h, x, *tensors: True)
     model = gpt().to(torch.bfloat16)
     x, y = next(batches())
     want_loss, want_grads = loss_and_grads(model, x, y)
