@@ -12,8 +12,6 @@ back (V·2^-a, dO·2^-b restore it exactly); an injected fault lands where it la
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from aegis_cli.backends.base import Device
@@ -24,10 +22,11 @@ from aegis_cli.ops.attention import AttentionBackward, AttentionForward, Attenti
 from aegis_cli.ops.fingerprint import int_view
 from aegis_cli.ops.verdict import Evidence, Verdict, worst
 from aegis_cli.probes.attention import AttentionCase, case_bytes, run_pass
+from aegis_cli.vtask.capture import vtask_id
+from aegis_cli.vtask.manifest import NOT_ID
 from aegis_cli.vtask.model import ATTENTION_INPUTS, AttentionSpec, VTask
 
 RERUN = "re-run at save time on the capturing device"
-_NOT_ID = re.compile(r"[^A-Za-z0-9._:/+=@-]")  # what a vTask id may not hold (docs/bundle-format.md §3)
 _OUTCOMES = {"reproduced": "reproduced here", "not_reproduced": "not reproduced here",
              "inconsistent": "inconsistent between runs"}
 
@@ -71,7 +70,7 @@ def capture_observed(ops: AttentionOperands, fwd: AttentionForward, bwd: Attenti
                                                   for x in e.samples[:8]]}
         if e.max_value is not None:
             observed["max_normalised_diff"] = e.max_value
-        vid = _NOT_ID.sub("_", f"{provenance.get('device_id', 'device')}/{e.case_id}/{e.check}")
+        vid = NOT_ID.sub("_", vtask_id(provenance, e.case_id, e.check))
         out.append(VTask(id=vid, check=e.check, op="attention", gemm=None, attention=spec, kind="attention",
                          tensors=tensors, tau=e.threshold if e.threshold is not None else 1.0,
                          normalisation="rounding-spread", confirm_margin=confirm_margin, scale=(ea, eb), case_id=e.case_id,

@@ -23,7 +23,7 @@ from aegis_cli.ops.case import CaseId
 from aegis_cli.ops.errors import ConfigError
 from aegis_cli.ops.gemm import GemmOperands, GemmResult, ReferenceChecksums
 from aegis_cli.ops.verdict import Evidence
-from aegis_cli.vtask.manifest import ID_RE, entry_problem
+from aegis_cli.vtask.manifest import ID_CHARS, ID_RE, entry_problem
 from aegis_cli.vtask.model import MAX_SAMPLES, MAX_STRING, TAU_RANGE, GemmSpec, VTask
 
 FULL_OPERANDS_LIMIT = 16 << 20  # writer policy: full operands up to this many bytes per vTask
@@ -146,7 +146,7 @@ def check_savable(device_id: str, spec: GemmSpec, op: str, case_ids: list[str], 
         vid = vtask_id({"device_id": device_id}, cid, LONGEST_CHECK)
         if not ID_RE.fullmatch(vid):
             raise ConfigError(f"--save-vtasks: workload {CaseId.parse(cid).prefix!r} gives vTask ids like {vid[:120]!r} that a "
-                              "bundle cannot hold (1–256 characters from A-Za-z0-9._:/+=@-); rename the workload or its ops")
+                              f"bundle cannot hold (1–256 characters from {ID_CHARS}); rename the workload or its ops")
         scale = CaseId.parse(cid).scale or (0, 0)
         problem = entry_problem(VTask(id=vid, check=LONGEST_CHECK, op=op, gemm=spec, tensors={}, tau=tau, scale=scale,
                                       confirm_margin=confirm_margin, case_id=cid, seed=seed, dist=dist,

@@ -35,8 +35,10 @@ from aegis_cli.vtask.model import (
     VTask,
 )
 
+ID_CHARS = "A-Za-z0-9._:/+=@-"  # what vTask ids and tensor names are made of (docs/bundle-format.md)
 # matched with fullmatch: "$" would also accept a trailing newline
-ID_RE = re.compile(r"[A-Za-z0-9._:/+=@-]{1,256}")
+ID_RE = re.compile(f"[{ID_CHARS}]{{1,256}}")
+NOT_ID = re.compile(f"[^{ID_CHARS}]")
 HEX64 = re.compile(r"[0-9a-f]{64}")
 _HEX16 = re.compile(r"[0-9a-f]{16}")
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
