@@ -50,21 +50,19 @@ def verify_one(h, s: Suspicion) -> SensorEvent:
     severity = out.severity
     confirmed = severity is Verdict.FAULTY
     evidence, summary = ([out.evidence], out.evidence.summary) if s.kind == "checkpoint" else (out.evidence, out.summary)
-    if confirmed and s.kind in ("gemm", "attention"):
-        bundle, unsaved = _save(h, s, evidence, out) if cfg.bundle_dir is not None else (None, NO_DIR)
-    if s.kind != "checkpoint":
-        if out.doubted:  # a spike rounding can reach: raise this operator's τ above it for a while
-            # a GEMM's τ and spike in units of its σ; an attention call's in units of each invariant's floor τ
-            key, floor = ((op_key(s.op, s.context.operands.layout), s.context.floor) if s.kind == "gemm"
-                          else (s.context.key, 1.0))
-            tau = h.controller.spike(key, s.max_value, floor)
-            if tau is not None:
-                h.emit(SensorEvent("threshold", s.step, s.op, s.site, s.checks[0], severity.value,
-                                   f"τ of {key} raised to {tau:.3g} after a cleared spike of {s.max_value:.3g}", rank=h.rank))
-    else:
+    if s.kind == "checkpoint":
         unsaved = NOT_REPLAYABLE if confirmed else ""
         if out.nondeterministic:
             h.nondeterministic.add(s.site)
+    elif confirmed:  # a GEMM or an attention call: replayable
+        bundle, unsaved = _save(h, s, evidence, out) if cfg.bundle_dir is not None else (None, NO_DIR)
+    elif out.doubted:  # a spike rounding can reach: raise this operator's τ above it for a while
+        # a GEMM's τ and spike in units of its σ; an attention call's in units of each invariant's floor τ
+        key, floor = (op_key(s.op, s.context.operands.layout), s.context.floor) if s.kind == "gemm" else (s.context.key, 1.0)
+        tau = h.controller.spike(key, s.max_value, floor)
+        if tau is not None:
+            h.emit(SensorEvent("threshold", s.step, s.op, s.site, s.checks[0], severity.value,
+                               f"τ of {key} raised to {tau:.3g} after a cleared spike of {s.max_value:.3g}", rank=h.rank))
     latency = time.perf_counter() - s.raised_at
     h.stats.latency.add(latency, h.step_index - s.step)
     if confirmed:
