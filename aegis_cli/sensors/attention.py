@@ -86,12 +86,18 @@ def unsupported(q, k, v, attn_mask, dropout_p, enable_gqa) -> str | None:
     return None
 
 
+@dataclass
 class _Call:
     """One routed call: its device, name, operator key and scale; ``drawn``: sampled at its forward
     (the fast path), else None: the controller is asked after its backward."""
 
-    def __init__(self, h, device: Device, site: str, key: str, causal: bool, scale: float, drawn: bool | None):
-        self.h, self.device, self.site, self.key, self.causal, self.scale, self.drawn = h, device, site, key, causal, scale, drawn
+    h: object  # the SensorHandle
+    device: Device
+    site: str
+    key: str
+    causal: bool
+    scale: float
+    drawn: bool | None
 
     def sense(self, ops: AttentionOperands, fwd: AttentionForward, bwd: AttentionBackward) -> None:
         h, key = self.h, self.key
