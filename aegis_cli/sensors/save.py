@@ -19,10 +19,11 @@ from aegis_cli.sensors.sense import GemmContext
 from aegis_cli.vtask.attention import capture_observed
 from aegis_cli.vtask.bundle import BundleWriter
 from aegis_cli.vtask.capture import ObservedGemm, capture_gemm
+from aegis_cli.vtask.manifest import ID_CHARS
 from aegis_cli.vtask.model import VTask
 from aegis_cli.vtask.provenance import device_provenance
 
-_UNSAFE = re.compile(r"[^A-Za-z0-9._:+=@-]")
+_UNSAFE = re.compile(f"[^{ID_CHARS.replace('/', '')}]")  # a vTask id's characters but '/': also a file name
 
 
 def safe_name(text: str) -> str:
