@@ -30,6 +30,9 @@ its standard error over the rounds:
              boundary cost when the sensors read their comparisons that way (before session 13)
   attention  instrumented, nothing sampled, SDPA routed through aegis' checked attention kernels
              (SensorConfig.attention): what those kernels cost against torch's SDPA in this step
+  coverage_attention
+             coverage with the attention sensor on: the SDPA calls one operator among the GEMMs,
+             checked once per 100 steps too (each check: the checked attention and its fp64 sides)
 
 Each window also samples the SM clock, the power and power capping through NVML every 10 ms
 (``sensors_profile.Clocks``): whether a mode's extra work moves the card's clocks; and records,
@@ -83,7 +86,7 @@ from sensors_noise import attention_noise_study, noise_study  # noqa: E402
 
 from aegis_cli.sensors import Action, SensorConfig, instrument, uninstrument  # noqa: E402
 
-MODES = ("plain", "unsampled", "kernels", "every", "sampled", "coverage", "drained", "attention")
+MODES = ("plain", "unsampled", "kernels", "every", "sampled", "coverage", "drained", "attention", "coverage_attention")
 
 
 def configs(args) -> dict[str, SensorConfig | None]:
@@ -97,6 +100,7 @@ def configs(args) -> dict[str, SensorConfig | None]:
         "coverage": coverage_config(args),
         "drained": sampled_config(args),  # drained at the boundary (Bench.mode_step)
         "attention": SensorConfig(**never, attention=True),
+        "coverage_attention": dataclasses.replace(coverage_config(args), attention=True),
     }
 
 
@@ -411,7 +415,8 @@ def table(result: dict) -> str:
                         ("kernels", "checked kernels, pinned"), ("every", "every Linear checked"),
                         ("sampled", f"sampled p={result['args']['sample_prob']} (window)"),
                         ("coverage", "each once per 100 steps"),
-                        ("drained", "sampled, drained boundary"), ("attention", "SDPA on checked attention")):
+                        ("drained", "sampled, drained boundary"), ("attention", "SDPA on checked attention"),
+                        ("coverage_attention", "each once/100, SDPA too")):
         r = inter.get(name) or {}
         if r.get("mean_s") is None:
             lines.append(f"{label:<25} {'-':>9}   {r.get('error', inter.get('error', 'not run'))[:60]}")
@@ -479,8 +484,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2, help="rounds of the interleaved modes (the order reversed every other round)")
     p.add_argument("--skip", type=int, default=1, help="first steps of each window left out of the figures (just instrumented)")
     p.add_argument("--sample-prob", type=float, default=0.01, help="the sampled mode's per-launch probability")
-    p.add_argument("--modes", type=lambda v: v.split(","), default=[m for m in MODES if m not in ("drained", "attention")],
-                   help=f"interleaved modes (plain always): {','.join(MODES)} (default: all but drained and attention)")
+    p.add_argument("--modes", type=lambda v: v.split(","), default=[m for m in MODES if m not in ("drained", "attention", "coverage_attention")],
+                   help=f"interleaved modes (plain always): {','.join(MODES)} (default: all but drained and the attention ones)")
     p.add_argument("--clean-steps", type=int, default=1000, help="steps of the clean run (0: none)")
     p.add_argument("--clean-attention", action="store_true",
                    help="the clean run also routes SDPA through the checked attention and senses it (SensorConfig.attention)")

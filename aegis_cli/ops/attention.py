@@ -285,14 +285,12 @@ def flash_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.T
 
 @dataclass
 class AttentionReference:
-    """Plain softmax attention in fp64, and the reference sides of the invariants whose
-    magnitudes need P or dS (docs/attention.md: the expensive ones)."""
+    """Plain softmax attention in fp64: the reference sides of the invariants whose magnitudes
+    need P or dS (docs/attention.md: the expensive ones), and, where asked for, the outputs."""
 
-    o: torch.Tensor  # (B, Hq, S, D) fp64
+    o_rowsum: torch.Tensor  # (B, Hq, S): O·1 = P·(V·1)
     lse: torch.Tensor  # (B, Hq, S)
-    dq: torch.Tensor  # (B, Hq, S, D)
-    dk: torch.Tensor  # (B, Hkv, S, D)
-    dv: torch.Tensor  # (B, Hkv, S, D)
+    dq_rowsum: torch.Tensor  # (B, Hq, S): dQ·1 = scale·dS·(K·1)
     o_rowsum_scale: torch.Tensor  # (B, Hq, S): Σ_j P_ij·Σ_d|V_jd|
     dq_rowsum_scale: torch.Tensor  # (B, Hq, S): scale·Σ_j P_ij(A_ij + Ā_i)·Σ_d|K_jd|, A = |dO|·|V|ᵀ
     o_rowsum_sigma: torch.Tensor  # (B, Hq, S): the bf16 rounding of P's spread in O·1 (attention_sums)
@@ -300,61 +298,89 @@ class AttentionReference:
     p_rms: torch.Tensor  # (B, Hq, S): ‖P_i‖₂, the spread of the bf16 rounding of P's row sum (÷ 2⁻⁹)
     ds_rms: torch.Tensor  # (B, Hq, S): ‖dS_i‖₂ + r_i, that of dS's row sum (÷ 2⁻⁹)
     p_min: float  # the smallest P_ij a query may attend to (0.0: some underflows fp64)
+    o: torch.Tensor | None = None  # (B, Hq, S, D): the outputs, with ``reference(outputs=True)``
+    dq: torch.Tensor | None = None  # (B, Hq, S, D)
+    dk: torch.Tensor | None = None  # (B, Hkv, S, D)
+    dv: torch.Tensor | None = None  # (B, Hkv, S, D)
 
     def rescaled(self, ev: int, edo: int) -> AttentionReference:
         """The reference for V·2^ev and dO·2^edo (exact in fp64): O·2^ev, dV·2^edo, dQ and dK
         by 2^(ev+edo); LSE unchanged."""
         fv, fdo = 2.0**ev, 2.0**edo
-        return AttentionReference(self.o * fv, self.lse, self.dq * (fv * fdo), self.dk * (fv * fdo), self.dv * fdo,
-                                  self.o_rowsum_scale * fv, self.dq_rowsum_scale * (fv * fdo), self.o_rowsum_sigma * fv,
-                                  self.dq_rowsum_sigma * (fv * fdo), self.p_rms, self.ds_rms * (fv * fdo), self.p_min)
+        times = lambda t, f: None if t is None else t * f
+        return AttentionReference(self.o_rowsum * fv, self.lse, self.dq_rowsum * (fv * fdo), self.o_rowsum_scale * fv,
+                                  self.dq_rowsum_scale * (fv * fdo), self.o_rowsum_sigma * fv,
+                                  self.dq_rowsum_sigma * (fv * fdo), self.p_rms, self.ds_rms * (fv * fdo), self.p_min,
+                                  times(self.o, fv), times(self.dq, fv * fdo), times(self.dk, fv * fdo), times(self.dv, fdo))
 
 
-def reference(ops: AttentionOperands, scale: float, *, rows: int = 256) -> AttentionReference:
-    """Attention forward and backward in fp64, ``rows`` queries at a time (memory O(rows·S)
-    per head): P = softmax(scale·QKᵀ) (causal mask), O = P·V, dP = dO·Vᵀ, dS = P∘(dP − rowsum(P∘dP)),
-    dQ = scale·dS·K, dK = scale·dSᵀ·Q, dV = Pᵀ·dO."""
+ROW_SIDES = ("o_rowsum", "lse", "dq_rowsum", "os", "dqs", "osg", "dqsg", "prms", "dsrms")
+
+
+def reference(ops: AttentionOperands, scale: float, *, rows: int = 256, outputs: bool = False) -> AttentionReference:
+    """Attention forward and backward in fp64, ``rows`` queries at a time over the keys they may
+    attend to (memory O(rows·S) per head): P = softmax(scale·QKᵀ) (causal mask), O = P·V,
+    dP = dO·Vᵀ, dS = P∘(dP − rowsum(P∘dP)). The invariants need row sums and spreads only, so dS
+    is never multiplied by a matrix: dQ·1 = scale·dS·(K·1), O·1 = P·(V·1), and Σ_j P_ij·A_ij·… from
+    P·|V| (A = |dO|·|V|ᵀ is never formed). The products of D are QKᵀ, dO·Vᵀ and P·[V, |V|, |K|₁∘|V|];
+    ``outputs`` adds dQ = scale·dS·K, dK = scale·dSᵀ·Q and dV = Pᵀ·dO (the tests compare O, dQ,
+    dK, dV with torch's autograd)."""
     shape = ops.shape
     g = shape.group
     q, do = ops.q.double(), ops.do.double()
     k, v = _expand(ops.k.double(), g), _expand(ops.v.double(), g)
     b, h, s, d = q.shape
     v_abs = v.abs()
-    vabs, kabs = v_abs.sum(-1), k.abs().sum(-1)  # (B, Hq, S)
-    v1, k1 = v.sum(-1).unsqueeze(-2), k.sum(-1).unsqueeze(-2)  # (B, Hq, 1, S): V·1 and K·1 per key
-    out = {n: torch.empty((b, h, s, *t), dtype=torch.float64, device=q.device) for n, t in (("o", (d,)), ("lse", ()), ("dq", (d,)),
-                                                                          ("os", ()), ("dqs", ()), ("osg", ()), ("dqsg", ()),
-                                                                          ("prms", ()), ("dsrms", ()))}
-    dk = torch.zeros((b, h, s, d), dtype=torch.float64, device=q.device)
-    dv = torch.zeros((b, h, s, d), dtype=torch.float64, device=q.device)
+    kabs = k.abs().sum(-1)
+    v1, k1 = v.sum(-1), k.sum(-1)
+    one = torch.ones_like(v1)
+    by_p = torch.stack((v1, v_abs.sum(-1), k1, kabs), -1)  # P· these: O·1, Σ_j P_ij|V_j|₁, Σ_j P_ij K_j·1, Σ_j P_ij|K_j|₁
+    by_p2 = torch.stack((v1.square(), one), -1)  # P²· these: ‖P_i∘(V·1)‖², ‖P_i‖²
+    by_ds2 = torch.stack((k1.square(), one), -1)  # dS²· these
+    wide = torch.cat((v, v_abs, v_abs * kabs.unsqueeze(-1)), -1)  # P· this: O, P|V|, P(|K|₁∘|V|)
+    out = {n: torch.empty((b, h, s), dtype=torch.float64, device=q.device) for n in ROW_SIDES}
+    o_full = torch.empty((b, h, s, d), dtype=torch.float64, device=q.device) if outputs else None
+    dq = torch.empty_like(o_full) if outputs else None
+    dk = torch.zeros((b, h, s, d), dtype=torch.float64, device=q.device) if outputs else None
+    dv = torch.zeros_like(dk) if outputs else None
     p_min = 1.0
-    rms = lambda x: x.square().sum(-1).sqrt()
     for i0 in range(0, s, rows):
         i1 = min(s, i0 + rows)
-        sc = (q[:, :, i0:i1] @ k.transpose(-1, -2)) * scale
+        n = i1 if ops.causal else s  # the keys this block's queries may attend to
+        qi, doi, keys = q[:, :, i0:i1], do[:, :, i0:i1], slice(0, n)
+        p = (qi @ k[:, :, keys].transpose(-1, -2)) * scale  # the scores, then P in place
         if ops.causal:
-            sc = sc.masked_fill(_mask(sc, i0, 0), -math.inf)
-        lse = torch.logsumexp(sc, -1)
-        p = torch.exp(sc - lse.unsqueeze(-1))
-        p_min = min(p_min, float(p.masked_fill(torch.isinf(sc), 1.0).min()))
-        dp = do[:, :, i0:i1] @ v.transpose(-1, -2)
-        ds = p * (dp - (p * dp).sum(-1, keepdim=True))
-        a = do[:, :, i0:i1].abs() @ v_abs.transpose(-1, -2)
-        a_bar = (p * a).sum(-1, keepdim=True)
-        o = p @ v
-        out["o"][:, :, i0:i1] = o
+            p.masked_fill_(_mask(p, i0, 0), -math.inf)
+        unseen = torch.isinf(p)
+        lse = torch.logsumexp(p, -1)
+        p.sub_(lse.unsqueeze(-1)).exp_()
+        p_min = min(p_min, float(p.masked_fill(unseen, 1.0).min()))
+        del unseen
+        pv = p @ by_p[:, :, keys]
+        o, p_vabs, p_kvabs = (p @ wide[:, :, keys]).split(d, -1)
+        p2 = (p.square() @ by_p2[:, :, keys]).sqrt()
+        ds = doi @ v[:, :, keys].transpose(-1, -2)  # dP, then dS in place
+        pdp = p * ds
+        dd = pdp.sum(-1, keepdim=True)  # D_i
+        r = pdp.square_().sum(-1).sqrt() + (doi * o).square().sum(-1).sqrt()
+        del pdp
+        ds.sub_(dd).mul_(p)
+        dsk = (ds @ k1[:, :, keys].unsqueeze(-1)).squeeze(-1)
+        if outputs:
+            o_full[:, :, i0:i1] = o
+            dq[:, :, i0:i1] = (ds @ k[:, :, keys]) * scale
+            dk[:, :, keys] += (ds.transpose(-1, -2) @ qi) * scale
+            dv[:, :, keys] += p.transpose(-1, -2) @ doi
+        ds2 = (ds.square_() @ by_ds2[:, :, keys]).sqrt()
+        del p, ds
         # rounding spreads (docs/attention.md §3): each bf16 rounding of P or dS moves its product by
         # at most 2⁻⁹ of it, independently; D_i's error (from the bf16 O and P) shifts a row's dS together
-        out["osg"][:, :, i0:i1] = 2.0**-8 * (rms(p * v1) + rms(p) * (p * v1).sum(-1).abs())
-        r = rms(p * dp) + rms(do[:, :, i0:i1] * o)
-        out["dqsg"][:, :, i0:i1] = scale * 2.0**-8 * (rms(ds * k1) + r * (p * k1).sum(-1).abs())
-        out["prms"][:, :, i0:i1], out["dsrms"][:, :, i0:i1] = rms(p), rms(ds) + r
-        out["lse"][:, :, i0:i1] = lse
-        out["dq"][:, :, i0:i1] = (ds @ k) * scale
-        out["os"][:, :, i0:i1] = (p * vabs.unsqueeze(-2)).sum(-1)
-        out["dqs"][:, :, i0:i1] = scale * (p * (a + a_bar) * kabs.unsqueeze(-2)).sum(-1)
-        dk += (ds.transpose(-1, -2) @ q[:, :, i0:i1]) * scale
-        dv += p.transpose(-1, -2) @ do[:, :, i0:i1]
-    fold = lambda t: t.reshape(b, shape.kv_heads, g, s, d).sum(2)
-    return AttentionReference(out["o"], out["lse"], out["dq"], fold(dk), fold(dv), out["os"], out["dqs"], out["osg"],
-                              out["dqsg"], out["prms"], out["dsrms"], p_min)
+        blk = {"o_rowsum": pv[..., 0], "lse": lse, "dq_rowsum": scale * dsk, "os": pv[..., 1],
+               "dqs": scale * ((doi.abs() * p_kvabs).sum(-1) + (doi.abs() * p_vabs).sum(-1) * pv[..., 3]),
+               "osg": 2.0**-8 * (p2[..., 0] + p2[..., 1] * pv[..., 0].abs()),
+               "dqsg": scale * 2.0**-8 * (ds2[..., 0] + r * pv[..., 2].abs()), "prms": p2[..., 1], "dsrms": ds2[..., 1] + r}
+        for name, t in blk.items():
+            out[name][:, :, i0:i1] = t
+    fold = lambda t: None if t is None else t.reshape(b, shape.kv_heads, g, s, d).sum(2)
+    return AttentionReference(out["o_rowsum"], out["lse"], out["dq_rowsum"], out["os"], out["dqs"], out["osg"],
+                              out["dqsg"], out["prms"], out["dsrms"], p_min, o_full, dq, fold(dk), fold(dv))

@@ -97,7 +97,7 @@ def softmax_reach(ops: AttentionOperands, scale: float) -> float:
 def forward_diffs(ops: AttentionOperands, fwd: AttentionForward, ref: AttentionReference, scale: float) -> Diffs:
     lse_scale = _reach(ops, scale) + ref.lse.abs() + 1
     out = Diffs()
-    out.add("o_rowsum", fwd.o_rowsum, ref.o.sum(-1), ref.o_rowsum_sigma, ref.o_rowsum_scale)
+    out.add("o_rowsum", fwd.o_rowsum, ref.o_rowsum, ref.o_rowsum_sigma, ref.o_rowsum_scale)
     out.add("lse", fwd.lse, ref.lse, lse_scale * (1 - 4 * U_ACC), lse_scale)  # fp32 noise only: σ is s
     return out
 
@@ -122,7 +122,7 @@ def backward_diffs(ops: AttentionOperands, bwd: AttentionBackward, ref: Attentio
     out.add("dk_colsum", bwd.dk_colsum, torch.zeros_like(bwd.dk_colsum, dtype=torch.float64), dk_sigma,
             scale * (a.unsqueeze(-1) * q.abs()).sum(dim=(2, 3)))
     if ref is not None:
-        out.add("dq_rowsum", bwd.dq_rowsum, ref.dq.sum(-1), ref.dq_rowsum_sigma, ref.dq_rowsum_scale)
+        out.add("dq_rowsum", bwd.dq_rowsum, ref.dq_rowsum, ref.dq_rowsum_sigma, ref.dq_rowsum_scale)
     return out
 
 

@@ -54,11 +54,15 @@ def test_the_coverage_mode_checks_each_operator_from_its_phase(tmp_path):
 
 
 def test_the_attention_parts_sense_every_sdpa_call_and_say_which_invariant_runs_close(tmp_path):
-    res = sensors_overhead.main(["--device", "cpu", "--preset", "tiny", "--dtype", "float32", "--modes", "plain,attention",
-                                 "--warmup", "1", "--steps", "2", "--rounds", "1", "--clean-steps", "3", "--clean-attention",
+    res = sensors_overhead.main(["--device", "cpu", "--preset", "tiny", "--dtype", "float32", "--modes",
+                                 "plain,attention,coverage_attention", "--warmup", "1", "--steps", "2", "--rounds", "1",
+                                 "--clean-steps", "3", "--clean-attention",
                                  "--attention-noise-steps", "2", "--out", str(tmp_path)])
     layers = sensors_overhead.PRESETS["tiny"].layers
     assert res["interleaved"]["attention"]["stats"][0]["checked"] == 0  # routed, nothing sampled
+    cov = res["interleaved"]["coverage_attention"]  # the floor with SDPA among the operators
+    assert cov["overhead"] is not None and cov["stats"][0]["raised"] == 0
+    assert {op.split("/")[0] for ops in cov["checked_ops"] for op in ops} <= {"sdpa"} | {f"blocks.{i}" for i in range(layers)} | {"head"}
     noise = res["attention_noise"]
     st = noise["stats"]  # every call once, nothing verified (a flag is dropped, never queued)
     assert noise["calls"] == 2 * layers and st["cleared"] == st["confirmed"] == 0 and st["raised"] == st["dropped"]

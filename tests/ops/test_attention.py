@@ -17,7 +17,7 @@ SHAPES = [(1, 4, 2, 100, 64, True), (1, 2, 2, 130, 128, False), (2, 4, 1, 37, 64
 def test_fp64_reference_is_torch_autograd_in_fp64():
     ops = draw(1, 4, 2, 50, 64, causal=True, seed=3)
     sc = ops.shape.scale
-    ref = A.reference(ops, sc, rows=16)  # several row chunks
+    ref = A.reference(ops, sc, rows=16, outputs=True)  # several row chunks
     q, k, v = (t.double().requires_grad_() for t in (ops.q, ops.k, ops.v))
     o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=sc, enable_gqa=True)
     o.backward(ops.do.double())
@@ -28,11 +28,46 @@ def test_fp64_reference_is_torch_autograd_in_fp64():
     assert torch.allclose(ref.lse, lse, rtol=1e-12)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_row_sides_are_their_definitions(causal):
+    """Each side the invariants read, from whole fp64 P and dS matrices by its definition (the
+    reference forms none of them: row sums through per-key vectors, block by block); the outputs
+    do not change the sides' bits."""
+    ops = draw(2, 4, 2, 45, 32, causal=causal, seed=11)
+    sc = ops.shape.scale
+    ref = A.reference(ops, sc, rows=16)
+    full = A.reference(ops, sc, rows=16, outputs=True)
+    q, do = ops.q.double(), ops.do.double()
+    k, v = (t.double().repeat_interleave(2, 1) for t in (ops.k, ops.v))
+    s = q @ k.transpose(-1, -2) * sc
+    if causal:
+        s = s.masked_fill(torch.ones(45, 45, dtype=torch.bool).triu(1), float("-inf"))
+    p = torch.softmax(s, -1)
+    o, dp = p @ v, do @ v.transpose(-1, -2)
+    ds = p * (dp - (p * dp).sum(-1, keepdim=True))
+    a = do.abs() @ v.abs().transpose(-1, -2)
+    kabs, v1, k1 = k.abs().sum(-1).unsqueeze(-2), v.sum(-1).unsqueeze(-2), k.sum(-1).unsqueeze(-2)
+    rms = lambda x: x.square().sum(-1).sqrt()
+    r = rms(p * dp) + rms(do * o)
+    want = {"o_rowsum": o.sum(-1), "dq_rowsum": sc * (ds @ k).sum(-1), "lse": torch.logsumexp(s, -1),
+            "o_rowsum_scale": (p * v.abs().sum(-1).unsqueeze(-2)).sum(-1),
+            "dq_rowsum_scale": sc * (p * (a + (p * a).sum(-1, keepdim=True)) * kabs).sum(-1),
+            "o_rowsum_sigma": 2.0**-8 * (rms(p * v1) + rms(p) * (p * v1).sum(-1).abs()),
+            "dq_rowsum_sigma": sc * 2.0**-8 * (rms(ds * k1) + r * (p * k1).sum(-1).abs()),
+            "p_rms": rms(p), "ds_rms": rms(ds) + r}
+    for name, w in want.items():
+        got = getattr(ref, name)
+        assert torch.allclose(got, w, rtol=1e-13, atol=1e-13 * float(w.abs().max())), name
+        assert torch.equal(got, getattr(full, name)), name
+    assert ref.o is None and ref.dk is None and full.o is not None
+    assert ref.p_min == pytest.approx(float(p.masked_fill(torch.isinf(s), 1.0).min()), rel=1e-13)
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_flash_matches_fp64_within_bf16(shape):
     ops = draw(*shape, seed=sum(shape))
     fwd, bwd = run(ops)
-    ref = A.reference(ops, ops.shape.scale)
+    ref = A.reference(ops, ops.shape.scale, outputs=True)
     assert fwd.o.dtype == bwd.dq.dtype == torch.bfloat16 and fwd.lse.dtype == torch.float32
     assert bwd.dk.shape == bwd.dv.shape == ops.k.shape and bwd.dq.shape == ops.q.shape
     for got, want in ((fwd.o, ref.o), (bwd.dq, ref.dq), (bwd.dk, ref.dk), (bwd.dv, ref.dv)):
@@ -114,7 +149,12 @@ def test_fault_validation_and_tuple():
 def test_rescaled_reference_is_the_reference_of_scaled_inputs():
     ops = draw(1, 2, 1, 40, 64, seed=2)
     sc = ops.shape.scale
-    base = A.reference(ops, sc).rescaled(3, -2)
-    scaled = A.reference(A.AttentionOperands(ops.q, ops.k, (ops.v.float() * 8).bfloat16(), (ops.do.float() / 4).bfloat16(), True), sc)
-    for n in ("o", "lse", "dq", "dk", "dv", "o_rowsum_scale", "dq_rowsum_scale"):
-        assert torch.allclose(getattr(base, n), getattr(scaled, n), rtol=1e-12, atol=0), n
+    for outputs in (False, True):
+        base = A.reference(ops, sc, outputs=outputs).rescaled(3, -2)
+        scaled = A.reference(A.AttentionOperands(ops.q, ops.k, (ops.v.float() * 8).bfloat16(), (ops.do.float() / 4).bfloat16(), True),
+                             sc, outputs=outputs)
+        assert (base.o is None) is (not outputs)
+        tensors = [n for n, t in vars(base).items() if isinstance(t, torch.Tensor)]
+        assert len(tensors) == (13 if outputs else 9)
+        for n in tensors:
+            assert torch.allclose(getattr(base, n), getattr(scaled, n), rtol=1e-12, atol=0), n
