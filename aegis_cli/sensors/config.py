@@ -63,6 +63,11 @@ class SensorConfig:
     job: str = ""  # the job's name, in provenance
     rank: int | None = None  # None: torch.distributed's rank when initialised, else 0
     seed: int = 0  # the sampling coin's seed (never torch's RNG: the model's random stream stays its own)
+    # data-parallel ranks share the budget from agreed figures, so they check the same launches in the same
+    # steps (sensors/lockstep.py): every rank's step boundary is then a collective every 50 steps, over
+    # ``group`` (a torch.distributed process group; None: the default one); without torch.distributed, nothing
+    lockstep: bool = True
+    group: object = None
     inject: str | None = None  # a self-test: --inject faults applied to the checked GEMMs and checkpointed inputs
     on_event: Callable[[SensorEvent], Action | None] | None = None  # called for each event; may ask the loop to act
 
@@ -80,8 +85,9 @@ class SensorConfig:
             _integer(name, getattr(self, name), 0 if name in ("min_verify", "seed") else 1)
         _integer("coverage_steps", self.coverage_steps, 1, none_ok=True)
         _integer("rank", self.rank, 0, none_ok=True)
-        if not isinstance(self.attention, bool):
-            raise ConfigError(f"sensor config: attention must be true or false, got {self.attention!r}")
+        for name in ("attention", "lockstep"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"sensor config: {name} must be true or false, got {getattr(self, name)!r}")
         if self.inject is not None:
             FaultPlan.parse(self.inject)  # refused now (InjectSpecError), not at the first launch
 

@@ -80,10 +80,11 @@ class Controller:
         """Whether this launch of ``op`` is checked."""
         st = self._op(op)
         st.launches += 1
+        u = self.coin.random()  # one draw a launch whatever decides it: ranks with equal probabilities stay in step
         due = st.checks == 0 and st.idle_steps + st.phase >= self.coverage - 1
         if self.budget is not None and not st.shared and st.checks:
             return False  # one check measures its cost: more in its first step would repeat it at full price
-        if due or st.prob >= 1.0 or self.coin.random() < st.prob:
+        if due or st.prob >= 1.0 or u < st.prob:
             st.checks += 1  # counted now: its cost may be known only at the step boundary (spent)
             return True
         return False
@@ -118,9 +119,16 @@ class Controller:
         return floor * want
 
     # -- per step ---------------------------------------------------------------------------
-    def end_step(self, base_s: float) -> None:
+    def figures(self) -> dict[str, tuple[int, float]]:
+        """This step's launches and each operator's measured seconds a check (0: not measured), by
+        operator: what the budget is shared from (``end_step``), and what ranks agree on (lockstep.py)."""
+        return {op: (st.launches, st.cost_s or 0.0) for op, st in self.ops.items()}
+
+    def end_step(self, base_s: float, figures: dict[str, tuple[int, float]] | None = None, share: bool = True) -> None:
         """Close a step whose time without sensors and verifier was ``base_s``: new probabilities
-        under the budget, per-step counts reset."""
+        under the budget, from ``figures`` (``figures()``; the ranks' agreed ones in lockstep) or this
+        controller's own, unless ``share`` is False (they stay); per-step counts reset."""
+        figures = self.figures() if figures is None else figures
         for st in self.ops.values():
             if st.checks:  # the phase only delays the first check
                 st.idle_steps = st.phase = 0
@@ -128,28 +136,28 @@ class Controller:
                 st.idle_steps += 1
             st.launches_total += st.launches
             st.checks_total += st.checks
-        if self.budget is not None and base_s > 0:
-            self._share(self.budget * base_s)
+        if self.budget is not None and base_s > 0 and share:
+            self._share(self.budget * base_s, figures)
         for st in self.ops.values():
             st.launches = st.checks = 0
 
-    def _share(self, budget_s: float) -> None:
+    def _share(self, budget_s: float, figures: dict[str, tuple[int, float]]) -> None:
         """Water-fill ``budget_s`` over the operators, the coverage floor included: an operator's
         coin checks cost p·d a step and its forced checks (none in ``coverage - 1`` steps) at most
         f = cost ÷ coverage, so its share pays f first and the coin gets the rest; an operator whose
         share is below f is checked only when due (coverage wins over the budget). Each is charged its
         expected cost, forced checks included (a cycle ends at a coin check or at the forced one), and
         what it leaves of its share goes to the dearer ones."""
-        demand = sorted(((st.launches * st.cost_s, st) for st in self.ops.values() if st.launches and st.cost_s),
-                        key=lambda x: x[0])
+        demand = sorted(((n * c, op, n, c) for op, (n, c) in figures.items() if n and c), key=lambda x: x[:2])
         left = budget_s
-        for i, (d, st) in enumerate(demand):
+        for i, (d, op, n, cost) in enumerate(demand):
+            st = self._op(op)
             share = left / (len(demand) - i)
-            floor = st.cost_s / self.coverage
+            floor = cost / self.coverage
             st.prob, st.shared = min(1.0, max(0.0, share - floor) / d), True
-            q = (1.0 - st.prob) ** st.launches  # P(a step without a coin check)
+            q = (1.0 - st.prob) ** n  # P(a step without a coin check)
             per_step = (1.0 - q) / (1.0 - q**self.coverage) if q < 1.0 else 1.0 / self.coverage  # steps with a check
-            left -= st.cost_s * (per_step + st.prob * st.launches - (1.0 - q))  # + launches beyond the first in a step
+            left -= cost * (per_step + st.prob * n - (1.0 - q))  # + launches beyond the first in a step
 
     def to_dict(self) -> dict:
         return {op: st.to_dict() for op, st in sorted(self.ops.items())}

@@ -25,6 +25,7 @@ from aegis_cli.sensors.checkpoint import CheckpointSensor
 from aegis_cli.sensors.config import SensorConfig
 from aegis_cli.sensors.control import Controller
 from aegis_cli.sensors.events import Action, SensorEvent, SensorStats, default_action, log, log_event
+from aegis_cli.sensors.lockstep import Lockstep
 from aegis_cli.sensors.queue import Suspicion, SuspicionQueue
 from aegis_cli.sensors.verifier import verify_one
 
@@ -72,6 +73,8 @@ class SensorHandle:
         self.controller = Controller(config.sample_prob, config.overhead_budget, config.coverage_steps,
                                      headroom=config.raise_headroom, max_raise=config.max_raise, decay=config.decay,
                                      seed=config.seed)
+        # the same checks in the same steps on every data-parallel rank (only the budget's figures can differ)
+        self.lockstep = Lockstep.join(config.group) if config.lockstep and config.overhead_budget is not None else None
         self.queue = SuspicionQueue(config.queue_size, config.queue_bytes)
         self.fault_plan: FaultPlan | None = config.fault_plan()
         self.events: deque[SensorEvent] = deque(maxlen=MAX_EVENTS)
@@ -233,7 +236,11 @@ class SensorHandle:
         step_s = time.perf_counter() - self._t0
         base = max(step_s - self._sense_step, 0.0)
         verify_s = self._verify(self.config.verify_budget * base, self.config.min_verify)
-        self.controller.end_step(base)
+        agreed = (base, None) if self.lockstep is None else self.lockstep.agree(self.step_index, base, self.controller.figures())
+        if agreed is None:  # between the ranks' agreements: the probabilities stay
+            self.controller.end_step(base, share=False)
+        else:
+            self.controller.end_step(*agreed)
         self.stats.steps += 1
         self.stats.step_s += step_s + verify_s
         self.stats.sense_s += self._sense_step

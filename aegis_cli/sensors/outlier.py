@@ -30,6 +30,13 @@ TINY = 1e-300  # a zero statistic (nothing sampled, or an exact result) sits at 
 MAD_SCALE = 1.4826  # MAD → standard deviation for normal data
 
 
+def collective_device(group=None) -> torch.device:
+    """Where a collective's tensors must live: the current GPU under NCCL (device tensors only), else the host."""
+    if torch.distributed.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def outliers(values: list[float], k: float = 5.0, min_decades: float = 1.0) -> tuple[list[int], list[float]]:
     """(flagged ranks, each rank's threshold in log10) for one step's statistics."""
     logs = [math.log10(max(v, TINY)) if math.isfinite(v) else math.inf for v in values]
@@ -78,11 +85,6 @@ class OutlierWarning:
     observed: int = 0
     warnings: list[OutlierResult] = field(default_factory=list)  # this rank's
 
-    def _device(self) -> torch.device:
-        if torch.distributed.get_backend(self.group) == "nccl":  # NCCL gathers device tensors only
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
     def observe(self, step: int, value: float) -> OutlierResult | None:
         """None during warm-up or without a process group of two ranks or more; else the
         step's comparison, identical on every rank."""
@@ -93,7 +95,7 @@ class OutlierWarning:
         world = dist.get_world_size(self.group)
         if world < 2:
             return None
-        mine = torch.tensor([float(value)], dtype=torch.float64, device=self._device())
+        mine = torch.tensor([float(value)], dtype=torch.float64, device=collective_device(self.group))
         gathered = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine, group=self.group)
         values = [float(t.item()) for t in gathered]

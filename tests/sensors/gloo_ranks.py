@@ -1,7 +1,7 @@
 """One spawn of 3 gloo ranks on CPU (loopback) for the data-parallel tests: each rank runs the
-outlier-warning scenario (test_outlier.py) and the DDP guard scenario (test_guards_ddp.py) and
-writes what it saw to rank<N>.json. One spawn for both: starting torch in 3 processes is most
-of the cost."""
+outlier-warning scenario (test_outlier.py), the DDP guard scenario (test_guards_ddp.py) and the
+sampling-lockstep scenario (test_lockstep.py) and writes what it saw to rank<N>.json. One spawn for
+all: starting torch in 3 processes is most of the cost."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ FAULTY, STEPS, WARMUP, FAULT_FROM = 2, 14, 4, 8
 PERTURB = "perturb:r=200,rate=0.001"  # about 60× the clean checksum noise
 # DDP guard: a state fault on rank 1 only
 DDP_STEPS, STATE_FAULT = 7, "stateflip:target=exp_avg_sq,step=6,bit=30,device=cpu:1"
+# lockstep: a budget the size of the step, agreements every 3 steps
+LOCK_STEPS, LOCK_EVERY = 10, 3
 
 
 def _free_port() -> int:
@@ -83,12 +85,38 @@ def _ddp(rank: int) -> dict:
             "events": [[e.step, e.outcome, e.restored_to, e.replayed, [v.check for v in e.violations]] for e in g1.events]}
 
 
+def _lockstep(rank: int) -> dict:
+    """Each rank trains the micro GPT on its own batches under a budget (as large as the step: on this
+    CPU the checks cost nearly as much as the layers, and a smaller one leaves only the coverage
+    floor, whose phases agree anyway), once in lockstep and once without; per step, which operators
+    it checked, and the probabilities it ended with."""
+    from aegis_cli.sensors import SensorConfig, instrument, lockstep, uninstrument
+    from tests.sensors.tiny import batches, gpt
+
+    lockstep.EVERY = LOCK_EVERY
+    seen = {}
+    for mode in (True, False):
+        model = gpt()
+        handle = instrument(model, SensorConfig(lockstep=mode, coverage_steps=5, overhead_budget=1.0))
+        data, checked = batches(seed=rank), []
+        for _ in range(LOCK_STEPS):
+            x, y = next(data)
+            before = {op: st.checks_total for op, st in handle.controller.ops.items()}
+            model(x, y)[1].backward()
+            handle.step()
+            checked.append(sorted(op for op, st in handle.controller.ops.items() if st.checks_total > before.get(op, 0)))
+        seen["lockstep" if mode else "own"] = {"checked": checked, "probs": {op: st.prob for op, st in handle.controller.ops.items()},
+                                                "joined": handle.lockstep is not None}
+        uninstrument(model)
+    return seen
+
+
 def _rank(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                                          timeout=datetime.timedelta(seconds=60))
     try:
-        doc = {"outlier": _outlier(rank), "ddp": _ddp(rank)}
+        doc = {"outlier": _outlier(rank), "ddp": _ddp(rank), "lockstep": _lockstep(rank)}
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(doc, f)
         # no rank tears down while another still talks to it: rank 0 hosts the store, and a rank
