@@ -320,11 +320,13 @@ ROW_SIDES = ("o_rowsum", "lse", "dq_rowsum", "os", "dqs", "osg", "dqsg", "prms",
 def reference(ops: AttentionOperands, scale: float, *, rows: int = 256, outputs: bool = False) -> AttentionReference:
     """Attention forward and backward in fp64, ``rows`` queries at a time over the keys they may
     attend to (memory O(rows·S) per head): P = softmax(scale·QKᵀ) (causal mask), O = P·V,
-    dP = dO·Vᵀ, dS = P∘(dP − rowsum(P∘dP)). The invariants need row sums and spreads only, so dS
-    is never multiplied by a matrix: dQ·1 = scale·dS·(K·1), O·1 = P·(V·1), and Σ_j P_ij·A_ij·… from
-    P·|V| (A = |dO|·|V|ᵀ is never formed). The products of D are QKᵀ, dO·Vᵀ and P·[V, |V|, |K|₁∘|V|];
-    ``outputs`` adds dQ = scale·dS·K, dK = scale·dSᵀ·Q and dV = Pᵀ·dO (the tests compare O, dQ,
-    dK, dV with torch's autograd)."""
+    dP = dO·Vᵀ, D_i = dO_i·O_i, dS = P∘(dP − D). The invariants need row sums and spreads only, so
+    dS is never multiplied by a matrix: dQ·1 = scale·dS·(K·1), O·1 = P·(V·1), and Σ_j P_ij·A_ij·…
+    from P·|V| (A = |dO|·|V|ᵀ is never formed). The products of D are QKᵀ, dO·Vᵀ and
+    P·[V, |V|, ‖K‖₁∘|V|]. P is kept unnormalised, p = exp(s − max), and each product of P (of P², dS,
+    dS²) is divided by the row's Σp (its square) after it: one pass over the scores fewer. ``outputs``
+    adds dQ = scale·dS·K, dK = scale·dSᵀ·Q and dV = Pᵀ·dO (the tests compare O, dQ, dK, dV with
+    torch's autograd)."""
     shape = ops.shape
     g = shape.group
     q, do = ops.q.double(), ops.do.double()
@@ -334,10 +336,12 @@ def reference(ops: AttentionOperands, scale: float, *, rows: int = 256, outputs:
     kabs = k.abs().sum(-1)
     v1, k1 = v.sum(-1), k.sum(-1)
     one = torch.ones_like(v1)
-    by_p = torch.stack((v1, v_abs.sum(-1), k1, kabs), -1)  # P· these: O·1, Σ_j P_ij|V_j|₁, Σ_j P_ij K_j·1, Σ_j P_ij|K_j|₁
+    # P· these: O, P|V|, P(‖K‖₁∘|V|), then O·1, Σ_j P_ij‖V_j‖₁, Σ_j P_ij K_j·1, Σ_j P_ij‖K_j‖₁
+    by_p = torch.cat((v, v_abs, v_abs * kabs.unsqueeze(-1), torch.stack((v1, v_abs.sum(-1), k1, kabs), -1)), -1)
     by_p2 = torch.stack((v1.square(), one), -1)  # P²· these: ‖P_i∘(V·1)‖², ‖P_i‖²
     by_ds2 = torch.stack((k1.square(), one), -1)  # dS²· these
-    wide = torch.cat((v, v_abs, v_abs * kabs.unsqueeze(-1)), -1)  # P· this: O, P|V|, P(|K|₁∘|V|)
+    # the scores are finite unless the inputs are not (bf16 products of D ≤ 256 stay far inside fp64)
+    finite = bool(torch.isfinite(q).all() and torch.isfinite(k).all())
     out = {n: torch.empty((b, h, s), dtype=torch.float64, device=q.device) for n in ROW_SIDES}
     o_full = torch.empty((b, h, s, d), dtype=torch.float64, device=q.device) if outputs else None
     dq = torch.empty_like(o_full) if outputs else None
@@ -348,37 +352,46 @@ def reference(ops: AttentionOperands, scale: float, *, rows: int = 256, outputs:
         i1 = min(s, i0 + rows)
         n = i1 if ops.causal else s  # the keys this block's queries may attend to
         qi, doi, keys = q[:, :, i0:i1], do[:, :, i0:i1], slice(0, n)
-        p = (qi @ k[:, :, keys].transpose(-1, -2)) * scale  # the scores, then P in place
-        if ops.causal:
-            p.masked_fill_(_mask(p, i0, 0), -math.inf)
-        unseen = torch.isinf(p)
-        lse = torch.logsumexp(p, -1)
-        p.sub_(lse.unsqueeze(-1)).exp_()
-        p_min = min(p_min, float(p.masked_fill(unseen, 1.0).min()))
-        del unseen
-        pv = p @ by_p[:, :, keys]
-        o, p_vabs, p_kvabs = (p @ wide[:, :, keys]).split(d, -1)
-        p2 = (p.square() @ by_p2[:, :, keys]).sqrt()
-        ds = doi @ v[:, :, keys].transpose(-1, -2)  # dP, then dS in place
-        pdp = p * ds
-        dd = pdp.sum(-1, keepdim=True)  # D_i
-        r = pdp.square_().sum(-1).sqrt() + (doi * o).square().sum(-1).sqrt()
-        del pdp
-        ds.sub_(dd).mul_(p)
-        dsk = (ds @ k1[:, :, keys].unsqueeze(-1)).squeeze(-1)
+        p = (qi @ k[:, :, keys].transpose(-1, -2)) * scale  # the scores, then p in place
+        masked = _mask(p[..., i0:], i0, i0) if ops.causal else None  # only the block's own keys can be masked
+        if masked is not None:
+            p[..., i0:].masked_fill_(masked, -math.inf)
+        unseen = None if finite else torch.isinf(p)
+        m = p.amax(-1, keepdim=True)
+        p.sub_(m).exp_()  # ≤ 1, the row's largest 1
+        l = p.sum(-1, keepdim=True)  # noqa: E741  (P = p ÷ l)
+        lse = (m + l.log()).squeeze(-1)
+        if unseen is not None:
+            seen_min = p.masked_fill(unseen, 1.0).amin(-1, keepdim=True)
+        elif masked is not None:  # masked entries are 0: read as 1, above any seen p
+            seen_min = torch.minimum(p[..., :i0].amin(-1, keepdim=True) if i0 else torch.ones_like(l),
+                                     p[..., i0:].masked_fill(masked, 1.0).amin(-1, keepdim=True))
+        else:
+            seen_min = p.amin(-1, keepdim=True)
+        p_min = min(p_min, float((seen_min / l).min()))
+        pw = (p @ by_p[:, :, keys]) / l
+        o, p_vabs, p_kvabs, rs = pw[..., :d], pw[..., d:2 * d], pw[..., 2 * d:3 * d], pw[..., 3 * d:]
+        buf = torch.mul(p, p)
+        p2 = (buf @ by_p2[:, :, keys]).sqrt() / l
+        dp = doi @ v[:, :, keys].transpose(-1, -2)
+        dd = (doi * o).sum(-1, keepdim=True)  # D_i = Σ_j P_ij dP_ij
+        torch.mul(p, dp, out=buf)
+        r = (torch.linalg.vector_norm(buf, dim=-1, keepdim=True) / l).squeeze(-1) + (doi * o).square().sum(-1).sqrt()
+        ds = buf.addcmul_(p, dd, value=-1.0)  # l·dS
+        dsk = (ds @ k1[:, :, keys].unsqueeze(-1)).squeeze(-1) / l.squeeze(-1)
         if outputs:
             o_full[:, :, i0:i1] = o
-            dq[:, :, i0:i1] = (ds @ k[:, :, keys]) * scale
-            dk[:, :, keys] += (ds.transpose(-1, -2) @ qi) * scale
-            dv[:, :, keys] += p.transpose(-1, -2) @ doi
-        ds2 = (ds.square_() @ by_ds2[:, :, keys]).sqrt()
-        del p, ds
+            dq[:, :, i0:i1] = (ds @ k[:, :, keys]) * scale / l
+            dk[:, :, keys] += ((ds / l).transpose(-1, -2) @ qi) * scale
+            dv[:, :, keys] += (p / l).transpose(-1, -2) @ doi
+        ds2 = (torch.mul(ds, ds, out=dp) @ by_ds2[:, :, keys]).sqrt() / l
+        del p, buf, dp, ds
         # rounding spreads (docs/attention.md §3): each bf16 rounding of P or dS moves its product by
         # at most 2⁻⁹ of it, independently; D_i's error (from the bf16 O and P) shifts a row's dS together
-        blk = {"o_rowsum": pv[..., 0], "lse": lse, "dq_rowsum": scale * dsk, "os": pv[..., 1],
-               "dqs": scale * ((doi.abs() * p_kvabs).sum(-1) + (doi.abs() * p_vabs).sum(-1) * pv[..., 3]),
-               "osg": 2.0**-8 * (p2[..., 0] + p2[..., 1] * pv[..., 0].abs()),
-               "dqsg": scale * 2.0**-8 * (ds2[..., 0] + r * pv[..., 2].abs()), "prms": p2[..., 1], "dsrms": ds2[..., 1] + r}
+        blk = {"o_rowsum": rs[..., 0], "lse": lse, "dq_rowsum": scale * dsk, "os": rs[..., 1],
+               "dqs": scale * ((doi.abs() * p_kvabs).sum(-1) + (doi.abs() * p_vabs).sum(-1) * rs[..., 3]),
+               "osg": 2.0**-8 * (p2[..., 0] + p2[..., 1] * rs[..., 0].abs()),
+               "dqsg": scale * 2.0**-8 * (ds2[..., 0] + r * rs[..., 2].abs()), "prms": p2[..., 1], "dsrms": ds2[..., 1] + r}
         for name, t in blk.items():
             out[name][:, :, i0:i1] = t
     fold = lambda t: None if t is None else t.reshape(b, shape.kv_heads, g, s, d).sum(2)

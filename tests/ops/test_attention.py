@@ -61,6 +61,10 @@ def test_row_sides_are_their_definitions(causal):
         assert torch.equal(got, getattr(full, name)), name
     assert ref.o is None and ref.dk is None and full.o is not None
     assert ref.p_min == pytest.approx(float(p.masked_fill(torch.isinf(s), 1.0).min()), rel=1e-13)
+    k = ops.k.clone()
+    k[1, 0, 7, 3] = float("inf")  # a non-finite key: that head's sides are not finite, the others' unchanged
+    bad = A.reference(A.AttentionOperands(ops.q, k, ops.v, ops.do, causal), sc, rows=16)
+    assert not bad.lse[1, :2].isfinite().all() and torch.equal(bad.o_rowsum[0], ref.o_rowsum[0])
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))

@@ -85,22 +85,23 @@ def _ddp(rank: int) -> dict:
             "events": [[e.step, e.outcome, e.restored_to, e.replayed, [v.check for v in e.violations]] for e in g1.events]}
 
 
-def _lockstep(rank: int) -> dict:
+def _lockstep(rank: int, device: str = "cpu") -> dict:
     """Each rank trains the micro GPT on its own batches under a budget (as large as the step: on this
     CPU the checks cost nearly as much as the layers, and a smaller one leaves only the coverage
     floor, whose phases agree anyway), once in lockstep and once without; per step, which operators
-    it checked, and the probabilities it ended with."""
+    it checked, and the probabilities it ended with. ``device``: where the model trains
+    (test_lockstep_gpu.py: each rank's own GPU, over NCCL)."""
     from aegis_cli.sensors import SensorConfig, instrument, lockstep, uninstrument
     from tests.sensors.tiny import batches, gpt
 
     lockstep.EVERY = LOCK_EVERY
     seen = {}
     for mode in (True, False):
-        model = gpt()
+        model = gpt().to(device)
         handle = instrument(model, SensorConfig(lockstep=mode, coverage_steps=5, overhead_budget=1.0))
         data, checked = batches(seed=rank), []
         for _ in range(LOCK_STEPS):
-            x, y = next(data)
+            x, y = (t.to(device) for t in next(data))
             before = {op: st.checks_total for op, st in handle.controller.ops.items()}
             model(x, y)[1].backward()
             handle.step()
