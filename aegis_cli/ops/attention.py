@@ -374,9 +374,10 @@ def reference(ops: AttentionOperands, scale: float, *, rows: int = 256, outputs:
         buf = torch.mul(p, p)
         p2 = (buf @ by_p2[:, :, keys]).sqrt() / l
         dp = doi @ v[:, :, keys].transpose(-1, -2)
-        dd = (doi * o).sum(-1, keepdim=True)  # D_i = Σ_j P_ij dP_ij
+        do_o = doi * o
+        dd = do_o.sum(-1, keepdim=True)  # D_i = Σ_j P_ij dP_ij
         torch.mul(p, dp, out=buf)
-        r = (torch.linalg.vector_norm(buf, dim=-1, keepdim=True) / l).squeeze(-1) + (doi * o).square().sum(-1).sqrt()
+        r = (torch.linalg.vector_norm(buf, dim=-1, keepdim=True) / l).squeeze(-1) + do_o.square().sum(-1).sqrt()
         ds = buf.addcmul_(p, dd, value=-1.0)  # l·dS
         dsk = (ds @ k1[:, :, keys].unsqueeze(-1)).squeeze(-1) / l.squeeze(-1)
         if outputs:
