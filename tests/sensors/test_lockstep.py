@@ -1,6 +1,6 @@
-"""Sampling in lockstep across data-parallel ranks (sensors/lockstep.py): 3 gloo ranks train on their
-own batches under the default budget (tests/sensors/gloo_ranks.py runs them); and the agreement's
-rules in one process."""
+"""Sampling in lockstep across data-parallel ranks (sensors/lockstep.py): 3 gloo ranks train the
+instrumented micro GPT under DDP on their own batches under a budget (tests/sensors/gloo_ranks.py
+runs them); and the agreement's rules in one process."""
 
 from __future__ import annotations
 
@@ -18,11 +18,13 @@ def test_ranks_in_lockstep_check_the_same_operators_in_every_step(gloo_ranks):
     assert runs[1]["checked"] == runs[0]["checked"] == runs[2]["checked"]
     assert any(runs[0]["checked"]) and not all(len(c) == len(runs[0]["checked"][0]) for c in runs[0]["checked"])  # sampling, not all or nothing
     assert runs[1]["probs"] == runs[0]["probs"] == runs[2]["probs"]  # bit for bit, from the agreed figures
+    # instrumented under DDP: the gradients were averaged (the weights alike on every rank), nothing confirmed
+    assert len({r["weights"] for r in runs}) == 1 and all(r["confirmed"] == 0 for r in runs)
 
 
 def test_ranks_on_their_own_figures_share_the_budget_differently(gloo_ranks):
     """Without lockstep each rank's probabilities follow its own measured times: they differ, and so do
-    the launches the ranks check (in a test run, 2 of 10 steps alike on all three, against 10 of 10)."""
+    the launches the ranks check (in test runs, 1 of 10 steps alike on all three, against 10 of 10)."""
     probs = [g["lockstep"]["own"]["probs"] for g in gloo_ranks]
     assert not any(g["lockstep"]["own"]["joined"] for g in gloo_ranks)
     assert probs[0].keys() == probs[1].keys() and (probs[0] != probs[1] or probs[0] != probs[2])
