@@ -112,11 +112,14 @@ class GPT(nn.Module):
         return logits, loss
 
 
-def markov_batches(cfg: GPTConfig, batch: int, seed: int):
+def markov_batches(cfg: GPTConfig, batch: int, seed: int, stream: int = 0):
     """An endless stream of (inputs, targets) from a fixed random sparse Markov chain over the
-    vocabulary: something a small model can learn, so the loss falls."""
+    vocabulary: something a small model can learn, so the loss falls. ``stream`` > 0 draws other
+    sequences of the same chain (a data-parallel rank's own batches)."""
     g = torch.Generator().manual_seed(seed)
     nxt = torch.randint(0, cfg.vocab, (cfg.vocab, 4), generator=g)  # each token has 4 possible successors
+    if stream:
+        g = torch.Generator().manual_seed(seed * 1_000_003 + stream)
     while True:
         seqs = torch.empty(batch, cfg.seq + 1, dtype=torch.long)
         seqs[:, 0] = torch.randint(0, cfg.vocab, (batch,), generator=g)

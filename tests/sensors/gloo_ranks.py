@@ -1,6 +1,7 @@
 """One spawn of 3 gloo ranks on CPU (loopback) for the data-parallel tests: each rank runs the
-outlier-warning scenario (test_outlier.py), the DDP guard scenario (test_guards_ddp.py) and the
-sampling-lockstep scenario (test_lockstep.py) and writes what it saw to rank<N>.json. One spawn for
+outlier-warning scenario (test_outlier.py), the DDP guard scenario (test_guards_ddp.py), the
+sampling-lockstep scenario and the data-parallel example (test_lockstep.py) and writes what it saw
+to rank<N>.json. One spawn for
 all: starting torch in 3 processes is most of the cost."""
 
 from __future__ import annotations
@@ -117,12 +118,25 @@ def _lockstep(rank: int, device: str = "cpu") -> dict:
     return seen
 
 
+def _example(rank: int) -> dict:
+    """examples/train_gpt/train.py on every rank (DDP over the group initialised here): clean under a
+    budget, then with a fault injected on rank 1 only."""
+    import train  # examples/train_gpt (on the path through tests.sensors.tiny)
+
+    clean = train.main(["--steps", str(LOCK_STEPS), "--budget", "0.3"])
+    faulty = train.main(["--steps", "4", *(["--inject", "bitflip:op=blocks.1.mlp.fc/fwd,bit=hi-mant"] if rank == 1 else [])])
+    s = clean["stats"]
+    return {"checked": s["checked"], "probs": {op: o["prob"] for op, o in s["operators"].items()}, "confirmed": s["confirmed"],
+            "stopped": clean["stopped"], "losses": clean["losses"], "faulty_stopped": faulty["stopped"],
+            "faulty_confirmed": faulty["stats"]["confirmed"]}
+
+
 def _rank(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
                                          timeout=datetime.timedelta(seconds=60))
     try:
-        doc = {"outlier": _outlier(rank), "ddp": _ddp(rank), "lockstep": _lockstep(rank)}
+        doc = {"outlier": _outlier(rank), "ddp": _ddp(rank), "lockstep": _lockstep(rank), "example": _example(rank)}
         with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
             json.dump(doc, f)
         # no rank tears down while another still talks to it: rank 0 hosts the store, and a rank

@@ -32,6 +32,17 @@ def test_ranks_on_their_own_figures_share_the_budget_differently(gloo_ranks):
     assert any(not (a == b == c) for a, b, c in zip(*checked, strict=True))
 
 
+def test_the_example_trains_data_parallel_in_lockstep_and_stops_every_rank_on_one_ranks_fault(gloo_ranks):
+    """examples/train_gpt/train.py under DDP on 3 ranks: the same checks on every rank, its own
+    batches each; a fault confirmed on rank 1 stops all three at the same step."""
+    ex = [g["example"] for g in gloo_ranks]
+    assert all(e["stopped"] is None and e["confirmed"] == 0 for e in ex)
+    assert ex[0]["checked"] == ex[1]["checked"] == ex[2]["checked"] and ex[0]["probs"] == ex[1]["probs"] == ex[2]["probs"]
+    assert ex[0]["losses"] != ex[1]["losses"]  # each rank's own batches
+    assert [e["faulty_confirmed"] > 0 for e in ex] == [False, True, False]
+    assert [e["faulty_stopped"] for e in ex] == [0, 0, 0]
+
+
 def test_no_process_group_no_lockstep():
     assert Lockstep.join() is None
 
