@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> dict:
         if outlier is not None:  # a collective: every rank, every step
             outlier.observe(step, handle.last_step["max_ratio"])
         losses.append(loss.item())
-        if action is Action.STOP if ranks == 1 else any_rank(action is Action.STOP):
+        stop = action is Action.STOP
+        if stop if ranks == 1 else any_rank(stop):
             stopped = step
             break
         opt.step()
