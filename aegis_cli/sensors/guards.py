@@ -35,6 +35,7 @@ from aegis_cli.faults.spec import FaultPlan, parse_spec
 from aegis_cli.faults.training import state_faults
 from aegis_cli.ops.errors import AegisError, ConfigError
 from aegis_cli.ops.verdict import Evidence
+from aegis_cli.sensors.collective import any_rank
 from aegis_cli.sensors.queue import nbytes
 from aegis_cli.sensors.snapshot import Snapshot, rng_for, rng_state, set_rng_state, to_device
 
@@ -362,13 +363,7 @@ class TrainingGuard:
 
     def _agree(self, violations: list[bounds.Violation]) -> bool:
         """Whether any rank (this one alone without ``sync``) saw a violation: one all-reduce."""
-        if not self.sync:
-            return bool(violations)
-        dist = torch.distributed
-        dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else torch.device("cpu")
-        flag = torch.tensor([1.0 if violations else 0.0], device=dev)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item() > 0)
+        return any_rank(bool(violations), self.group) if self.sync else bool(violations)
 
     def reexecute(self, t: int) -> tuple[Any, list[bounds.Violation], bool, int, list[int]]:
         """Restore the oldest snapshot (the state two steps before ``t``'s end, or the first one)

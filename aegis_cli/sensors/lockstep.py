@@ -27,7 +27,7 @@ import zlib
 
 import torch
 
-from aegis_cli.sensors.outlier import collective_device
+from aegis_cli.sensors.collective import all_max
 
 log = logging.getLogger("aegis.sensors")
 EVERY = 50  # steps between agreements
@@ -66,7 +66,4 @@ class Lockstep:
         return -v[0], {n: (int(v[1 + 2 * i]), v[2 + 2 * i]) for i, n in enumerate(names)}
 
     def _max(self, values: list[float]) -> list[float]:
-        dist = torch.distributed
-        t = torch.tensor(values, dtype=torch.float64, device=collective_device(self.group))
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return t.tolist()
+        return all_max(values, self.group)

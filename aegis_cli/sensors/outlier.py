@@ -25,16 +25,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from aegis_cli.sensors.collective import collective_device
+
 log = logging.getLogger("aegis.sensors.outlier")
 TINY = 1e-300  # a zero statistic (nothing sampled, or an exact result) sits at log10 = -300
 MAD_SCALE = 1.4826  # MAD → standard deviation for normal data
-
-
-def collective_device(group=None) -> torch.device:
-    """Where a collective's tensors must live: the current GPU under NCCL (device tensors only), else the host."""
-    if torch.distributed.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def outliers(values: list[float], k: float = 5.0, min_decades: float = 1.0) -> tuple[list[int], list[float]]:

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpt import GPT, PRESETS, markov_batches
 
 from aegis_cli.sensors import Action, OutlierWarning, SensorConfig, instrument, uninstrument
-from aegis_cli.sensors.outlier import collective_device
+from aegis_cli.sensors.collective import any_rank
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -68,14 +68,6 @@ def data_parallel(args: argparse.Namespace) -> tuple[int, int, bool]:
     return dist.get_rank(), dist.get_world_size(), owned
 
 
-def any_rank(flag: bool) -> bool:
-    """Whether ``flag`` holds on any rank (a collective): one rank's confirmed corruption stops every
-    rank, which would otherwise wait for it at the next gradient all-reduce."""
-    t = torch.tensor([float(flag)], device=collective_device())
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return t.item() > 0
-
-
 def main(argv: list[str] | None = None) -> dict:
     args = parse(argv)
     rank, ranks, owned = data_parallel(args)
@@ -107,7 +99,7 @@ def main(argv: list[str] | None = None) -> dict:
         if outlier is not None:  # a collective: every rank, every step
             outlier.observe(step, handle.last_step["max_ratio"])
         losses.append(loss.item())
-        stop = action is Action.STOP
+        stop = action is Action.STOP  # one rank's confirmed corruption stops every rank (they would wait for it)
         if stop if ranks == 1 else any_rank(stop):
             stopped = step
             break
