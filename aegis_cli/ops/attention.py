@@ -347,7 +347,7 @@ def reference(ops: AttentionOperands, scale: float, *, rows: int = 256, outputs:
     dq = torch.empty_like(o_full) if outputs else None
     dk = torch.zeros((b, h, s, d), dtype=torch.float64, device=q.device) if outputs else None
     dv = torch.zeros_like(dk) if outputs else None
-    p_min = 1.0
+    p_min = torch.ones((), dtype=torch.float64, device=q.device)  # read once at the end: a read per block would stall the queue
     for i0 in range(0, s, rows):
         i1 = min(s, i0 + rows)
         n = i1 if ops.causal else s  # the keys this block's queries may attend to
@@ -368,7 +368,7 @@ def reference(ops: AttentionOperands, scale: float, *, rows: int = 256, outputs:
                                      p[..., i0:].masked_fill(masked, 1.0).amin(-1, keepdim=True))
         else:
             seen_min = p.amin(-1, keepdim=True)
-        p_min = min(p_min, float((seen_min / l).min()))
+        p_min = torch.fmin(p_min, (seen_min / l).min())  # a NaN block is passed over, as min() on the host did
         pw = (p @ by_p[:, :, keys]) / l
         o, p_vabs, p_kvabs, rs = pw[..., :d], pw[..., d:2 * d], pw[..., 2 * d:3 * d], pw[..., 3 * d:]
         buf = torch.mul(p, p)
@@ -397,4 +397,4 @@ def reference(ops: AttentionOperands, scale: float, *, rows: int = 256, outputs:
             out[name][:, :, i0:i1] = t
     fold = lambda t: None if t is None else t.reshape(b, shape.kv_heads, g, s, d).sum(2)
     return AttentionReference(out["o_rowsum"], out["lse"], out["dq_rowsum"], out["os"], out["dqs"], out["osg"],
-                              out["dqsg"], out["prms"], out["dsrms"], p_min, o_full, dq, fold(dk), fold(dv))
+                              out["dqsg"], out["prms"], out["dsrms"], float(p_min), o_full, dq, fold(dk), fold(dv))
