@@ -46,6 +46,11 @@ def _study_one(ops, res, noise) -> list[dict]:
     return out
 
 
+def spread(d: list[float]) -> tuple[float, float, float]:
+    """(max, median, 99th percentile) of sorted values, by rank."""
+    return d[-1], d[len(d) // 2], d[min(len(d) - 1, int(0.99 * len(d)))]
+
+
 def noise_study(bench, steps: int, counter: itertools.count) -> dict:
     """``steps`` steps with every launch checked, each check also measured by ``_study_one``;
     summarised per layout and layer kind (the last two parts of the layer's name)."""
@@ -76,7 +81,7 @@ def noise_study(bench, steps: int, counter: itertools.count) -> dict:
             g["beta_over_tau"][b] += v > 3.5
     for g in groups.values():
         d = sorted(g.pop("d"))
-        g["d_max"], g["d_p50"], g["d_p99"] = d[-1], d[len(d) // 2], d[min(len(d) - 1, int(0.99 * len(d)))]
+        g["d_max"], g["d_p50"], g["d_p99"] = spread(d)
         g["s_over_rho_median"] = statistics.median(g.pop("s_over_rho"))
     return {"steps": steps, "checks": len(seen), "stats": w.get("stats"), "groups": groups}
 
@@ -107,6 +112,7 @@ def attention_noise_study(bench, steps: int, counter: itertools.count) -> dict:
     for name, tau in attention_sums.DEFAULT_TAU.items():
         d = sorted(v[name] for v in seen if name in v)
         if d:
-            out[name] = {"calls": len(d), "tau": tau, "max": d[-1], "p99": d[min(len(d) - 1, int(0.99 * len(d)))],
-                         "p50": d[len(d) // 2], "over_tau": sum(x > tau for x in d), "max_over_tau": d[-1] / tau}
+            top, p50, p99 = spread(d)
+            out[name] = {"calls": len(d), "tau": tau, "max": top, "p99": p99, "p50": p50, "over_tau": sum(x > tau for x in d),
+                         "max_over_tau": top / tau}
     return {"steps": steps, "calls": len(seen), "stats": w.get("stats"), "invariants": out}
