@@ -8,7 +8,7 @@ Default shapes: the example GPT's SDPA call (batch 2, 16 heads, S = 4096, D = 12
 sensors' operator) and the scan's GPU attention case (S = 2048). Each figure is the median of
 ``reps`` calls, each timed from a synchronised device to a synchronised device (the reference is
 many launches; host gaps are part of its cost); with the peak memory the call allocated. Inputs
-are seeded random bf16 (never zeros). A short table prints last.
+are the scan's seeded draw (`AttentionCase`, normal; never zeros). A short table prints last.
 """
 
 from __future__ import annotations
@@ -25,15 +25,9 @@ from aegis_cli.backends import resolve_devices
 from aegis_cli.checks import attention as checks
 from aegis_cli.ops import attention as A
 from aegis_cli.ops import attention_sums as sums
+from aegis_cli.probes.attention import AttentionCase
 
 SHAPES = ("2,16,16,4096,128", "2,16,16,2048,128")
-
-
-def draw(shape: tuple[int, ...], dev: torch.device, seed: int = 0) -> A.AttentionOperands:
-    b, hq, hkv, s, d = shape
-    g = torch.Generator(device=dev).manual_seed(seed)
-    rnd = lambda h: torch.randn((b, h, s, d), generator=g, device=dev).to(torch.bfloat16)
-    return A.AttentionOperands(rnd(hq), rnd(hkv), rnd(hkv), rnd(hq), True)
 
 
 def timed(fn, reps: int, dev: torch.device) -> tuple[float, float]:
@@ -57,7 +51,8 @@ def timed(fn, reps: int, dev: torch.device) -> tuple[float, float]:
 
 def one(device, dev: torch.device, text: str, reps: int) -> dict:
     """The figures of one shape ``B,HQ,HKV,S,D``."""
-    ops = draw(tuple(int(x) for x in text.split(",")), dev)
+    # the scan's seeded draw of a causal case (normal inputs), on the device
+    ops = AttentionCase(A.AttentionShape(*(int(x) for x in text.split(",")), True), "normal", 0).operands(device)
     sc = ops.shape.scale
     fwd = device.attention_forward(ops.q, ops.k, ops.v, causal=True, scale=sc)
     bwd = device.attention_backward(ops.q, ops.k, ops.v, fwd.o, fwd.lse, ops.do, causal=True, scale=sc)
