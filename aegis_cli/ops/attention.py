@@ -297,7 +297,7 @@ class AttentionReference:
     dq_rowsum_sigma: torch.Tensor  # (B, Hq, S): that of dS and D_i in dQ·1
     p_rms: torch.Tensor  # (B, Hq, S): ‖P_i‖₂, the spread of the bf16 rounding of P's row sum (÷ 2⁻⁹)
     ds_rms: torch.Tensor  # (B, Hq, S): ‖dS_i‖₂ + r_i, that of dS's row sum (÷ 2⁻⁹)
-    p_min: float  # the smallest P_ij a query may attend to (0.0: some underflows fp64)
+    p_min: float  # the smallest P_ij a query may attend to (0.0: some underflows fp64, or Q or K is not finite)
     o: torch.Tensor | None = None  # (B, Hq, S, D): the outputs, with ``reference(outputs=True)``
     dq: torch.Tensor | None = None  # (B, Hq, S, D)
     dk: torch.Tensor | None = None  # (B, Hkv, S, D)
@@ -340,7 +340,8 @@ def reference(ops: AttentionOperands, scale: float, *, rows: int = 256, outputs:
     by_p = torch.cat((v, v_abs, v_abs * kabs.unsqueeze(-1), torch.stack((v1, v_abs.sum(-1), k1, kabs), -1)), -1)
     by_p2 = torch.stack((v1.square(), one), -1)  # P²· these: ‖P_i∘(V·1)‖², ‖P_i‖²
     by_ds2 = torch.stack((k1.square(), one), -1)  # dS²· these
-    # the scores are finite unless the inputs are not (bf16 products of D ≤ 256 stay far inside fp64)
+    # the scores are finite unless the inputs are not (bf16 products of D ≤ 256 stay far inside fp64);
+    # with a non-finite Q or K no P is known: p_min 0, so no exact power-of-two scaling is assumed
     finite = bool(torch.isfinite(q).all() and torch.isfinite(k).all())
     out = {n: torch.empty((b, h, s), dtype=torch.float64, device=q.device) for n in ROW_SIDES}
     o_full = torch.empty((b, h, s, d), dtype=torch.float64, device=q.device) if outputs else None
@@ -356,19 +357,16 @@ def reference(ops: AttentionOperands, scale: float, *, rows: int = 256, outputs:
         masked = _mask(p[..., i0:], i0, i0) if ops.causal else None  # only the block's own keys can be masked
         if masked is not None:
             p[..., i0:].masked_fill_(masked, -math.inf)
-        unseen = None if finite else torch.isinf(p)
         m = p.amax(-1, keepdim=True)
         p.sub_(m).exp_()  # ≤ 1, the row's largest 1
         l = p.sum(-1, keepdim=True)  # noqa: E741  (P = p ÷ l)
         lse = (m + l.log()).squeeze(-1)
-        if unseen is not None:
-            seen_min = p.masked_fill(unseen, 1.0).amin(-1, keepdim=True)
-        elif masked is not None:  # masked entries are 0: read as 1, above any seen p
+        if masked is not None:  # masked entries are 0: read as 1, above any seen p
             seen_min = torch.minimum(p[..., :i0].amin(-1, keepdim=True) if i0 else torch.ones_like(l),
                                      p[..., i0:].masked_fill(masked, 1.0).amin(-1, keepdim=True))
         else:
             seen_min = p.amin(-1, keepdim=True)
-        p_min = torch.fmin(p_min, (seen_min / l).min())  # a NaN block is passed over, as min() on the host did
+        p_min = torch.minimum(p_min, (seen_min / l).min())
         pw = (p @ by_p[:, :, keys]) / l
         o, p_vabs, p_kvabs, rs = pw[..., :d], pw[..., d:2 * d], pw[..., 2 * d:3 * d], pw[..., 3 * d:]
         buf = torch.mul(p, p)
@@ -397,4 +395,5 @@ def reference(ops: AttentionOperands, scale: float, *, rows: int = 256, outputs:
             out[name][:, :, i0:i1] = t
     fold = lambda t: None if t is None else t.reshape(b, shape.kv_heads, g, s, d).sum(2)
     return AttentionReference(out["o_rowsum"], out["lse"], out["dq_rowsum"], out["os"], out["dqs"], out["osg"],
-                              out["dqsg"], out["prms"], out["dsrms"], float(p_min), o_full, dq, fold(dk), fold(dv))
+                              out["dqsg"], out["prms"], out["dsrms"], float(p_min) if finite else 0.0, o_full, dq, fold(dk),
+                              fold(dv))

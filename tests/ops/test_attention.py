@@ -65,6 +65,7 @@ def test_row_sides_are_their_definitions(causal):
     k[1, 0, 7, 3] = float("inf")  # a non-finite key: that head's sides are not finite, the others' unchanged
     bad = A.reference(A.AttentionOperands(ops.q, k, ops.v, ops.do, causal), sc, rows=16)
     assert not bad.lse[1, :2].isfinite().all() and torch.equal(bad.o_rowsum[0], ref.o_rowsum[0])
+    assert bad.p_min == 0.0  # no P is known there: pow2_safe never trusts an exact scaling
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
