@@ -1,6 +1,9 @@
-"""Cost of one attention check (the sensors' and the scan's): the fp64 reference sides of the
-invariants (ops/attention.py ``reference``), with and without the outputs O, dQ, dK, dV, and the
-whole ``checks.attention.check_attention`` given the kernels' outputs, per shape.
+"""Cost of one attention check (the sensors' and the scan's): the reference sides of the
+invariants from torch in fp64 (ops/attention.py ``reference``), with and without the outputs O,
+dQ, dK, dV, and from the device's sides kernel (``Device.attention_reference``:
+kernels/attention_sides.cu on CUDA), with how far the kernel's sides lie from torch's (o_rowsum
+and dq_rowsum in units of their σ, the LSE in units of its τ·s, the spreads relative), and the
+whole ``checks.attention.check_attention`` given the kernels' outputs with either, per shape.
 
     PYTHONPATH=. python3 benchmarks/attention_check.py [--reps 5] [--shape B,HQ,HKV,S,D ...] [--json out.json]
 
@@ -58,13 +61,33 @@ def one(device, dev: torch.device, text: str, reps: int) -> dict:
     bwd = device.attention_backward(ops.q, ops.k, ops.v, fwd.o, fwd.lse, ops.do, causal=True, scale=sc)
     th = sums.AttentionThresholds()
     check = lambda: checks.check_attention(ops, fwd, bwd, A.reference(ops, sc), sc, th)
+    check_k = lambda: checks.check_attention(ops, fwd, bwd, device.attention_reference(ops, sc), sc, th)
     sides_ms, sides_mib = timed(lambda: A.reference(ops, sc), reps, dev)
     full_ms, full_mib = timed(lambda: A.reference(ops, sc, outputs=True), reps, dev)
+    kern_ms, kern_mib = timed(lambda: device.attention_reference(ops, sc), reps, dev)
     check_ms, _ = timed(check, reps, dev)
-    c = check()
+    check_k_ms, _ = timed(check_k, reps, dev)
+    c, ck = check(), check_k()
     return {"shape": text, "sides_ms": sides_ms, "sides_mib": sides_mib, "outputs_ms": full_ms, "outputs_mib": full_mib,
-            "check_ms": check_ms, "signals": [s.check for s in c.signals],
-            "clean_max": {n: round(v, 4) for n, v in c.clean_max.items()}}
+            "kernel_ms": kern_ms, "kernel_mib": kern_mib, "check_ms": check_ms, "check_kernel_ms": check_k_ms,
+            "agreement": agreement(device.attention_reference(ops, sc), A.reference(ops, sc), ops),
+            "signals": [s.check for s in c.signals], "signals_kernel": [s.check for s in ck.signals],
+            "clean_max": {n: round(v, 4) for n, v in c.clean_max.items()},
+            "clean_max_kernel": {n: round(v, 4) for n, v in ck.clean_max.items()}}
+
+
+def agreement(got: A.AttentionReference, want: A.AttentionReference, ops: A.AttentionOperands) -> dict[str, float]:
+    """The largest disagreement of each side: o_rowsum and dq_rowsum in units of their σ, the LSE
+    in units of its τ·s, the spreads and p_min relative."""
+    out = {side: float(((getattr(got, side) - getattr(want, side)).abs() / getattr(want, sig).clamp_min(1e-300)).max())
+           for side, sig in (("o_rowsum", "o_rowsum_sigma"), ("dq_rowsum", "dq_rowsum_sigma"))}
+    lse_s = sums._reach(ops, ops.shape.scale) + want.lse.abs() + 1
+    out["lse"] = float(((got.lse - want.lse).abs() / lse_s).max()) / sums.DEFAULT_TAU["lse"]
+    for name in ("o_rowsum_scale", "dq_rowsum_scale", "o_rowsum_sigma", "dq_rowsum_sigma", "p_rms", "ds_rms"):
+        w = getattr(want, name)
+        out[name] = float(((getattr(got, name) - w).abs() / w.abs().clamp_min(1e-300)).max())
+    out["p_min"] = abs(got.p_min - want.p_min) / max(want.p_min, 1e-300)
+    return {n: float(f"{v:.3g}") for n, v in out.items()}
 
 
 def run(args) -> dict:
@@ -79,10 +102,14 @@ def run(args) -> dict:
 
 def table(out: dict) -> str:
     lines = [f"{out['device']}, torch {out['torch']}: one attention check, ms (median of {out['reps']}), causal",
-             f"{'B,HQ,HKV,S,D':<18} {'sides':>9} {'(MiB)':>7} {'+outputs':>9} {'(MiB)':>7} {'check':>9}  signals"]
+             f"{'B,HQ,HKV,S,D':<18} {'sides':>8} {'(MiB)':>6} {'+outputs':>9} {'(MiB)':>6} {'kernel':>7} {'(MiB)':>6} "
+             f"{'check':>7} {'kernel':>7}  worst Δ/σ  signals"]
     for r in out["shapes"]:
-        lines.append(f"{r['shape']:<18} {r['sides_ms']:9.1f} {r['sides_mib']:7.0f} {r['outputs_ms']:9.1f} "
-                     f"{r['outputs_mib']:7.0f} {r['check_ms']:9.1f}  {','.join(r['signals']) or 'none'}")
+        a = r["agreement"]
+        lines.append(f"{r['shape']:<18} {r['sides_ms']:8.1f} {r['sides_mib']:6.0f} {r['outputs_ms']:9.1f} "
+                     f"{r['outputs_mib']:6.0f} {r['kernel_ms']:7.2f} {r['kernel_mib']:6.0f} {r['check_ms']:7.1f} "
+                     f"{r['check_kernel_ms']:7.1f}  {max(a['o_rowsum'], a['dq_rowsum']):.1e}  "
+                     f"{','.join(r['signals'] + r['signals_kernel']) or 'none'}")
     return "\n".join(lines)
 
 

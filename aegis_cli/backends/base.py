@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # torch is heavy; import lazily at run time
     import torch
 
     from aegis_cli.faults.spec import FaultPlan
-    from aegis_cli.ops.attention import AttentionBackward, AttentionForward
+    from aegis_cli.ops.attention import AttentionBackward, AttentionForward, AttentionOperands, AttentionReference
     from aegis_cli.ops.numerics import NoiseModel
 
 
@@ -103,6 +103,13 @@ class Device(abc.ABC):
                            fault: FaultPlan | None = None, op: str = "") -> AttentionBackward:
         """Checked, deterministic flash-attention backward from the forward's O and LSE: dQ,
         dK, dV and the fused sums of their fp32 accumulators; backward-stage faults as above."""
+
+    def attention_reference(self, ops: AttentionOperands, scale: float) -> AttentionReference:
+        """The fp64 sides the attention checks compare with (ops/attention.reference); a backend
+        may compute them in a kernel of its own, tested against that reference."""
+        from aegis_cli.ops.attention import reference
+
+        return reference(ops, scale)
 
     def reference_checksums(self, ops: GemmOperands, tile: tuple[int, int]) -> ReferenceChecksums:
         """fp64 reference checksums read from the stored operands (not from the tiles that fed

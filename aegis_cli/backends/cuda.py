@@ -383,6 +383,29 @@ class CudaDevice(Device):
         return attention.AttentionBackward(cut(dq), cut(dk), cut(dv), dq_rs, cut(dk_cs), cut(dv_cs),
                                            kernel="attention_bwd" + ("+inject" if af is not None else ""))
 
+    def attention_reference(self, ops: attention.AttentionOperands, scale: float) -> attention.AttentionReference:
+        """The sides in one kernel (kernels/attention_sides.cu) for bf16 operands on this device
+        with head dims up to 128; torch's fp64 reference otherwise: where an operand is not finite
+        (its NaN and Inf semantics are the reference's own) or max|Q|·max|K| > 2¹⁰⁰ (the kernel's
+        fp32 scores)."""
+        tensors = {"q": ops.q, "k": ops.k, "v": ops.v, "do": ops.do}
+        shape = ops.shape
+        if shape.head_dim > 128 or any(t.device != self.torch_device or t.dtype != torch.bfloat16
+                                       for t in tensors.values()):
+            return attention.reference(ops, scale)
+
+        def call(t, _fault):
+            sides = cuda_attention.attention_sides(t["q"], t["k"], t["v"], t["do"], causal=ops.causal, scale=scale)
+            finite = torch.stack([torch.isfinite(x).all() for x in t.values()]).all()
+            reach = t["q"].abs().amax().double() * t["k"].abs().amax().double()
+            ok = finite & (reach <= 2.0**100)
+            return sides, torch.stack((ok.double(), sides[9].min())).tolist()  # one host read
+
+        (sides, (ok, p_min)), _ = self._attention_run("reference", shape, tensors, None, call)
+        if not ok:
+            return attention.reference(ops, scale)
+        return attention.AttentionReference(*sides[:9], p_min=p_min)
+
     def _operand_faults(self, plan: FaultPlan, ctx: LaunchContext, ops: GemmOperands) -> tuple[torch.Tensor, torch.Tensor]:
         """target=a|b: corrupt host copies of the operands (corrupt.py) and feed those to the kernel;
         the reference keeps reading the originals."""

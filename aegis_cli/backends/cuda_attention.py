@@ -8,6 +8,9 @@ K and V (B,Hkv,S,D), contiguous on one CUDA device, Hq a multiple of Hkv, D 64 o
 - ``attention_backward`` → dQ bf16, dK and dV bf16 (B,Hkv,S,D) (summed over each KV group's
   query heads in order), dq_rowsum fp32 (B,Hq,S), dk_colsum and dv_colsum fp32 (B,Hkv,D): Σ over
   keys of the fp32 dK / dV accumulators. No atomics: repeats are bit-identical.
+- ``attention_sides`` (kernels/attention_sides.cu) → the reference's row sides of the invariants
+  (ops/attention.ROW_SIDES, then each row's smallest P), fp64 (10, B, Hq, S), from Q, K, V, dO
+  alone: what ops/attention.reference computes with torch, without its S x S blocks.
 
 ``fault`` = (stage, flat index, xor, add) runs the injection build (``AEGIS_INJECT``), which
 edits that one fp32 value of the stage's tensor (faults/kernel_params.py ATTN_STAGES); a fault
@@ -166,3 +169,46 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
             run("attention_bwd.cu", "attn_colsum_reduce", (-(-n // 256),), 256,
                 [_ptr(parts[i]), _ptr(colsums[i]), ctypes.c_int(nkb), ctypes.c_int(d), ctypes.c_longlong(n)])
     return dq, dk, dv, dq_rowsum, colsums[0], colsums[1]
+
+
+# kernels/attention_sides.cu's tile defines when not its defaults (benchmarks: SIDES_BN keys per
+# stage, SIDES_KK_UNROLL k16 steps unrolled)
+SIDES_TUNE: dict[str, int] = {}
+
+
+def attention_sides(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, *, causal: bool,
+                    scale: float) -> torch.Tensor:
+    """The invariants' row sides and p_min per row, fp64 (10, B, Hq, S); see the module docstring.
+
+    The kernel sums squares in fp32, so V, each row of dO and the per-key sums of K go in scaled
+    by powers of two to a largest magnitude in [½, 1) (exact), and each side comes back times its
+    factors (ops/attention.AttentionReference.rescaled's rule, per dO row): their range is then
+    fp32's whatever theirs. Q and K enter only the scores (the caller bounds max|Q|·max|K|)."""
+    b, hq, hkv, s, d = _shapes(q, k, v)
+    _check("do", do, (b, hq, s, d), torch.bfloat16, q.device)
+    # 2^-e stays a normal fp32 for e ≥ −125 (bf16's subnormals are scaled less, never to ∞)
+    ev = torch.frexp(v.abs().amax().float()).exponent.clamp_min(-125)
+    edo = torch.frexp(do.abs().amax(-1, keepdim=True).float()).exponent.clamp_min(-125)  # (B, Hq, S, 1)
+    vs = torch.ldexp(v.float(), -ev).bfloat16()
+    dos = torch.ldexp(do.float(), -edo).bfloat16()
+    kd, vd = k.double(), vs.double()
+    kabs = kd.abs().sum(-1)
+    ek = torch.frexp(kabs.amax()).exponent
+    # per key (Σ V, Σ|V|, Σ K, Σ|K|): sums of the bf16 values in fp64, rounded once to fp32
+    stats = torch.stack((vd.sum(-1), vd.abs().sum(-1), torch.ldexp(kd.sum(-1), -ek), torch.ldexp(kabs, -ek)), -1)
+    stats = stats.float().contiguous()
+    del kd, vd, kabs
+    out = torch.empty((10, b, hq, s), dtype=torch.float64, device=q.device)
+    bm = 64
+    bn = SIDES_TUNE.get("SIDES_BN", 32)
+    smem = (2 * bm + 4 * bn) * (d + 8) * 2 + 2 * bn * 16
+    args = [_ptr(q), _ptr(k), _ptr(vs), _ptr(dos), _ptr(stats), _ptr(out), ctypes.c_int(hq), ctypes.c_int(hkv),
+            ctypes.c_int(s), ctypes.c_double(scale), ctypes.c_int(int(bool(causal)))]
+    loader.run("attention_sides.cu", f"attn_sides_d{d}", (-(-s // bm), b * hq), 128, args, on=q.device, smem=smem,
+               defines=dict(SIDES_TUNE) or None)
+    pow2 = lambda e: torch.ldexp(torch.ones(e.shape, dtype=torch.float64, device=e.device), e)
+    fv, fk, fdo = pow2(ev), pow2(ek), pow2(edo.squeeze(-1))
+    out[[0, 3, 5]] *= fv  # O·1, its scale and σ
+    out[[2, 4, 6]] *= fv * fk * fdo  # dQ·1, its scale and σ
+    out[8] *= fv * fdo  # ‖dS‖ + r
+    return out

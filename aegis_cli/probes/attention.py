@@ -25,7 +25,7 @@ from aegis_cli.checks import attention as checks
 from aegis_cli.checks import judge
 from aegis_cli.faults.spec import FaultPlan, recent_injections
 from aegis_cli.ops import attention_sums as sums
-from aegis_cli.ops.attention import BLOCK, AttentionOperands, AttentionShape, reference
+from aegis_cli.ops.attention import BLOCK, AttentionOperands, AttentionShape
 from aegis_cli.ops.case import CaseId, case_seed, scale_token
 from aegis_cli.ops.errors import ConfigError
 from aegis_cli.ops.verdict import Evidence, Verdict
@@ -196,7 +196,7 @@ class AttentionProbe:
     def run(self, case: AttentionCase, only: str | None = None) -> list[Evidence]:
         t0 = time.perf_counter()
         base_ops = case.operands(self.device)
-        base_ref = reference(base_ops, case.shape.scale)
+        base_ref = self.device.attention_reference(base_ops, case.shape.scale)
         self.stats.cases += 1
         evidence = []
         keep = lambda ev, edo: only is None or (ev, edo) == (0, 0) or case.case_id(ev, edo) == only

@@ -33,7 +33,7 @@ from aegis_cli.backends.base import Device
 from aegis_cli.checks import attention as checks
 from aegis_cli.faults.spec import FaultPlan, recent_injections
 from aegis_cli.ops import attention_sums as sums
-from aegis_cli.ops.attention import BLOCK, AttentionBackward, AttentionForward, AttentionOperands, AttentionShape, reference
+from aegis_cli.ops.attention import BLOCK, AttentionBackward, AttentionForward, AttentionOperands, AttentionShape
 from aegis_cli.ops.errors import ConfigError
 from aegis_cli.ops.verdict import Evidence, Verdict, worst
 from aegis_cli.probes.attention import run_pass
@@ -107,7 +107,7 @@ class _Call:
             floor = sums.AttentionThresholds().tau
             raised = h.controller.tau(key, 1.0)  # the operator's adaptive raise (sensors/control.py), 1 at its floor
             th = sums.AttentionThresholds({n: t * raised for n, t in floor.items()})
-            checked = checks.check_attention(ops, fwd, bwd, reference(ops, self.scale), self.scale, th)
+            checked = checks.check_attention(ops, fwd, bwd, self.device.attention_reference(ops, self.scale), self.scale, th)
             ratios = {n: v / checked.tau[n] for n, v in checked.clean_max.items()}
             h.count_check(key, max(ratios.values(), default=0.0), not checked.signals)
             worst = h.stats.attention_clean_max
@@ -216,7 +216,7 @@ def verify_attention(ctx: AttentionContext, reruns: int, confirm_margin: float) 
     """Re-run a flagged call ``reruns`` times on its copied operands; judge each signal of the
     observed run by how often it came back and whether the runs' bits agreed."""
     dev, ops, th = ctx.device, ctx.ops, ctx.th
-    ref = reference(ops, ctx.scale)
+    ref = dev.attention_reference(ops, ctx.scale)
     first = checks.check_attention(ops, ctx.fwd, ctx.bwd, ref, ctx.scale, th)
     fp = lambda f, b: tuple(dev.fingerprint(t) for t in checks.outputs_of(f, b).values())
     prints = {fp(ctx.fwd, ctx.bwd)}

@@ -18,7 +18,7 @@ from aegis_cli.backends.base import Device
 from aegis_cli.checks import attention as checks
 from aegis_cli.faults.spec import FaultPlan, recent_injections
 from aegis_cli.ops import attention_sums as sums
-from aegis_cli.ops.attention import AttentionBackward, AttentionForward, AttentionOperands, AttentionShape, reference
+from aegis_cli.ops.attention import AttentionBackward, AttentionForward, AttentionOperands, AttentionShape
 from aegis_cli.ops.fingerprint import int_view
 from aegis_cli.ops.verdict import Evidence, Verdict, worst
 from aegis_cli.probes.attention import AttentionCase, case_bytes, run_pass
@@ -89,7 +89,7 @@ def replay(device: Device, vt: VTask, repeat: int, fault: FaultPlan | None, bund
     a = vt.attention
     ops = AttentionOperands(*(vt.full(r).to(device.torch_device) for r in ATTENTION_INPUTS), a.causal)
     cid = vt.case_id or vt.id  # the capture's launch ops: injected faults land where they landed then
-    ref = reference(ops, a.scale)
+    ref = device.attention_reference(ops, a.scale)
     th = sums.AttentionThresholds()
     expected = None
     ev_, edo = vt.scale
