@@ -212,3 +212,13 @@ def attention_sides(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch
     out[[2, 4, 6]] *= fv * fk * fdo  # dQ·1, its scale and σ
     out[8] *= fv * fdo  # ‖dS‖ + r
     return out
+
+
+def sides_and_flags(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, *, causal: bool,
+                    scale: float) -> tuple[torch.Tensor, list[float]]:
+    """``attention_sides`` and, in one host read, [1.0 where the kernel's sides stand (every
+    operand finite, max|Q|·max|K| ≤ 2¹⁰⁰) else 0.0, the smallest P of any row]."""
+    sides = attention_sides(q, k, v, do, causal=causal, scale=scale)
+    finite = torch.stack([torch.isfinite(x).all() for x in (q, k, v, do)]).all()
+    ok = finite & (q.abs().amax().double() * k.abs().amax().double() <= 2.0**100)
+    return sides, torch.stack((ok.double(), sides[9].min())).tolist()
