@@ -11,7 +11,7 @@ floor, for measurements that must never force a check); those forced
 checks are paid from the operator's share first (``_share``), so sensing keeps to the budget
 unless the coverage floor alone exceeds it. Until its cost is measured and shared, an operator
 under a budget is checked at most once a step: one check measures it, and an operator launched
-many times a step (the 22 attention calls of the 1.18B GPT, ~33 ms a check on the H200) would
+many times a step (the 22 attention calls of the 1.18B GPT, ~12 ms a check on the H200) would
 otherwise pay the full price in its first step. Each operator's first forced check comes after a phase
 of its own (drawn from the seed and its name), so the floor's checks spread evenly over the steps
 instead of all falling due together at step ``coverage_steps - 1`` (with p = 0, all 267 operators

@@ -24,7 +24,7 @@ def test_budget_is_shared_by_water_filling():
     c = controller()
     for op, launches, cost in (("cheap", 1, 1e-4), ("mid", 2, 1e-3), ("dear", 4, 1e-2)):
         # before its cost is measured, one check of an operator a step: it measures the cost, and the
-        # operator's other launches would only repeat it (22 attention calls of ~33 ms, on the H200)
+        # operator's other launches would only repeat it (22 attention calls of ~12 ms, on the H200)
         assert [c.want(op) for _ in range(launches)] == [True] + [False] * (launches - 1)
         c.spent(op, cost)
     c.end_step(1.0)  # budget 10 ms: demands 0.1, 2 and 40 ms
