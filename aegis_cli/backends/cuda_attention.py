@@ -176,6 +176,21 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
 SIDES_TUNE: dict[str, int] = {}
 
 
+def _exponent(x: torch.Tensor) -> torch.Tensor:
+    """e with x = m·2^e, ½ ≤ m < 1 (0 for 0), within −125…126: 2^±e is a normal number in bf16 and
+    fp32 (bf16's subnormals are then scaled less, never to ∞)."""
+    return torch.frexp(x.float()).exponent.clamp(-125, 126)
+
+
+def _pow2(e: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """2^e exactly, built from its exponent bits (e within the dtype's normal exponents)."""
+    if dtype == torch.float64:
+        return ((e.to(torch.int64) + 1023) << 52).view(torch.float64)
+    if dtype == torch.bfloat16:
+        return ((e.to(torch.int16) + 127) << 7).view(torch.bfloat16)
+    raise ValueError(f"_pow2: {dtype}")
+
+
 def attention_sides(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, *, causal: bool,
                     scale: float) -> torch.Tensor:
     """The invariants' row sides and p_min per row, fp64 (10, B, Hq, S); see the module docstring.
@@ -186,18 +201,17 @@ def attention_sides(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch
     fp32's whatever theirs. Q and K enter only the scores (the caller bounds max|Q|·max|K|)."""
     b, hq, hkv, s, d = _shapes(q, k, v)
     _check("do", do, (b, hq, s, d), torch.bfloat16, q.device)
-    # 2^-e stays a normal fp32 for e ≥ −125 (bf16's subnormals are scaled less, never to ∞)
-    ev = torch.frexp(v.abs().amax().float()).exponent.clamp_min(-125)
-    edo = torch.frexp(do.abs().amax(-1, keepdim=True).float()).exponent.clamp_min(-125)  # (B, Hq, S, 1)
-    vs = torch.ldexp(v.float(), -ev).bfloat16()
-    dos = torch.ldexp(do.float(), -edo).bfloat16()
-    kd, vd = k.double(), vs.double()
-    kabs = kd.abs().sum(-1)
-    ek = torch.frexp(kabs.amax()).exponent
-    # per key (Σ V, Σ|V|, Σ K, Σ|K|): sums of the bf16 values in fp64, rounded once to fp32
-    stats = torch.stack((vd.sum(-1), vd.abs().sum(-1), torch.ldexp(kd.sum(-1), -ek), torch.ldexp(kabs, -ek)), -1)
+    ev = _exponent(v.abs().amax())
+    edo = _exponent(do.abs().amax(-1, keepdim=True))  # (B, Hq, S, 1)
+    vs = v * _pow2(-ev, torch.bfloat16)  # exact: bf16 times a power of two, no full-size copy in another dtype
+    dos = do * _pow2(-edo, torch.bfloat16)
+    kabs = k.abs().sum(-1, dtype=torch.float64)
+    ek = _exponent(kabs.amax())
+    # per key (Σ V, Σ|V|, Σ K, Σ|K|): sums of the bf16 values accumulated in fp64, rounded once to fp32
+    stats = torch.stack((vs.sum(-1, dtype=torch.float64), vs.abs().sum(-1, dtype=torch.float64),
+                         k.sum(-1, dtype=torch.float64) * _pow2(-ek, torch.float64), kabs * _pow2(-ek, torch.float64)), -1)
     stats = stats.float().contiguous()
-    del kd, vd, kabs
+    del kabs
     out = torch.empty((10, b, hq, s), dtype=torch.float64, device=q.device)
     bm = 64
     bn = SIDES_TUNE.get("SIDES_BN", 32)
@@ -206,8 +220,7 @@ def attention_sides(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch
             ctypes.c_int(s), ctypes.c_double(scale), ctypes.c_int(int(bool(causal)))]
     loader.run("attention_sides.cu", f"attn_sides_d{d}", (-(-s // bm), b * hq), 128, args, on=q.device, smem=smem,
                defines=dict(SIDES_TUNE) or None)
-    pow2 = lambda e: torch.ldexp(torch.ones(e.shape, dtype=torch.float64, device=e.device), e)
-    fv, fk, fdo = pow2(ev), pow2(ek), pow2(edo.squeeze(-1))
+    fv, fk, fdo = (_pow2(e, torch.float64) for e in (ev, ek, edo.squeeze(-1)))
     out[[0, 3, 5]] *= fv  # O·1, its scale and σ
     out[[2, 4, 6]] *= fv * fk * fdo  # dQ·1, its scale and σ
     out[8] *= fv * fdo  # ‖dS‖ + r
