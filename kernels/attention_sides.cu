@@ -41,6 +41,21 @@ __device__ __forceinline__ double sides_quad_sum(double x) {
     return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
+// One pass over n_end blocks of BN keys through the two-stage ring: load(stage, first key) fills a
+// stage, body(stage, first key) reads it.
+template <int BN, class Load, class Body>
+__device__ __forceinline__ void sides_sweep(int n_end, Load&& load, Body&& body) {
+    load(0, 0);
+    attn_commit();
+    for (int j = 0; j < n_end; ++j) {
+        const int st = j & 1, n0 = j * BN;
+        if (j + 1 < n_end) load(st ^ 1, n0 + BN);
+        attn_ring_wait(j + 1 < n_end);
+        body(st, n0);
+        __syncthreads();  // the next block's loads overwrite this stage
+    }
+}
+
 template <int D>
 __device__ __forceinline__ void attn_sides_body(const bf16* __restrict__ q, const bf16* __restrict__ k,
                                                 const bf16* __restrict__ v, const bf16* __restrict__ dO,
@@ -132,12 +147,7 @@ __device__ __forceinline__ void attn_sides_body(const bf16* __restrict__ q, cons
     for (int r = 0; r < 2; ++r)
 #pragma unroll
         for (int i = 0; i < S_N; ++i) sum[r][i] = 0.0;
-    load(0, 0);
-    attn_commit();
-    for (int j = 0; j < n_end; ++j) {
-        const int st = j & 1, n0 = j * BN;
-        if (j + 1 < n_end) load(st ^ 1, n0 + BN);
-        attn_ring_wait(j + 1 < n_end);
+    sides_sweep<BN>(n_end, load, [&](int st, int n0) {
         float p[NB][4];
         double alpha[2];
         {
@@ -229,8 +239,7 @@ __device__ __forceinline__ void attn_sides_body(const bf16* __restrict__ q, cons
                 sum[r][S_PAK] += part[r][1];
             }
         }
-        __syncthreads();  // the next iteration's loads overwrite this stage
-    }
+    });
     double dd[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -249,12 +258,7 @@ __device__ __forceinline__ void attn_sides_body(const bf16* __restrict__ q, cons
     float o[ND][4];
     attn_zero<ND>(o);
     const double mb[2] = {mrow[0] == SIDES_NEG_INF ? 0.0 : mrow[0], mrow[1] == SIDES_NEG_INF ? 0.0 : mrow[1]};
-    load(0, 0);
-    attn_commit();
-    for (int j = 0; j < n_end; ++j) {
-        const int st = j & 1, n0 = j * BN;
-        if (j + 1 < n_end) load(st ^ 1, n0 + BN);
-        attn_ring_wait(j + 1 < n_end);
+    sides_sweep<BN>(n_end, load, [&](int st, int n0) {
         float p[NB][4];
         {
             double x[NB][4];
@@ -291,8 +295,7 @@ __device__ __forceinline__ void attn_sides_body(const bf16* __restrict__ q, cons
 #pragma unroll
             for (int i = 0; i < T_N; ++i) tsum[r][i] += part[r][i];
         attn_mm_pb<D, BN / 16, 1>(o, p, blk.v_at(st), 0);  // unnormalised, P in bf16
-        __syncthreads();
-    }
+    });
     double dooq[2];
     // ‖dO_i∘O_i‖², O normalised
     {
