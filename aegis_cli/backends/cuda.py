@@ -334,10 +334,11 @@ class CudaDevice(Device):
                           kernel=f"gemm_{launch.kernel}" + ("+inject" if inj is not None else ""), injected=fault is not None)
 
     # -- checked attention (kernels/attention_*.cu through backends/cuda_attention.py) ------------
-    def _attention_run(self, what: str, shape: attention.AttentionShape, tensors: dict, af, call):
+    def _attention_run(self, what: str, shape: attention.AttentionShape, tensors: dict, af, call, sync: bool = True):
         """Check the inputs, pad the head dim to one the kernels take (64 or 128: zeros in Q, K,
         V and dO change no score and no sum), run ``call(padded tensors, fault tuple)`` and
-        synchronise; DeviceError names the launch."""
+        synchronise the device (``sync``; else ``call`` reads its results on the host, which
+        waits for its own stream only); DeviceError names the launch."""
         for name, t in tensors.items():
             if t.device != self.torch_device or (name not in ("lse",) and t.dtype != torch.bfloat16):
                 raise DeviceError(f"cuda:{self.index}: attention {name} must be a bf16 tensor on {self.torch_device}, "
@@ -353,7 +354,8 @@ class CudaDevice(Device):
         try:
             with torch.cuda.device(self.torch_device):
                 out = call(padded, af.as_tuple() if af is not None else None)
-                torch.cuda.synchronize(self.torch_device)
+                if sync:
+                    torch.cuda.synchronize(self.torch_device)
         except (DeviceError, ConfigError):
             raise
         except Exception as exc:
@@ -390,7 +392,7 @@ class CudaDevice(Device):
         t = {"q": ops.q, "k": ops.k, "v": ops.v, "do": ops.do}
         if ops.shape.head_dim <= 128 and all(x.device == self.torch_device and x.dtype == torch.bfloat16 for x in t.values()):
             call = lambda p, _f: cuda_attention.sides_and_flags(p["q"], p["k"], p["v"], p["do"], causal=ops.causal, scale=scale)
-            (sides, (ok, p_min)), _ = self._attention_run("reference", ops.shape, t, None, call)
+            (sides, (ok, p_min)), _ = self._attention_run("reference", ops.shape, t, None, call, sync=False)
             if ok:
                 return attention.AttentionReference(*sides[:9], p_min=p_min)
         return attention.reference(ops, scale)
