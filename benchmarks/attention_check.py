@@ -70,24 +70,11 @@ def one(device, dev: torch.device, text: str, reps: int) -> dict:
     c, ck = check(), check_k()
     return {"shape": text, "sides_ms": sides_ms, "sides_mib": sides_mib, "outputs_ms": full_ms, "outputs_mib": full_mib,
             "kernel_ms": kern_ms, "kernel_mib": kern_mib, "check_ms": check_ms, "check_kernel_ms": check_k_ms,
-            "agreement": agreement(device.attention_reference(ops, sc), A.reference(ops, sc), ops),
+            "agreement": {n: float(f"{v:.3g}") for n, v in
+                          sums.reference_disagreement(device.attention_reference(ops, sc), A.reference(ops, sc), ops, sc).items()},
             "signals": [s.check for s in c.signals], "signals_kernel": [s.check for s in ck.signals],
             "clean_max": {n: round(v, 4) for n, v in c.clean_max.items()},
             "clean_max_kernel": {n: round(v, 4) for n, v in ck.clean_max.items()}}
-
-
-def agreement(got: A.AttentionReference, want: A.AttentionReference, ops: A.AttentionOperands) -> dict[str, float]:
-    """The largest disagreement of each side: o_rowsum and dq_rowsum in units of their σ, the LSE
-    in units of its τ·s, the spreads and p_min relative."""
-    out = {side: float(((getattr(got, side) - getattr(want, side)).abs() / getattr(want, sig).clamp_min(1e-300)).max())
-           for side, sig in (("o_rowsum", "o_rowsum_sigma"), ("dq_rowsum", "dq_rowsum_sigma"))}
-    lse_s = sums._reach(ops, ops.shape.scale) + want.lse.abs() + 1
-    out["lse"] = float(((got.lse - want.lse).abs() / lse_s).max()) / sums.DEFAULT_TAU["lse"]
-    for name in ("o_rowsum_scale", "dq_rowsum_scale", "o_rowsum_sigma", "dq_rowsum_sigma", "p_rms", "ds_rms"):
-        w = getattr(want, name)
-        out[name] = float(((getattr(got, name) - w).abs() / w.abs().clamp_min(1e-300)).max())
-    out["p_min"] = abs(got.p_min - want.p_min) / max(want.p_min, 1e-300)
-    return {n: float(f"{v:.3g}") for n, v in out.items()}
 
 
 def run(args) -> dict:

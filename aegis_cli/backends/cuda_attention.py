@@ -171,9 +171,10 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: tor
     return dq, dk, dv, dq_rowsum, colsums[0], colsums[1]
 
 
-# kernels/attention_sides.cu's tile defines when not its defaults (benchmarks: SIDES_BN keys per
-# stage, SIDES_KK_UNROLL k16 steps unrolled)
-SIDES_TUNE: dict[str, int] = {}
+# kernels/attention_sides.cu's tile defines and their defaults (benchmarks try others): keys per
+# stage, k16 steps unrolled
+SIDES_DEFAULT = {"SIDES_BN": 32, "SIDES_KK_UNROLL": 1}
+SIDES_TUNE = dict(SIDES_DEFAULT)
 
 
 def _exponent(x: torch.Tensor) -> torch.Tensor:
@@ -214,12 +215,12 @@ def attention_sides(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch
     del kabs
     out = torch.empty((10, b, hq, s), dtype=torch.float64, device=q.device)
     bm = 64
-    bn = SIDES_TUNE.get("SIDES_BN", 32)
+    bn = SIDES_TUNE["SIDES_BN"]
     smem = (2 * bm + 4 * bn) * (d + 8) * 2 + 2 * bn * 16
     args = [_ptr(q), _ptr(k), _ptr(vs), _ptr(dos), _ptr(stats), _ptr(out), ctypes.c_int(hq), ctypes.c_int(hkv),
             ctypes.c_int(s), ctypes.c_double(scale), ctypes.c_int(int(bool(causal)))]
     loader.run("attention_sides.cu", f"attn_sides_d{d}", (-(-s // bm), b * hq), 128, args, on=q.device, smem=smem,
-               defines=dict(SIDES_TUNE) or None)
+               defines={k: v for k, v in SIDES_TUNE.items() if SIDES_DEFAULT[k] != v} or None)
     fv, fk, fdo = (_pow2(e, torch.float64) for e in (ev, ek, edo.squeeze(-1)))
     out[[0, 3, 5]] *= fv  # O·1, its scale and σ
     out[[2, 4, 6]] *= fv * fk * fdo  # dQ·1, its scale and σ
@@ -232,6 +233,6 @@ def sides_and_flags(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch
     """``attention_sides`` and, in one host read, [1.0 where the kernel's sides stand (every
     operand finite, max|Q|·max|K| ≤ 2¹⁰⁰) else 0.0, the smallest P of any row]."""
     sides = attention_sides(q, k, v, do, causal=causal, scale=scale)
-    finite = torch.stack([torch.isfinite(x).all() for x in (q, k, v, do)]).all()
-    ok = finite & (q.abs().amax().double() * k.abs().amax().double() <= 2.0**100)
+    reach = q.abs().amax().double() * k.abs().amax().double()  # NaN or ∞ where Q or K is not finite: not ok
+    ok = (reach <= 2.0**100) & torch.isfinite(v).all() & torch.isfinite(do).all()
     return sides, torch.stack((ok.double(), sides[9].min())).tolist()

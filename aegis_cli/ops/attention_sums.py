@@ -94,11 +94,35 @@ def softmax_reach(ops: AttentionOperands, scale: float) -> float:
     return float(_reach(ops, scale).max())
 
 
+def lse_scale(ops: AttentionOperands, lse: torch.Tensor, scale: float) -> torch.Tensor:
+    """The LSE's s per query (B, Hq, S): scale·‖q_i‖₁·max|K| + |lse_i| + 1 (its σ, fp32 noise only)."""
+    return _reach(ops, scale) + lse.abs() + 1
+
+
+def reference_disagreement(got: AttentionReference, want: AttentionReference, ops: AttentionOperands,
+                           scale: float) -> dict[str, float]:
+    """How far one reference's sides lie from another's, in the units the checks judge them by:
+    o_rowsum and dq_rowsum in their σ, the LSE in its τ·s, the spreads and p_min relative (the
+    largest over queries). A kernel's sides against ops/attention.reference."""
+    rel = lambda x, w: float(((x - w).abs() / w.abs().clamp_min(1e-300)).max())
+    out = {side: float(((getattr(got, side) - getattr(want, side)).abs() / getattr(want, sig).clamp_min(1e-300)).max())
+           for side, sig in (("o_rowsum", "o_rowsum_sigma"), ("dq_rowsum", "dq_rowsum_sigma"))}
+    out["lse"] = float(((got.lse - want.lse).abs() / lse_scale(ops, want.lse, scale)).max()) / DEFAULT_TAU["lse"]
+    for name in SPREAD_SIDES:
+        out[name] = rel(getattr(got, name), getattr(want, name))
+    out["p_min"] = abs(got.p_min - want.p_min) / max(want.p_min, 1e-300)
+    return out
+
+
+# the reference's spreads and magnitudes (AttentionReference fields): what σ and s are made of
+SPREAD_SIDES = ("o_rowsum_scale", "dq_rowsum_scale", "o_rowsum_sigma", "dq_rowsum_sigma", "p_rms", "ds_rms")
+
+
 def forward_diffs(ops: AttentionOperands, fwd: AttentionForward, ref: AttentionReference, scale: float) -> Diffs:
-    lse_scale = _reach(ops, scale) + ref.lse.abs() + 1
+    s_lse = lse_scale(ops, ref.lse, scale)
     out = Diffs()
     out.add("o_rowsum", fwd.o_rowsum, ref.o_rowsum, ref.o_rowsum_sigma, ref.o_rowsum_scale)
-    out.add("lse", fwd.lse, ref.lse, lse_scale * (1 - 4 * U_ACC), lse_scale)  # fp32 noise only: σ is s
+    out.add("lse", fwd.lse, ref.lse, s_lse * (1 - 4 * U_ACC), s_lse)  # fp32 noise only: σ is s
     return out
 
 

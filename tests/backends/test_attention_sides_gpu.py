@@ -21,7 +21,6 @@ pytestmark = pytest.mark.gpu
 
 SHAPES = [(1, 8, 1, 1024, 128, True), (2, 4, 2, 333, 64, True), (1, 4, 4, 200, 64, False), (1, 8, 2, 192, 32, True),
           (1, 2, 2, 300, 96, False), (1, 2, 1, 1, 128, True)]
-SPREADS = ("o_rowsum_scale", "dq_rowsum_scale", "o_rowsum_sigma", "dq_rowsum_sigma", "p_rms", "ds_rms")
 
 
 def _device():
@@ -37,23 +36,9 @@ def _on(ops: A.AttentionOperands, dev, **scaled) -> A.AttentionOperands:
     return A.AttentionOperands(t["q"], t["k"], t["v"], t["do"], ops.causal)
 
 
-def _agree(got: A.AttentionReference, want: A.AttentionReference, ops: A.AttentionOperands) -> dict[str, float]:
-    """The largest disagreement of each side, in the unit its check judges it by."""
-    tiny = 1e-300
-    out = {side: float(((getattr(got, side) - getattr(want, side)).abs() / getattr(want, sig).clamp_min(tiny)).max())
-           for side, sig in (("o_rowsum", "o_rowsum_sigma"), ("dq_rowsum", "dq_rowsum_sigma"))}
-    lse_s = sums._reach(ops, ops.shape.scale) + want.lse.abs() + 1  # the LSE's s (attention_sums)
-    out["lse"] = float(((got.lse - want.lse).abs() / lse_s).max()) / sums.DEFAULT_TAU["lse"]  # in units of τ
-    for name in SPREADS:
-        w = getattr(want, name)
-        out[name] = float(((getattr(got, name) - w).abs() / w.abs().clamp_min(tiny)).max())
-    out["p_min"] = abs(got.p_min - want.p_min) / max(want.p_min, tiny)
-    return out
-
-
 def _assert_close(got, want, ops) -> None:
-    err = _agree(got, want, ops)
-    bound = {"o_rowsum": 1e-3, "dq_rowsum": 1e-3, "lse": 0.05, "p_min": 1e-2} | dict.fromkeys(SPREADS, 1e-2)
+    err = sums.reference_disagreement(got, want, ops, ops.shape.scale)
+    bound = {"o_rowsum": 1e-3, "dq_rowsum": 1e-3, "lse": 0.05, "p_min": 1e-2} | dict.fromkeys(sums.SPREAD_SIDES, 1e-2)
     bad = {n: e for n, e in err.items() if not e <= bound[n]}
     assert not bad, (bad, err)
 

@@ -3,10 +3,13 @@ autograd in fp64), its determinism, its fused sums, and the fault hook of each s
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from aegis_cli.ops import attention as A
+from aegis_cli.ops import attention_sums as sums
 from aegis_cli.ops.errors import ConfigError, InjectSpecError
 from tests.attention_helpers import draw, run
 
@@ -163,3 +166,13 @@ def test_rescaled_reference_is_the_reference_of_scaled_inputs():
         assert len(tensors) == (13 if outputs else 9)
         for n in tensors:
             assert torch.allclose(getattr(base, n), getattr(scaled, n), rtol=1e-12, atol=0), n
+
+
+def test_reference_disagreement_is_in_the_checks_units():
+    ops = draw(1, 2, 1, 48, 32, seed=9)
+    sc = ops.shape.scale
+    ref = A.reference(ops, sc)
+    assert set(sums.reference_disagreement(ref, ref, ops, sc).values()) == {0.0}
+    moved = dataclasses.replace(ref, o_rowsum=ref.o_rowsum + 0.5 * ref.o_rowsum_sigma, p_rms=ref.p_rms * 1.25)
+    got = sums.reference_disagreement(moved, ref, ops, sc)
+    assert abs(got["o_rowsum"] - 0.5) < 1e-9 and abs(got["p_rms"] - 0.25) < 1e-9 and got["dq_rowsum"] == 0.0
