@@ -156,7 +156,10 @@ def work_dir(prefix: str) -> Iterator[str]:
     remove_stale(base, prefix, dirs=True)
     while True:
         path = tempfile.mkdtemp(prefix=prefix, dir=base)
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:  # a concurrent run's cleaner took it before it was held: make another
+            continue
         if hold_new(fd):
             break
         os.close(fd)

@@ -65,6 +65,26 @@ def test_work_folder_is_private_held_and_removed(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["aegis-x-link"]
 
 
+def test_work_folder_removed_by_another_run_before_it_is_held_is_made_again(tmp_path, monkeypatch):
+    """Ranks of one sweep start together: one's stale-folder cleaner can remove another's folder
+    between mkdtemp and its flock (a CI run failed so: 'No such file or directory')."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)
+    made, real = [], files.tempfile.mkdtemp
+
+    def mkdtemp(**kw):
+        path = real(**kw)
+        made.append(path)
+        if len(made) == 1:
+            assert files.remove_stale(tmp_path, "aegis-x-", dirs=True) == [path]  # not held yet: the other run's cleaner takes it
+        return path
+
+    monkeypatch.setattr(files.tempfile, "mkdtemp", mkdtemp)
+    with files.work_dir("aegis-x-") as d:
+        assert len(made) == 2 and d == made[1] and os.path.isdir(d)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_killed_sweep_leaves_no_work_folder_after_the_next_run(tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
